@@ -1,0 +1,128 @@
+"""Reference decode attention over (packed segments + dense hot buffer), GQA-aware.
+
+This is the torch oracle the Triton kernels are tested against and the CPU path of the attention
+backend. Per segment it rotates q into the segment's K basis, scores on the packed form
+(`Strategy.qk`), masks pages the selector dropped, and accumulates p.v in the segment's V basis
+(`Strategy.pv`), rotating the partial output back once per segment. Partials merge with a running
+log-sum-exp, so it is stable for any score range and never builds the decompressed cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import SelectionConfig
+from .basis import rotate, unrotate
+from .layer import CompressedLayer
+from .pages import page_upper_bound, select_pages
+
+
+@dataclass
+class AttentionInfo:
+    pages_read: int  # summed over queries and KV heads
+    pages_total: int
+    page_keep: torch.Tensor | None  # [Nq, H, P] bool, None when everything is read
+
+
+class _Merger:
+    """Running (max, sum, acc) over partial softmaxes, in float32."""
+
+    def __init__(self, h: int, g: int, d: int):
+        self.m = torch.full((h, g), float("-inf"))
+        self.l = torch.zeros(h, g)
+        self.acc = torch.zeros(h, g, d)
+
+    def add(self, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> None:
+        new_m = torch.maximum(self.m, m)
+        a = torch.exp(self.m - new_m).nan_to_num(0.0)
+        b = torch.exp(m - new_m).nan_to_num(0.0)
+        self.l = self.l * a + l * b
+        self.acc = self.acc * a[..., None] + acc * b[..., None]
+        self.m = new_m
+
+    def result(self) -> torch.Tensor:
+        return self.acc / self.l[..., None]
+
+
+def _softmax_parts(scores: torch.Tensor):
+    m = scores.amax(-1)
+    p = torch.exp(scores - m.clamp_min(torch.finfo(scores.dtype).min)[..., None])
+    return m, p
+
+
+def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch.Tensor,
+                     select: SelectionConfig | None, page_tokens: int,
+                     sm_scale: float | None = None, return_probs: bool = False):
+    """q [Nq, Hq, D] for decode queries at absolute positions q_positions [Nq] (each attends to
+    every compressed token and to hot tokens at positions <= its own).
+
+    Returns (out [Nq, Hq, D], AttentionInfo), plus, with return_probs, the attention
+    probabilities the method effectively used over all T tokens [Nq, Hq, T] (for analysis).
+    """
+    nq, hq, d = q.shape
+    h = layer.hot_k.shape[0]
+    if hq % h:
+        raise ValueError(f"{hq} query heads do not group evenly over {h} KV heads")
+    g = hq // h
+    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+    # [H, Nq*G, D]: the query axis rides along the GQA group axis.
+    qh = (q.float() * sm_scale).reshape(nq, h, g, d).permute(1, 0, 2, 3).reshape(h, nq * g, d)
+    merger = _Merger(h, nq * g, d)
+
+    keep = _select(qh, layer, select, page_tokens, nq, g)
+    all_scores = []
+    for i, seg in enumerate(layer.segments):
+        kb = layer.k_bases[seg.basis] if seg.k.strategy.rot else None
+        vb = layer.v_bases[seg.basis] if seg.v.strategy.rot else None
+        scores = seg.k.strategy.qk(seg.k.encoded, rotate(qh, kb))  # [H, Nq*G, S]
+        if keep is not None:
+            ppseg = seg.tokens // page_tokens
+            page_mask = keep[:, :, i * ppseg:(i + 1) * ppseg]  # [Nq, H, pages]
+            tok_mask = page_mask.repeat_interleave(page_tokens, dim=-1)  # [Nq, H, S]
+            tok_mask = tok_mask.permute(1, 0, 2)[:, :, None].expand(-1, -1, g, -1)
+            scores = scores.masked_fill(~tok_mask.reshape(h, nq * g, -1), float("-inf"))
+        all_scores.append(scores)
+        m, p = _softmax_parts(scores)
+        acc = unrotate(seg.v.strategy.pv(seg.v.encoded, p), vb)
+        merger.add(m, p.sum(-1), acc)
+
+    if layer.hot_k.shape[1]:
+        hot_pos = layer.hot_start + torch.arange(layer.hot_k.shape[1])
+        visible = hot_pos[None, :] <= q_positions[:, None]  # [Nq, T_hot]
+        scores = torch.einsum("hgd,htd->hgt", qh, layer.hot_k.float())
+        vis = visible[None, :, None, :].expand(h, -1, g, -1).reshape(h, nq * g, -1)
+        scores = scores.masked_fill(~vis, float("-inf"))
+        all_scores.append(scores)
+        m, p = _softmax_parts(scores)
+        merger.add(m, p.sum(-1), torch.einsum("hgt,htd->hgd", p, layer.hot_v.float()))
+
+    out = merger.result().reshape(h, nq, g, d).permute(1, 0, 2, 3).reshape(nq, hq, d)
+    total = sum(s.tokens // page_tokens for s in layer.segments) * nq * h
+    info = AttentionInfo(total if keep is None else int(keep.sum()), total, keep)
+    if not return_probs:
+        return out, info
+    probs = torch.cat(all_scores, -1).softmax(-1)  # [H, Nq*G, T]
+    probs = probs.reshape(h, nq, g, -1).permute(1, 0, 2, 3).reshape(nq, hq, -1)
+    return out, info, probs
+
+
+def _select(qh, layer: CompressedLayer, select: SelectionConfig | None, page_tokens: int,
+            nq: int, g: int) -> torch.Tensor | None:
+    """Page keep mask [Nq, H, P_total], or None when selection is off or the budget covers all."""
+    if select is None or not select.enabled or not layer.segments:
+        return None
+    total_pages = sum(s.tokens // page_tokens for s in layer.segments)
+    if select.budget_tokens >= total_pages * page_tokens:
+        return None
+    if any(s.pages is None for s in layer.segments):
+        raise ValueError("selection is enabled but the layer was compressed without page metadata")
+    bounds = torch.cat([page_upper_bound(s.pages, rotate(qh, layer.k_bases[s.basis])
+                                         if s.pages_rotated else qh)
+                        for s in layer.segments], dim=-1)  # [H, Nq*G, P]
+    h = bounds.shape[0]
+    bounds = bounds.reshape(h, nq, g, -1)
+    sink = -(-select.sink_tokens // page_tokens)
+    recent = -(-select.recent_tokens // page_tokens)
+    return torch.stack([select_pages(bounds[:, i], page_tokens, select.budget_tokens, sink, recent)
+                        for i in range(nq)])

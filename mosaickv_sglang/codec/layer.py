@@ -1,0 +1,169 @@
+"""Compress one layer's K/V stream into sealed segments + a dense hot buffer.
+
+Layout per layer: SVD bases (one K and one V basis per KV head per basis block), a list of
+segments (each: header, K and V in the strategies the chooser picked, page metadata for
+selection), and the hot buffer of the most recent tokens kept dense in bf16. Every tensor kept is
+enumerated by `CompressedLayer.byte_breakdown`, which is where all reported ratios come from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import MosaicConfig
+from .basis import fit_basis, rotate
+from .pages import PageMeta, build_page_meta
+from .strategies import Encoded, Strategy, parse_strategy, strategy_id
+
+HEADER_FIELDS = ("k_strategy", "v_strategy", "k_basis", "v_basis", "start", "tokens")
+DENSE = parse_strategy("dense")
+
+
+@dataclass
+class Choice:
+    strategy: Strategy
+    encoded: Encoded
+    error: float  # relative reconstruction error measured at seal time
+    reason: str  # 'sink', 'within-budget' or 'over-budget' (no candidate met it: kept dense)
+
+
+def relative_error(x_hat: torch.Tensor, x: torch.Tensor) -> float:
+    return float((x_hat - x).norm() / x.norm().clamp_min(1e-12))
+
+
+def choose(x: torch.Tensor, x_rot: torch.Tensor, kind: str, candidates: list[Strategy],
+           budget: float) -> Choice:
+    """Cheapest candidate (measured bytes) whose reconstruction error is within budget.
+
+    x and x_rot are the same vectors in the raw and the rotated basis (norms are equal, so errors
+    compare). If none qualifies the segment stays dense: outlier-heavy segments end up here.
+    """
+    tried = []
+    for strat in candidates:
+        src = x_rot if strat.rot else x
+        enc = Encoded(kind, tuple(x.shape), strat.encode(src, kind))
+        tried.append((enc.nbytes(), relative_error(strat.decode(enc), src), strat, enc))
+    tried.sort(key=lambda item: item[0])
+    for nbytes, err, strat, enc in tried:
+        if err <= budget:
+            return Choice(strat, enc, err, "within-budget")
+    enc = Encoded(kind, tuple(x.shape), DENSE.encode(x, kind))
+    return Choice(DENSE, enc, relative_error(DENSE.decode(enc), x), "over-budget")
+
+
+def dense_choice(x: torch.Tensor, kind: str, reason: str) -> Choice:
+    enc = Encoded(kind, tuple(x.shape), DENSE.encode(x, kind))
+    return Choice(DENSE, enc, relative_error(DENSE.decode(enc), x), reason)
+
+
+@dataclass
+class Segment:
+    start: int
+    tokens: int
+    k: Choice
+    v: Choice
+    basis: int  # index of the basis block (K basis for pages/rotated K, V basis for rotated V)
+    pages: PageMeta | None
+    pages_rotated: bool  # page metadata lives in the K basis (else in raw channels)
+    header: torch.Tensor  # int32 [len(HEADER_FIELDS)], what a kernel needs to find and read it
+
+    def basis_of(self, kind: str) -> int | None:
+        choice = self.k if kind == "k" else self.v
+        return self.basis if choice.strategy.rot else None
+
+
+@dataclass
+class CompressedLayer:
+    k_bases: list[torch.Tensor] = field(default_factory=list)  # [H, D, D] bf16 per block
+    v_bases: list[torch.Tensor] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    hot_k: torch.Tensor | None = None  # [H, T_hot, D] bf16
+    hot_v: torch.Tensor | None = None
+    hot_start: int = 0
+
+    def byte_breakdown(self) -> dict[str, int]:
+        """Physical bytes of everything kept, by kind, measured from the tensors themselves."""
+        out = {"values": 0, "indices": 0, "scales": 0, "headers": 0, "page_meta": 0,
+               "bases": 0, "hot": 0}
+        used_k = {s.basis for s in self.segments if s.k.strategy.rot or s.pages_rotated}
+        used_v = {s.basis for s in self.segments if s.v.strategy.rot}
+        out["bases"] = sum(_nbytes(self.k_bases[i]) for i in used_k) + \
+            sum(_nbytes(self.v_bases[i]) for i in used_v)
+        for seg in self.segments:
+            out["headers"] += _nbytes(seg.header)
+            if seg.pages is not None:
+                out["page_meta"] += seg.pages.nbytes()
+            for choice in (seg.k, seg.v):
+                for name, t in choice.encoded.tensors.items():
+                    out[_byte_kind(name)] += _nbytes(t)
+        for t in (self.hot_k, self.hot_v):
+            if t is not None:
+                out["hot"] += _nbytes(t)
+        return out
+
+    def tokens(self) -> int:
+        hot = 0 if self.hot_k is None else self.hot_k.shape[1]
+        return sum(s.tokens for s in self.segments) + hot
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _byte_kind(name: str) -> str:
+    if name in ("values", "codes"):
+        return "values"
+    if name in ("index", "bitmap", "channels"):
+        return "indices"
+    return "scales"  # scale, zero, value_scale
+
+
+def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
+                   select_meta: bool | None = None) -> CompressedLayer:
+    """k, v: [H, T, D] (bf16 values as the dense cache holds them) -> CompressedLayer.
+
+    Tokens past the last whole segment that leaves >= hot_tokens behind stay in the hot buffer.
+    `select_meta` (default: cfg.select.enabled) builds per-page metadata for query-aware selection.
+    """
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError(f"k and v must both be [H, T, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    select_meta = cfg.select.enabled if select_meta is None else select_meta
+    _, t, _ = k.shape
+    seg = cfg.segment_tokens
+    sealed = max((t - cfg.hot_tokens) // seg, 0) * seg
+    k_cands = [parse_strategy(s) for s in cfg.k_candidates]
+    v_cands = [parse_strategy(s) for s in cfg.v_candidates]
+    layer = CompressedLayer(hot_start=sealed)
+    kf, vf = k.float(), v.float()
+    for block_start in range(0, sealed, cfg.basis_block_tokens):
+        block_end = min(block_start + cfg.basis_block_tokens, sealed)
+        kb = fit_basis(kf[:, block_start:block_end])
+        vb = fit_basis(vf[:, block_start:block_end])
+        layer.k_bases.append(kb)
+        layer.v_bases.append(vb)
+        basis_id = len(layer.k_bases) - 1
+        for start in range(block_start, block_end, seg):
+            ks, vs = kf[:, start:start + seg], vf[:, start:start + seg]
+            if start // seg < cfg.dense_sink_segments:
+                kc, vc = dense_choice(ks, "k", "sink"), dense_choice(vs, "v", "sink")
+            else:
+                kc = choose(ks, rotate(ks, kb), "k", k_cands, cfg.k_error_budget)
+                vc = choose(vs, rotate(vs, vb), "v", v_cands, cfg.v_error_budget)
+            pages = None
+            if select_meta:
+                k_read = kc.strategy.decode(kc.encoded)
+                if cfg.select.rotated:
+                    k_read = k_read if kc.strategy.rot else rotate(k_read, kb)
+                elif kc.strategy.rot:
+                    raise ValueError("select.rotated=false needs K candidates with rot=0")
+                pages = build_page_meta(k_read, cfg.page_tokens, cfg.select.meta_channels)
+            header = torch.tensor([strategy_id(kc.strategy.name), strategy_id(vc.strategy.name),
+                                   basis_id if kc.strategy.rot else -1,
+                                   basis_id if vc.strategy.rot else -1, start, seg],
+                                  dtype=torch.int32)
+            layer.segments.append(Segment(start, seg, kc, vc, basis_id, pages,
+                                          pages is not None and cfg.select.rotated, header))
+    layer.hot_k = k[:, sealed:].to(torch.bfloat16).contiguous()
+    layer.hot_v = v[:, sealed:].to(torch.bfloat16).contiguous()
+    return layer

@@ -1,0 +1,77 @@
+"""Low-bit value helpers shared by the strategies: asymmetric quantization and bit packing.
+
+Codes are packed little-end-first along the last axis, so a kernel reads a byte and shifts.
+Scales and zero points are fp16: they are part of the physical bytes a strategy keeps.
+"""
+from __future__ import annotations
+
+import torch
+
+SCALE_DTYPE = torch.float16
+QUANT_BITS = (2, 4, 8)
+PACK_BITS = (1, 2, 4, 8)  # 1-bit packing carries bitmaps
+
+
+def check_bits(bits: int) -> None:
+    if bits not in QUANT_BITS:
+        raise ValueError(f"bits={bits} is not supported; use one of {QUANT_BITS}")
+
+
+def _check_pack_bits(bits: int) -> None:
+    if bits not in PACK_BITS:
+        raise ValueError(f"cannot pack {bits}-bit codes; use one of {PACK_BITS}")
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes in [0, 2**bits) along the last axis into uint8."""
+    _check_pack_bits(bits)
+    codes = codes.to(torch.uint8)
+    if bits == 8:
+        return codes.contiguous()
+    per_byte = 8 // bits
+    n = codes.shape[-1]
+    if n % per_byte:
+        raise ValueError(f"last axis {n} is not a multiple of {per_byte} ({bits}-bit codes)")
+    grouped = codes.reshape(*codes.shape[:-1], n // per_byte, per_byte).to(torch.int32)
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
+    return (grouped << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: uint8 codes, last axis multiplied by 8 // bits."""
+    _check_pack_bits(bits)
+    if bits == 8:
+        return packed
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)
+
+
+def quantize_asym(x: torch.Tensor, bits: int, reduce_dims: tuple[int, ...]):
+    """Asymmetric min/max quantization; one (scale, zero) per slice reduced over `reduce_dims`.
+
+    Returns (codes uint8, scale fp16, zero fp16), scale/zero keeping the reduced dims as size 1.
+    The stored fp16 scale/zero are the ones used to compute codes, so decode is exact w.r.t. them.
+    """
+    check_bits(bits)
+    levels = (1 << bits) - 1
+    lo = x.amin(dim=reduce_dims, keepdim=True)
+    hi = x.amax(dim=reduce_dims, keepdim=True)
+    zero = lo.to(SCALE_DTYPE)
+    scale = ((hi - zero.float()) / levels).clamp_min(1e-8).to(SCALE_DTYPE)
+    codes = torch.round((x - zero.float()) / scale.float()).clamp_(0, levels).to(torch.uint8)
+    return codes, scale, zero
+
+
+def quantize_absmax(x: torch.Tensor, bits: int, dim: int = -1):
+    """Symmetric quantization with one fp16 scale per slice along `dim` (codes offset to unsigned)."""
+    check_bits(bits)
+    half = (1 << (bits - 1)) - 1
+    scale = (x.abs().amax(dim=dim, keepdim=True) / half).clamp_min(1e-8).to(SCALE_DTYPE)
+    codes = torch.round(x / scale.float()).clamp_(-half, half) + half
+    return codes.to(torch.uint8), scale
+
+
+def absmax_offset(bits: int) -> int:
+    return (1 << (bits - 1)) - 1

@@ -1,0 +1,129 @@
+"""MosaicKV configuration: one validated dataclass, built from a dict, JSON text or ``@file``.
+
+Unknown keys and bad values are rejected with the offending key named: a typo must never turn
+into a silently different (or dense) cache.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from .codec.strategies import parse_strategy
+
+# Candidates the chooser may pick from, cheapest-first is decided by measured bytes, not order.
+DEFAULT_K_CANDIDATES = (
+    "lowbit:bits=4,group=64,k_axis=channel,rot=1",
+    "lowbit:bits=8,group=64,k_axis=channel,rot=1",
+)
+DEFAULT_V_CANDIDATES = (
+    "lowbit:bits=4,group=64,v_axis=token,rot=1",
+    "lowbit:bits=8,group=64,v_axis=token,rot=1",
+)
+
+
+@dataclass
+class SelectionConfig:
+    """Sequence dimension: which compressed pages a decode step reads."""
+    enabled: bool = True
+    budget_tokens: int = 4096  # compressed tokens read per step (sink + recent included)
+    sink_tokens: int = 64
+    recent_tokens: int = 256
+    meta_channels: int = 16  # channels with per-page min/max (the rest: one norm bound)
+    rotated: bool = True  # page metadata in the K basis (False: raw channels, as Quest)
+
+    def validate(self, page_tokens: int) -> None:
+        for key in ("budget_tokens", "sink_tokens", "recent_tokens", "meta_channels"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"mosaickv config: select.{key}={getattr(self, key)} must be >= 0")
+        if self.budget_tokens < page_tokens:
+            raise ValueError(f"mosaickv config: select.budget_tokens={self.budget_tokens} is "
+                             f"smaller than one page ({page_tokens} tokens)")
+
+
+@dataclass
+class MosaicConfig:
+    segment_tokens: int = 256  # sealing / strategy granularity
+    page_tokens: int = 32  # selection granularity (divides segment_tokens)
+    basis_block_tokens: int = 4096  # one SVD basis per (layer, KV head) per this many tokens
+    hot_tokens: int = 128  # most recent tokens always kept dense (the hot buffer)
+    dense_sink_segments: int = 1  # first segments kept dense (attention sinks)
+    k_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_K_CANDIDATES))
+    v_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_V_CANDIDATES))
+    k_error_budget: float = 0.10  # max relative reconstruction error per segment
+    v_error_budget: float = 0.10
+    select: SelectionConfig = field(default_factory=SelectionConfig)
+
+    def __post_init__(self):
+        if isinstance(self.select, dict):
+            self.select = _build(SelectionConfig, self.select, "select.")
+        self.validate()
+
+    def validate(self) -> None:
+        for key in ("segment_tokens", "page_tokens", "basis_block_tokens"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"mosaickv config: {key}={getattr(self, key)!r} must be an int >= 1")
+        if self.segment_tokens % self.page_tokens:
+            raise ValueError(f"mosaickv config: segment_tokens={self.segment_tokens} must be a "
+                             f"multiple of page_tokens={self.page_tokens}")
+        if self.basis_block_tokens % self.segment_tokens:
+            raise ValueError(f"mosaickv config: basis_block_tokens={self.basis_block_tokens} must be "
+                             f"a multiple of segment_tokens={self.segment_tokens}")
+        for key in ("hot_tokens", "dense_sink_segments"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 0")
+        for key in ("k_error_budget", "v_error_budget"):
+            if not 0 <= getattr(self, key):
+                raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 0")
+        for key in ("k_candidates", "v_candidates"):
+            specs = getattr(self, key)
+            if not isinstance(specs, (list, tuple)) or not specs:
+                raise ValueError(f"mosaickv config: {key} must be a non-empty list of strategy specs")
+            for i, spec in enumerate(specs):
+                try:
+                    parse_strategy(spec)
+                except ValueError as exc:
+                    raise ValueError(f"mosaickv config: {key}[{i}]: {exc}") from None
+        self.select.validate(self.page_tokens)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MosaicConfig":
+        return _build(cls, data, "")
+
+    @classmethod
+    def parse(cls, text: str | None) -> "MosaicConfig":
+        """JSON text, ``@path/to/file.json``, or None/empty for the defaults."""
+        if not text:
+            return cls()
+        if text.startswith("@"):
+            path = Path(text[1:])
+            if not path.is_file():
+                raise ValueError(f"mosaickv config file not found: {path}")
+            text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"mosaickv config is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("mosaickv config must be a JSON object")
+        return cls.from_dict(data)
+
+
+_FIELD_TYPES = {"int": int, "float": (int, float), "bool": bool, "list[str]": (list, tuple),
+                "SelectionConfig": (dict, SelectionConfig)}
+
+
+def _build(cls, data: dict, prefix: str):
+    """Construct cls from a dict, naming the first unknown or mistyped key."""
+    known = {f.name: f for f in fields(cls)}
+    for key, value in data.items():
+        if key not in known:
+            raise ValueError(f"mosaickv config: unknown key '{prefix}{key}'; known: {sorted(known)}")
+        expected = _FIELD_TYPES[known[key].type]
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
+            raise ValueError(f"mosaickv config: '{prefix}{key}' must be {known[key].type}, "
+                             f"got {value!r}")
+    return cls(**data)

@@ -1,0 +1,1 @@
+"""Triton kernels on MosaicKV packed layouts (imported as `mosaickv_kernels`)."""
