@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..assets.ruler_data import essay_text
-from ..assets.smollm2 import default_model_dir
+from ..assets.smollm2 import DEFAULT_OUT
 
 CACHE_DIR = Path(__file__).resolve().parents[2] / ".assets" / "captures"
 
@@ -61,7 +61,7 @@ def needle_prompt(tokenizer, n_tokens: int, depth: float, seed: int) -> tuple[st
 
 def capture(n_tokens: int = 4096, depth: float = 0.5, seed: int = 0, n_queries: int = 32,
             model_dir: Path | None = None) -> Capture:
-    model_dir = Path(model_dir or default_model_dir())
+    model_dir = Path(model_dir or DEFAULT_OUT)
     key = hashlib.sha256(f"{model_dir.name}|{n_tokens}|{depth}|{seed}|{n_queries}".encode()).hexdigest()[:16]
     path = CACHE_DIR / f"smollm2_{n_tokens}_{key}.pt"
     if path.exists():

@@ -13,6 +13,38 @@ from .base import Encoded, Strategy, Tensors, register
 AXES = ("channel", "token")
 
 
+def quantize_channel_groups(x: torch.Tensor, bits: int, group: int):
+    """x [H, S, C] -> codes [H, S, C], scale/zero [H, S/group, C]: one pair per channel per group."""
+    h, s, c = x.shape
+    if s % group:
+        raise ValueError(f"segment of {s} tokens is not a multiple of group={group}")
+    codes, scale, zero = quantize_asym(x.reshape(h, s // group, group, c), bits, (2,))
+    return codes.reshape(h, s, c), scale.squeeze(2), zero.squeeze(2)
+
+
+def channel_groups_decode(codes, scale, zero) -> torch.Tensor:
+    h, s, c = codes.shape
+    n = scale.shape[1]
+    return (codes.reshape(h, n, s // n, c) * scale[:, :, None] + zero[:, :, None]).reshape(h, s, c)
+
+
+def channel_groups_qk(codes, scale, zero, q) -> torch.Tensor:
+    """sum_c q_c (scale_c code_c + zero_c) = (q*scale).code + q.zero, per token group."""
+    h, s, c = codes.shape
+    n = scale.shape[1]
+    qs = q[:, :, None, :] * scale[:, None]  # [H, G, n, C]
+    sc = torch.einsum("hgnc,hnkc->hgnk", qs, codes.reshape(h, n, s // n, c))
+    return (sc + torch.einsum("hgc,hnc->hgn", q, zero)[..., None]).reshape(h, q.shape[1], s)
+
+
+def channel_groups_pv(codes, scale, zero, p) -> torch.Tensor:
+    h, s, c = codes.shape
+    n = scale.shape[1]
+    pg = p.reshape(h, p.shape[1], n, s // n)
+    acc = torch.einsum("hgnk,hnkc->hgnc", pg, codes.reshape(h, n, s // n, c))
+    return (acc * scale[:, None]).sum(2) + torch.einsum("hgn,hnc->hgc", pg.sum(-1), zero)
+
+
 @register
 class LowBit(Strategy):
     name = "lowbit"
@@ -32,13 +64,8 @@ class LowBit(Strategy):
         return self.k_axis if kind == "k" else self.v_axis
 
     def encode(self, x: torch.Tensor, kind: str) -> Tensors:
-        h, s, d = x.shape
         if self.axis(kind) == "channel":
-            if s % self.group:
-                raise ValueError(f"segment of {s} tokens is not a multiple of group={self.group}")
-            codes, scale, zero = quantize_asym(x.reshape(h, s // self.group, self.group, d),
-                                               self.bits, (2,))
-            codes, scale, zero = codes.reshape(h, s, d), scale.squeeze(2), zero.squeeze(2)
+            codes, scale, zero = quantize_channel_groups(x, self.bits, self.group)
         else:
             codes, scale, zero = quantize_asym(x, self.bits, (2,))
             scale, zero = scale.squeeze(2), zero.squeeze(2)
@@ -51,33 +78,23 @@ class LowBit(Strategy):
         return codes, t["scale"].float(), t["zero"].float()
 
     def decode(self, e: Encoded) -> torch.Tensor:
-        h, s, d = e.shape
         codes, scale, zero = self._parts(e)
         if self.axis(e.kind) == "channel":
-            n = scale.shape[1]
-            return (codes.reshape(h, n, s // n, d) * scale[:, :, None] + zero[:, :, None]).reshape(h, s, d)
+            return channel_groups_decode(codes, scale, zero)
         return codes * scale[..., None] + zero[..., None]
 
     def qk(self, e: Encoded, q: torch.Tensor) -> torch.Tensor:
-        h, s, d = e.shape
         codes, scale, zero = self._parts(e)
         q = q.float()
         if self.axis(e.kind) == "channel":
-            n = scale.shape[1]
-            qs = q[:, :, None, :] * scale[:, None]  # [H, G, n, D]
-            sc = torch.einsum("hgnd,hnkd->hgnk", qs, codes.reshape(h, n, s // n, d))
-            return (sc + torch.einsum("hgd,hnd->hgn", q, zero)[..., None]).reshape(h, -1, s)
+            return channel_groups_qk(codes, scale, zero, q)
         dots = torch.einsum("hgd,hsd->hgs", q, codes)
         return dots * scale[:, None] + q.sum(-1, keepdim=True) * zero[:, None]
 
     def pv(self, e: Encoded, p: torch.Tensor) -> torch.Tensor:
-        h, s, d = e.shape
         codes, scale, zero = self._parts(e)
         p = p.float()
         if self.axis(e.kind) == "channel":
-            n = scale.shape[1]
-            pg = p.reshape(h, p.shape[1], n, s // n)
-            acc = torch.einsum("hgnk,hnkd->hgnd", pg, codes.reshape(h, n, s // n, d))
-            return (acc * scale[:, None]).sum(2) + torch.einsum("hgn,hnd->hgd", pg.sum(-1), zero)
+            return channel_groups_pv(codes, scale, zero, p)
         return torch.einsum("hgs,hsd->hgd", p * scale[:, None], codes) + \
             (p * zero[:, None]).sum(-1, keepdim=True)
