@@ -12,14 +12,21 @@ from pathlib import Path
 from .codec.strategies import parse_strategy
 
 # Candidates the chooser may pick from, cheapest-first is decided by measured bytes, not order.
+# Candidates for ordinary segments (the chooser takes the cheapest, by measured bytes, whose
+# reconstruction error is within budget; order does not matter). Bands in the SVD basis: 3.75,
+# 4.5 and 5.5 bits per scalar including scales. Measured on SmolLM2 KV: benchmarks/RESULTS.md.
 DEFAULT_K_CANDIDATES = (
-    "lowbit:bits=4,group=64,k_axis=channel,rot=1",
-    "lowbit:bits=8,group=64,k_axis=channel,rot=1",
+    "band:b8=4,b4=44,b2=16,group=128",
+    "band:b8=4,b4=60,b2=0,group=128",
+    "band:b8=16,b4=48,b2=0,group=64",
 )
 DEFAULT_V_CANDIDATES = (
-    "lowbit:bits=4,group=64,v_axis=token,rot=1",
-    "lowbit:bits=8,group=64,v_axis=token,rot=1",
+    "band:b8=0,b4=48,b2=16,group=128",
+    "band:b8=4,b4=60,b2=0,group=128",
+    "band:b8=16,b4=48,b2=0,group=64",
 )
+# The attention-sink segment: 8-bit if that is within sink_error_budget, else dense bf16.
+DEFAULT_SINK_CANDIDATES = ("lowbit:bits=8,group=32",)
 
 
 @dataclass
@@ -29,7 +36,7 @@ class SelectionConfig:
     budget_tokens: int = 4096  # compressed tokens read per step (sink + recent included)
     sink_tokens: int = 64
     recent_tokens: int = 256
-    meta_channels: int = 16  # channels with per-page min/max (the rest: one norm bound)
+    meta_channels: int = 8  # channels with per-page min/max (the rest: one norm bound)
     rotated: bool = True  # page metadata in the K basis (False: raw channels, as Quest)
 
     def validate(self, page_tokens: int) -> None:
@@ -43,15 +50,17 @@ class SelectionConfig:
 
 @dataclass
 class MosaicConfig:
-    segment_tokens: int = 256  # sealing / strategy granularity
+    segment_tokens: int = 128  # sealing / strategy granularity
     page_tokens: int = 32  # selection granularity (divides segment_tokens)
     basis_block_tokens: int = 4096  # one SVD basis per (layer, KV head) per this many tokens
-    hot_tokens: int = 128  # most recent tokens always kept dense (the hot buffer)
-    dense_sink_segments: int = 1  # first segments kept dense (attention sinks)
+    hot_tokens: int = 64  # most recent tokens always kept dense (the hot buffer)
+    sink_segments: int = 1  # first segments (attention sinks): own candidates and a tight budget
+    sink_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_SINK_CANDIDATES))
+    sink_error_budget: float = 0.01  # over it (or with no candidates) a sink segment stays dense
     k_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_K_CANDIDATES))
     v_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_V_CANDIDATES))
-    k_error_budget: float = 0.10  # max relative reconstruction error per segment
-    v_error_budget: float = 0.10
+    k_error_budget: float = 0.08  # max relative reconstruction error per segment
+    v_error_budget: float = 0.12
     select: SelectionConfig = field(default_factory=SelectionConfig)
 
     def __post_init__(self):
@@ -69,15 +78,15 @@ class MosaicConfig:
         if self.basis_block_tokens % self.segment_tokens:
             raise ValueError(f"mosaickv config: basis_block_tokens={self.basis_block_tokens} must be "
                              f"a multiple of segment_tokens={self.segment_tokens}")
-        for key in ("hot_tokens", "dense_sink_segments"):
+        for key in ("hot_tokens", "sink_segments"):
             if getattr(self, key) < 0:
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 0")
-        for key in ("k_error_budget", "v_error_budget"):
+        for key in ("k_error_budget", "v_error_budget", "sink_error_budget"):
             if not 0 <= getattr(self, key):
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 0")
-        for key in ("k_candidates", "v_candidates"):
+        for key in ("k_candidates", "v_candidates", "sink_candidates"):
             specs = getattr(self, key)
-            if not isinstance(specs, (list, tuple)) or not specs:
+            if not isinstance(specs, (list, tuple)) or (not specs and key != "sink_candidates"):
                 raise ValueError(f"mosaickv config: {key} must be a non-empty list of strategy specs")
             for i, spec in enumerate(specs):
                 try:

@@ -26,11 +26,12 @@ import torch
 
 from ..codec.attention import decode_attention
 from ..codec.layer import compress_layer
+from ..codec.strategies import parse_strategy
 from ..config import MosaicConfig, SelectionConfig
 from .capture import Capture, capture
 
 TOPK = 64
-BASELINE_HOT = 128  # same dense recent window for every method (KIVI's residual length)
+BASELINE_HOT = MosaicConfig().hot_tokens  # same dense recent window for every method
 
 
 @dataclass
@@ -118,11 +119,17 @@ def _no_select(cfg: MosaicConfig) -> MosaicConfig:
     return replace(cfg, select=replace(cfg.select, enabled=False))
 
 
-def _uniform(spec: str, sink_dense: bool = False) -> MosaicConfig:
+def _unrotated(spec: str) -> str:
+    strat = parse_strategy(spec)
+    strat.rot = False
+    return strat.spec
+
+
+def _uniform(spec: str) -> MosaicConfig:
     """A baseline: one strategy for every segment, no selection, same hot window."""
     return MosaicConfig(k_candidates=[spec], v_candidates=[spec], k_error_budget=math.inf,
                         v_error_budget=math.inf, hot_tokens=BASELINE_HOT,
-                        dense_sink_segments=1 if sink_dense else 0,
+                        sink_segments=0,
                         select=SelectionConfig(enabled=False))
 
 
@@ -142,18 +149,21 @@ def matched(family_spec: str, target_ratio: float, cap: Capture, probe_layer: in
 def methods_for(cap: Capture, default_ratio: float, default_cfg: MosaicConfig) -> list[Method]:
     d = cap.k[0].shape[-1]
     probe = len(cap.k) // 2
+    quarter = replace(default_cfg.select, enabled=True, budget_tokens=cap.prompt_tokens // 4)
     out = [
+        Method("mosaickv + selection (1/4 budget)", replace(default_cfg, select=quarter),
+               "ablation", note=f"reads {quarter.budget_tokens} compressed tokens per step"),
         Method("mosaickv (no selection)", _no_select(default_cfg), "ablation",
                note="channel/value compression only"),
-        Method("mosaickv (no rotation)", _no_select(MosaicConfig(**{
-            **default_cfg.to_dict(),
-            "k_candidates": [s.replace("rot=1", "rot=0") for s in default_cfg.k_candidates],
-            "v_candidates": [s.replace("rot=1", "rot=0") for s in default_cfg.v_candidates]})),
+        Method("mosaickv (no rotation)", _no_select(replace(
+            default_cfg, k_candidates=[_unrotated(s) for s in default_cfg.k_candidates],
+            v_candidates=[_unrotated(s) for s in default_cfg.v_candidates])),
             "ablation", note="same strategies and budgets in the raw basis"),
         Method("dense", _uniform("dense"), "baseline"),
-        Method("quest (selection only)", MosaicConfig(
+        Method("quest (selection only, 1/4 budget)", MosaicConfig(
             k_candidates=["dense"], v_candidates=["dense"], hot_tokens=BASELINE_HOT,
-            page_tokens=16, select=replace(default_cfg.select, meta_channels=d, rotated=False)),
+            sink_segments=0, page_tokens=16,
+            select=replace(quarter, meta_channels=d, rotated=False)),
             "baseline", note="dense values, per-page per-channel min/max, same token budget"),
     ]
     for bits in (8, 4, 2):
@@ -178,12 +188,57 @@ def print_table(records: list[dict]) -> None:
     print("(* = default config; ratio = bf16 bytes / all bytes kept incl. metadata and hot buffer)")
 
 
+def check_claims(records: list[dict]) -> list[tuple[bool, str]]:
+    """The codec's acceptance claims, evaluated on one context length's records."""
+    default = next(r for r in records if r["default"])
+    ratio, err = default["physical_ratio"], default["attn_rel_err"]
+    out = [(ratio >= 3.0, f"default physical_ratio {ratio:.2f} >= 3.0")]
+    for label in ("global channel mask", "per-vector top-r, no rotation",
+                  "per-vector top-r fp8, no rotation"):
+        base = next(r for r in records if r["method"].startswith(label))
+        same = abs(base["physical_ratio"] / ratio - 1) <= 0.10
+        out.append((same and err < base["attn_rel_err"],
+                    f"beats '{base['method']}' at equal bytes: {err:.4f} < {base['attn_rel_err']:.4f} "
+                    f"(ratio {base['physical_ratio']:.2f} vs {ratio:.2f}, within 10%: {same})"))
+    for base in records:
+        if base["method"].startswith("kivi") and base["physical_ratio"] >= 0.9 * ratio:
+            out.append((err < base["attn_rel_err"],
+                        f"not dominated by {base['method']} ({base['physical_ratio']:.2f}x): "
+                        f"{err:.4f} < {base['attn_rel_err']:.4f}"))
+    return out
+
+
+def plot(records: list[dict], path: Path) -> None:
+    """Attention error vs physical ratio, one panel per context length (log error axis)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({r["context_tokens"] for r in records})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.5), squeeze=False)
+    for ax, n in zip(axes[0], lengths):
+        for r in (r for r in records if r["context_tokens"] == n and r["method"] != "dense"):
+            style = {"mosaickv": "r*", "ablation": "ms", "baseline": "bo"}[r["family"]]
+            ax.plot(r["physical_ratio"], max(r["attn_rel_err"], 1e-4), style,
+                    markersize=12 if r["default"] else 7)
+            ax.annotate(r["method"], (r["physical_ratio"], max(r["attn_rel_err"], 1e-4)),
+                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_yscale("log")
+        ax.set_xlabel("physical compression ratio vs bf16 (all metadata counted)")
+        ax.set_ylabel("attention-output relative error")
+        ax.set_title(f"SmolLM2-135M, {n}-token context, 30 layers")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one 4K prompt (CPU, a few minutes)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--config", default=None, help="MosaicKV config (JSON or @file) for the default")
     ap.add_argument("--json", type=Path, default=None, help="write all records here")
+    ap.add_argument("--plot", type=Path, default=None, help="write an error-vs-ratio PNG here")
     args = ap.parse_args(argv)
     lengths = [4096] if args.quick else args.lengths
     default_cfg = MosaicConfig.parse(args.config)
@@ -205,11 +260,16 @@ def main(argv=None) -> int:
             r["context_tokens"] = cap.prompt_tokens
         print(f"\n== {cap.prompt_tokens}-token context ({time.time() - t0:.0f}s) ==")
         print_table(records)
+        for ok, claim in check_claims(records):
+            print(f"  [{'PASS' if ok else 'FAIL'}] {claim}")
         all_records += records
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(all_records, indent=1))
         print(f"[fidelity] wrote {len(all_records)} records to {args.json}")
+    if args.plot:
+        plot(all_records, args.plot)
+        print(f"[fidelity] wrote {args.plot}")
     return 0
 
 

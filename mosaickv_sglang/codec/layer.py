@@ -25,7 +25,8 @@ class Choice:
     strategy: Strategy
     encoded: Encoded
     error: float  # relative reconstruction error measured at seal time
-    reason: str  # 'sink', 'within-budget' or 'over-budget' (no candidate met it: kept dense)
+    reason: str  # 'within-budget', 'sink' (sink candidate within the sink budget) or
+    # 'over-budget' (no candidate met the budget: kept dense)
 
 
 def relative_error(x_hat: torch.Tensor, x: torch.Tensor) -> float:
@@ -33,7 +34,7 @@ def relative_error(x_hat: torch.Tensor, x: torch.Tensor) -> float:
 
 
 def choose(x: torch.Tensor, x_rot: torch.Tensor, kind: str, candidates: list[Strategy],
-           budget: float) -> Choice:
+           budget: float, reason: str = "within-budget") -> Choice:
     """Cheapest candidate (measured bytes) whose reconstruction error is within budget.
 
     x and x_rot are the same vectors in the raw and the rotated basis (norms are equal, so errors
@@ -45,16 +46,11 @@ def choose(x: torch.Tensor, x_rot: torch.Tensor, kind: str, candidates: list[Str
         enc = Encoded(kind, tuple(x.shape), strat.encode(src, kind))
         tried.append((enc.nbytes(), relative_error(strat.decode(enc), src), strat, enc))
     tried.sort(key=lambda item: item[0])
-    for nbytes, err, strat, enc in tried:
+    for _, err, strat, enc in tried:
         if err <= budget:
-            return Choice(strat, enc, err, "within-budget")
+            return Choice(strat, enc, err, reason)
     enc = Encoded(kind, tuple(x.shape), DENSE.encode(x, kind))
     return Choice(DENSE, enc, relative_error(DENSE.decode(enc), x), "over-budget")
-
-
-def dense_choice(x: torch.Tensor, kind: str, reason: str) -> Choice:
-    enc = Encoded(kind, tuple(x.shape), DENSE.encode(x, kind))
-    return Choice(DENSE, enc, relative_error(DENSE.decode(enc), x), reason)
 
 
 @dataclass
@@ -112,7 +108,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _byte_kind(name: str) -> str:
-    if name in ("values", "codes"):
+    if name.startswith(("values", "codes")):
         return "values"
     if name in ("index", "bitmap", "channels"):
         return "indices"
@@ -134,6 +130,7 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
     sealed = max((t - cfg.hot_tokens) // seg, 0) * seg
     k_cands = [parse_strategy(s) for s in cfg.k_candidates]
     v_cands = [parse_strategy(s) for s in cfg.v_candidates]
+    sink_cands = [parse_strategy(s) for s in cfg.sink_candidates]
     layer = CompressedLayer(hot_start=sealed)
     kf, vf = k.float(), v.float()
     for block_start in range(0, sealed, cfg.basis_block_tokens):
@@ -145,8 +142,9 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
         basis_id = len(layer.k_bases) - 1
         for start in range(block_start, block_end, seg):
             ks, vs = kf[:, start:start + seg], vf[:, start:start + seg]
-            if start // seg < cfg.dense_sink_segments:
-                kc, vc = dense_choice(ks, "k", "sink"), dense_choice(vs, "v", "sink")
+            if start // seg < cfg.sink_segments:
+                kc = choose(ks, rotate(ks, kb), "k", sink_cands, cfg.sink_error_budget, "sink")
+                vc = choose(vs, rotate(vs, vb), "v", sink_cands, cfg.sink_error_budget, "sink")
             else:
                 kc = choose(ks, rotate(ks, kb), "k", k_cands, cfg.k_error_budget)
                 vc = choose(vs, rotate(vs, vb), "v", v_cands, cfg.v_error_budget)
