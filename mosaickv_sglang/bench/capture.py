@@ -82,7 +82,7 @@ def capture(n_tokens: int = 4096, depth: float = 0.5, seed: int = 0, n_queries: 
         return sdpa(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("mosaickv_capture", recording_attention)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="mosaickv_capture")
     with torch.no_grad():
         model(ids)
