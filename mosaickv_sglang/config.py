@@ -54,6 +54,7 @@ class MosaicConfig:
     page_tokens: int = 32  # selection granularity (divides segment_tokens)
     basis_block_tokens: int = 4096  # one SVD basis per (layer, KV head) per this many tokens
     hot_tokens: int = 64  # most recent tokens always kept dense (the hot buffer)
+    hot_buffer_fraction: float = 0.25  # serving: dense hot-buffer rows / logical token slots
     sink_segments: int = 1  # first segments (attention sinks): own candidates and a tight budget
     sink_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_SINK_CANDIDATES))
     sink_error_budget: float = 0.01  # over it (or with no candidates) a sink segment stays dense
@@ -81,6 +82,9 @@ class MosaicConfig:
         for key in ("hot_tokens", "sink_segments"):
             if getattr(self, key) < 0:
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 0")
+        if not 0 < self.hot_buffer_fraction <= 1:
+            raise ValueError(f"mosaickv config: hot_buffer_fraction={self.hot_buffer_fraction} "
+                             "must be in (0, 1]")
         for key in ("k_error_budget", "v_error_budget", "sink_error_budget"):
             if not 0 <= getattr(self, key):
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 0")

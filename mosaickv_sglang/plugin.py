@@ -73,15 +73,17 @@ def server_args(kv_backend: str = "mosaickv", mosaickv_config: Any = None, **kwa
     ``mosaickv_config``: MosaicConfig, dict, JSON text or ``@file`` (None: defaults). The other
     kwargs are ServerArgs fields. Raises MosaicKVUnsupported / ValueError on refusal.
     """
+    from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
+    load_plugins()  # what the launcher does first; it registers this plugin's hooks and backends
     if kv_backend not in KV_BACKEND_CHOICES:
         raise ValueError(f"kv_backend={kv_backend!r}; choose one of {KV_BACKEND_CHOICES}")
     config = _coerce_config(mosaickv_config)
     if kv_backend == "mosaickv":
         fields = argparse.Namespace(**{**_server_args_defaults(), **kwargs})
         _prepare(fields)
-        kwargs.update(attention_backend=ATTENTION_BACKEND, radix_cache_backend=RADIX_CACHE_BACKEND)
+        _apply_backend_args(kwargs, config)
     args = ServerArgs(**kwargs)
     return _attach(args, kv_backend, config)
 
@@ -117,13 +119,29 @@ def _from_cli_args(original, cls, args: argparse.Namespace):
     if kv_backend == "mosaickv":
         try:
             _prepare(args)
+            _apply_backend_args(args, config or MosaicConfig())
         except MosaicKVUnsupported as exc:
             raise SystemExit(f"error: {exc}") from None
-        args.attention_backend = ATTENTION_BACKEND
-        args.radix_cache_backend = RADIX_CACHE_BACKEND
     elif config is not None:
         logger.warning("--mosaickv-config is ignored without --kv-backend mosaickv")
     return _attach(original(cls, args), kv_backend, config)
+
+
+def _apply_backend_args(args, config: MosaicConfig) -> None:
+    """What --kv-backend mosaickv implies for SGLang's own arguments (a Namespace or a dict)."""
+    page = getattr(args, "page_size", None) if not isinstance(args, dict) else args.get("page_size")
+    if page not in (None, 1, config.segment_tokens):
+        raise MosaicKVUnsupported(f"--page-size {page}: MosaicKV pages are segments, so the page "
+                                  f"size is segment_tokens={config.segment_tokens}")
+    values = {"attention_backend": ATTENTION_BACKEND, "radix_cache_backend": RADIX_CACHE_BACKEND,
+              "page_size": config.segment_tokens,
+              # The packed decode path is not CUDA-graph capturable yet (see README limitations).
+              "disable_cuda_graph": True}
+    for key, value in values.items():
+        if isinstance(args, dict):
+            args[key] = value
+        else:
+            setattr(args, key, value)
 
 
 def _check_server_args(result, self):
@@ -155,8 +173,11 @@ HOOKS: dict[str, tuple[Any, HookType]] = {
 
 def register() -> None:
     """``sglang.srt.plugins`` entry point (zero arguments; runs in every SGLang process)."""
-    for target, (hook, hook_type) in HOOKS.items():
+    from . import wiring
+
+    for target, (hook, hook_type) in {**HOOKS, **wiring.HOOKS}.items():
         HookRegistry.register(target, hook, hook_type)
+    wiring.register_backends()
 
 
 # --------------------------------------------------------------------------- validation

@@ -87,12 +87,8 @@ class CompressedLayer:
         out["bases"] = sum(_nbytes(self.k_bases[i]) for i in used_k) + \
             sum(_nbytes(self.v_bases[i]) for i in used_v)
         for seg in self.segments:
-            out["headers"] += _nbytes(seg.header)
-            if seg.pages is not None:
-                out["page_meta"] += seg.pages.nbytes()
-            for choice in (seg.k, seg.v):
-                for name, t in choice.encoded.tensors.items():
-                    out[_byte_kind(name)] += _nbytes(t)
+            for kind, n in segment_bytes(seg).items():
+                out[kind] += n
         for t in (self.hot_k, self.hot_v):
             if t is not None:
                 out["hot"] += _nbytes(t)
@@ -101,6 +97,16 @@ class CompressedLayer:
     def tokens(self) -> int:
         hot = 0 if self.hot_k is None else self.hot_k.shape[1]
         return sum(s.tokens for s in self.segments) + hot
+
+
+def segment_bytes(seg: Segment) -> dict[str, int]:
+    """Bytes one sealed segment keeps, by kind (bases are shared and counted by their owner)."""
+    out = {"values": 0, "indices": 0, "scales": 0, "headers": _nbytes(seg.header),
+           "page_meta": seg.pages.nbytes() if seg.pages is not None else 0}
+    for choice in (seg.k, seg.v):
+        for name, t in choice.encoded.tensors.items():
+            out[_byte_kind(name)] += _nbytes(t)
+    return out
 
 
 def _nbytes(t: torch.Tensor) -> int:

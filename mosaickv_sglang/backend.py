@@ -1,0 +1,115 @@
+"""Attention backend ``mosaickv``: decode on the packed pages, prefill through a workspace.
+
+* decode: per request, the sealed pages (packed, read by the codec's reference attention with
+  query-aware page selection; the Triton kernels take this place on CUDA) plus the dense hot
+  buffer, merged with log-sum-exp;
+* extend/prefill: sealed prefix pages are decompressed into a workspace and the stock SDPA path
+  runs over (workspace + hot rows);
+* after the last layer of a forward, full pages that are ``hot_tokens`` behind their request's
+  last token are sealed (compressed) synchronously: the ``daemon: off`` mode.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+from .codec.attention import decode_attention
+from .codec.layer import CompressedLayer
+from .pool import MosaicKVPool
+
+logger = logging.getLogger(__name__)
+LOG_EVERY_PAGES = 16  # a stats line in the server log each time this many more pages seal
+
+
+class MosaicAttnBackend(TorchNativeAttnBackend):
+    def __init__(self, model_runner):
+        super().__init__(model_runner)
+        pool = self.token_to_kv_pool
+        if not isinstance(pool, MosaicKVPool):
+            raise RuntimeError(f"attention backend 'mosaickv' needs the MosaicKV pool, got "
+                               f"{type(pool).__name__}: start with --kv-backend mosaickv")
+        self.pool: MosaicKVPool = pool
+        self.cfg = pool.cfg
+        self.last_layer = pool.start_layer + pool.layer_num - 1
+
+    # ---- extend -------------------------------------------------------------------------
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        if save_kv_cache and k is not None:
+            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        hq, hk, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+        q_ = q.view(-1, hq, d)
+        o = q.new_empty((q_.shape[0], hq * layer.v_head_dim))
+        o_ = o.view(-1, hq, layer.v_head_dim)
+        req_to_token = self.req_to_token_pool.req_to_token
+        start = 0
+        for i in range(forward_batch.batch_size):
+            rid = int(forward_batch.req_pool_indices[i])
+            seq_len = int(forward_batch.seq_lens[i])
+            n_new = int(forward_batch.extend_seq_lens[i])
+            keys, values = self.pool.dense_kv(layer.layer_id, req_to_token[rid, :seq_len])
+            qi = q_[start:start + n_new].transpose(0, 1)  # [Hq, n_new, D]
+            # causal with an offset: new token j sits at position seq_len - n_new + j
+            pos_q = torch.arange(seq_len - n_new, seq_len, device=q.device)[:, None]
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q
+            out = scaled_dot_product_attention(
+                qi.unsqueeze(0), keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                values.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask,
+                scale=layer.scaling, enable_gqa=hq != hk)
+            o_[start:start + n_new] = out.squeeze(0).transpose(0, 1)
+            start += n_new
+        self._maybe_seal(layer, forward_batch)
+        return o
+
+    # ---- decode -------------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        if save_kv_cache and k is not None:
+            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        q_ = q.reshape(-1, hq, d)
+        o_ = q_.new_empty((q_.shape[0], hq, layer.v_head_dim))
+        req_to_token = self.req_to_token_pool.req_to_token
+        for i in range(forward_batch.batch_size):
+            rid = int(forward_batch.req_pool_indices[i])
+            seq_len = int(forward_batch.seq_lens[i])
+            view = self._layer_view(layer.layer_id, req_to_token[rid, :seq_len])
+            out, _ = decode_attention(q_[i:i + 1].float(), view,
+                                      torch.tensor([seq_len - 1]), self.cfg.select,
+                                      self.cfg.page_tokens, sm_scale=layer.scaling)
+            o_[i] = out[0].to(o_.dtype)
+        self._maybe_seal(layer, forward_batch)
+        return o_.reshape(q_.shape[0], hq * layer.v_head_dim)
+
+    def _layer_view(self, layer_id: int, slots: torch.Tensor) -> CompressedLayer:
+        """One request's sealed segments + hot rows as a CompressedLayer for the codec."""
+        pages, hot_k, hot_v, hot_start = self.pool.request_view(layer_id, slots)
+        local = layer_id - self.pool.start_layer
+        view = CompressedLayer(hot_k=hot_k, hot_v=hot_v, hot_start=hot_start)
+        basis_index: dict[int, int] = {}
+        for page in pages:
+            key = id(page.bases)
+            if key not in basis_index:
+                basis_index[key] = len(view.k_bases)
+                view.k_bases.append(page.bases.k[local])
+                view.v_bases.append(page.bases.v[local])
+            view.segments.append(replace(page.segments[local], basis=basis_index[key]))
+        return view
+
+    # ---- sealing ------------------------------------------------------------------------
+    def _maybe_seal(self, layer, forward_batch) -> None:
+        """After the last layer: compress what became sealable (daemon: off, synchronous)."""
+        if layer.layer_id != self.last_layer:
+            return
+        req_to_token = self.req_to_token_pool.req_to_token
+        before = self.pool.counters.sealed_pages
+        for i in range(forward_batch.batch_size):
+            rid = int(forward_batch.req_pool_indices[i])
+            seq_len = int(forward_batch.seq_lens[i])
+            self.pool.seal_request(req_to_token[rid, :seq_len], seq_len)
+        after = self.pool.counters.sealed_pages
+        if after // LOG_EVERY_PAGES > before // LOG_EVERY_PAGES:
+            logger.info(self.pool.summary())

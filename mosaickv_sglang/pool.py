@@ -1,0 +1,272 @@
+"""MosaicKV token-to-KV pool: logical slots, a dense hot buffer, and sealed compressed pages.
+
+SGLang hands out *logical* slot ids (page-aligned, ``page_size == segment_tokens``), writes K/V
+through ``set_kv_buffer`` and keeps slot ids in ``req_to_token`` and in the radix tree. This pool
+keeps two physical stores behind those ids:
+
+* the hot buffer: the dense ``k_buffer``/``v_buffer`` of the parent ``MHATokenToKVPool``, sized
+  to ``hot_buffer_fraction`` of the logical capacity; a logical page gets a hot page when it is
+  first written and gives it back when it is sealed;
+* sealed pages: each full page, once it is ``hot_tokens`` behind its request's last token, is
+  compressed by the codec (strategy chosen per layer, K and V independently) and becomes an
+  immutable ``Segment`` per layer. A page shared through the radix tree is one logical page, so
+  a shared prefix is compressed once and stored once.
+
+Page 0 of a request's positions is its sink page. Bases are per (request position block of
+``basis_block_tokens``): the first seal in a block fits them, later pages of that block (also
+other requests reusing the prefix) reuse them. Every byte kept is counted by ``stats()``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+
+from .codec.basis import fit_basis, rotate, unrotate
+from .codec.layer import Segment, choose, segment_bytes
+from .codec.pages import build_page_meta
+from .codec.strategies import parse_strategy, strategy_id
+from .config import MosaicConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BasisPair:
+    """K and V bases of one position block, per layer ([H, D, D] bf16 each)."""
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+@dataclass
+class SealedPage:
+    position: int  # first token position in the request that sealed it
+    segments: list[Segment]  # one per layer
+    bases: BasisPair
+    nbytes: int = 0
+
+
+@dataclass
+class PoolCounters:
+    sealed_pages: int = 0
+    reused_pages: int = 0  # pages found already sealed when another request reached them
+    freed_pages: int = 0
+    over_budget: int = 0  # segment kinds kept dense because no candidate met the budget
+    forced_seals: int = 0  # seals done early because the hot buffer ran out
+    strategies: dict = field(default_factory=dict)
+
+
+class MosaicKVPool(MHATokenToKVPool):
+    """``MHATokenToKVPool`` whose dense buffers are only the hot buffer (see module doc)."""
+
+    def __init__(self, size: int, page_size: int, *args, mosaic_config: MosaicConfig, **kwargs):
+        if page_size != mosaic_config.segment_tokens:
+            raise ValueError(f"MosaicKV needs --page-size {mosaic_config.segment_tokens} "
+                             f"(= segment_tokens), got {page_size}")
+        self.cfg = mosaic_config
+        self.logical_size = size
+        self.num_logical_pages = size // page_size + 1
+        hot_pages = max(2, int(self.num_logical_pages * mosaic_config.hot_buffer_fraction))
+        super().__init__(hot_pages * page_size, page_size, *args, **kwargs)
+        self.num_hot_pages = hot_pages
+        # logical page -> hot page (-1: none). Hot page 0 is the parent's padding page.
+        self.hot_page_of = torch.full((self.num_logical_pages + 1,), -1, dtype=torch.long)
+        self.free_hot_pages = list(range(hot_pages, 0, -1))
+        self.sealed: dict[int, SealedPage] = {}
+        self.counters = PoolCounters()
+        self.k_cands = [parse_strategy(s) for s in mosaic_config.k_candidates]
+        self.v_cands = [parse_strategy(s) for s in mosaic_config.v_candidates]
+        self.sink_cands = [parse_strategy(s) for s in mosaic_config.sink_candidates]
+        logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense)",
+                    size, hot_pages * page_size, self._hot_capacity_bytes() / 1e6)
+
+    # ---- writes -------------------------------------------------------------------------
+    def physical_loc(self, loc: torch.Tensor, allocate: bool = False) -> torch.Tensor:
+        """Logical slots -> hot-buffer rows (allocating hot pages for new logical pages)."""
+        pages = torch.div(loc, self.page_size, rounding_mode="floor")
+        hot = self.hot_page_of[pages.cpu()].to(loc.device)
+        if allocate and bool((hot < 0).any()):
+            for page in pages[hot < 0].unique().tolist():
+                if page in self.sealed:
+                    raise RuntimeError(f"MosaicKV: write into sealed (immutable) page {page}")
+                self.hot_page_of[page] = self._take_hot_page()
+            hot = self.hot_page_of[pages.cpu()].to(loc.device)
+        if bool((hot < 0).any()):
+            raise RuntimeError("MosaicKV: read of a logical page that is neither hot nor sealed")
+        return hot * self.page_size + loc % self.page_size
+
+    def _take_hot_page(self) -> int:
+        if not self.free_hot_pages:
+            raise RuntimeError(
+                "MosaicKV hot buffer exhausted: raise hot_buffer_fraction in --mosaickv-config "
+                f"(now {self.cfg.hot_buffer_fraction}) or lower --max-running-requests / "
+                "--chunked-prefill-size")
+        return self.free_hot_pages.pop()
+
+    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
+        loc, _, _ = unwrap_write_loc(loc_info)
+        phys = self.physical_loc(loc, allocate=layer.layer_id == self.start_layer)
+        super().set_kv_buffer(layer, phys, cache_k, cache_v, *args, **kwargs)
+
+    # ---- reads --------------------------------------------------------------------------
+    def request_view(self, layer_id: int, slots: torch.Tensor):
+        """(sealed segments in position order, their bases, hot K, hot V) for one request's slots
+        [T] in position order. Sealed pages are always a prefix of the request's pages."""
+        ps = self.page_size
+        pages = (slots[::ps] // ps).tolist()
+        n_sealed = 0
+        while n_sealed < len(pages) and pages[n_sealed] in self.sealed:
+            n_sealed += 1
+        if any(p in self.sealed for p in pages[n_sealed:]):
+            raise RuntimeError("MosaicKV: sealed pages must form a prefix of a request")
+        local = layer_id - self.start_layer
+        segs = [self.sealed[p] for p in pages[:n_sealed]]
+        hot_slots = slots[n_sealed * ps:]
+        phys = self.physical_loc(hot_slots) if hot_slots.numel() else hot_slots
+        hot_k = self.k_buffer[local][phys].transpose(0, 1)  # [H, T_hot, D]
+        hot_v = self.v_buffer[local][phys].transpose(0, 1)
+        return segs, hot_k, hot_v, n_sealed * ps
+
+    def dense_kv(self, layer_id: int, slots: torch.Tensor):
+        """Decompress one request's K/V [T, H, D] into a workspace (prefill over a prefix)."""
+        segs, hot_k, hot_v, _ = self.request_view(layer_id, slots)
+        local = layer_id - self.start_layer
+        ks, vs = [], []
+        for page in segs:
+            seg = page.segments[local]
+            k = seg.k.strategy.decode(seg.k.encoded)
+            v = seg.v.strategy.decode(seg.v.encoded)
+            if seg.k.strategy.rot:
+                k = unrotate(k, page.bases.k[local])
+            if seg.v.strategy.rot:
+                v = unrotate(v, page.bases.v[local])
+            ks.append(k)
+            vs.append(v)
+        ks.append(hot_k.float())
+        vs.append(hot_v.float())
+        dtype = self.dtype
+        return (torch.cat(ks, 1).transpose(0, 1).to(dtype),
+                torch.cat(vs, 1).transpose(0, 1).to(dtype))
+
+    # ---- sealing ------------------------------------------------------------------------
+    def seal_request(self, slots: torch.Tensor, seq_len: int) -> int:
+        """Seal every full page of one request that is >= hot_tokens behind its last token.
+        Returns the number of pages newly compressed."""
+        ps = self.page_size
+        limit = max(seq_len - self.cfg.hot_tokens, 0) // ps
+        pages = (slots[: limit * ps: ps] // ps).tolist()
+        todo = [(i, p) for i, p in enumerate(pages) if p not in self.sealed]
+        if not todo:
+            return 0
+        block = self.cfg.basis_block_tokens // ps
+        for blk in sorted({i // block for i, _ in todo}):
+            group = [(i, p) for i, p in todo if i // block == blk]
+            first = pages[blk * block] if blk * block < len(pages) else None
+            bases = self.sealed[first].bases if first in self.sealed else self._fit_bases(group)
+            for i, p in group:
+                self._seal_page(p, i * ps, bases)
+        return len(todo)
+
+    def _page_kv(self, local: int, page: int):
+        phys = self.hot_page_of[page] * self.page_size + torch.arange(self.page_size)
+        k = self.k_buffer[local][phys].transpose(0, 1).float()  # [H, S, D]
+        v = self.v_buffer[local][phys].transpose(0, 1).float()
+        return k, v
+
+    def _fit_bases(self, group) -> BasisPair:
+        ks, vs = [], []
+        for local in range(self.layer_num):
+            kv = [self._page_kv(local, p) for _, p in group]
+            ks.append(fit_basis(torch.cat([k for k, _ in kv], 1)))
+            vs.append(fit_basis(torch.cat([v for _, v in kv], 1)))
+        return BasisPair(ks, vs)
+
+    def _seal_page(self, page: int, position: int, bases: BasisPair) -> None:
+        cfg = self.cfg
+        sink = position // self.page_size < cfg.sink_segments
+        segs, nbytes = [], 0
+        for local in range(self.layer_num):
+            k, v = self._page_kv(local, page)
+            kb, vb = bases.k[local], bases.v[local]
+            if sink:
+                kc = choose(k, rotate(k, kb), "k", self.sink_cands, cfg.sink_error_budget, "sink")
+                vc = choose(v, rotate(v, vb), "v", self.sink_cands, cfg.sink_error_budget, "sink")
+            else:
+                kc = choose(k, rotate(k, kb), "k", self.k_cands, cfg.k_error_budget)
+                vc = choose(v, rotate(v, vb), "v", self.v_cands, cfg.v_error_budget)
+            pages = None
+            if cfg.select.enabled:
+                k_read = kc.strategy.decode(kc.encoded)
+                k_read = k_read if kc.strategy.rot else rotate(k_read, kb)
+                pages = build_page_meta(k_read, cfg.page_tokens, cfg.select.meta_channels)
+            header = torch.tensor([strategy_id(kc.strategy.name), strategy_id(vc.strategy.name),
+                                   int(kc.strategy.rot), int(vc.strategy.rot), position,
+                                   self.page_size], dtype=torch.int32)
+            seg = Segment(position, self.page_size, kc, vc, 0, pages, pages is not None, header)
+            segs.append(seg)
+            nbytes += sum(segment_bytes(seg).values())
+            for kind, c in (("k", kc), ("v", vc)):
+                key = f"{kind}:{c.strategy.spec}"
+                self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
+                self.counters.over_budget += c.reason == "over-budget"
+        self.sealed[page] = SealedPage(position, segs, bases, nbytes)
+        self.free_hot_pages.append(int(self.hot_page_of[page]))
+        self.hot_page_of[page] = -1
+        self.counters.sealed_pages += 1
+
+    # ---- frees --------------------------------------------------------------------------
+    def release_pages(self, pages: list[int]) -> None:
+        """Called by the allocator when logical pages return to its free list."""
+        for page in pages:
+            if self.sealed.pop(page, None) is not None:
+                self.counters.freed_pages += 1
+            hot = int(self.hot_page_of[page])
+            if hot >= 0:
+                self.free_hot_pages.append(hot)
+                self.hot_page_of[page] = -1
+
+    # ---- accounting ---------------------------------------------------------------------
+    def _hot_capacity_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_buffer + self.v_buffer)
+
+    def summary(self) -> str:
+        """One log line: what is kept and how well it is compressed."""
+        st = self.stats()
+        ratio = st["sealed_ratio"]
+        return (f"MosaicKV: {st['sealed_pages']} sealed pages ({st['sealed_tokens']} tokens, "
+                f"{'-' if ratio is None else f'{ratio:.2f}x'} vs bf16 incl. metadata), "
+                f"hot {st['hot_tokens_in_use']}/{st['hot_tokens_capacity']} tokens, "
+                f"reused {self.counters.reused_pages}, over-budget {self.counters.over_budget}, "
+                f"forced seals {self.counters.forced_seals}")
+
+    def stats(self) -> dict:
+        """Physical bytes by kind, measured from the tensors, plus counters."""
+        by_kind = {"values": 0, "indices": 0, "scales": 0, "headers": 0, "page_meta": 0}
+        bases = {}
+        for page in self.sealed.values():
+            bases[id(page.bases)] = page.bases.nbytes()
+            for seg in page.segments:
+                for kind, n in segment_bytes(seg).items():
+                    by_kind[kind] += n
+        sealed_tokens = len(self.sealed) * self.page_size
+        compressed = sum(by_kind.values()) + sum(bases.values())
+        dense_equiv = sealed_tokens * self.layer_num * 2 * self.head_num * self.head_dim * 2
+        hot_used = (self.num_hot_pages - len(self.free_hot_pages)) * self.page_size
+        return {
+            "bytes": {**by_kind, "bases": sum(bases.values()),
+                      "hot_buffer_capacity": self._hot_capacity_bytes()},
+            "sealed_tokens": sealed_tokens,
+            "sealed_pages": len(self.sealed),
+            "hot_tokens_in_use": hot_used,
+            "hot_tokens_capacity": self.num_hot_pages * self.page_size,
+            "sealed_bytes_per_token": compressed / sealed_tokens if sealed_tokens else None,
+            "dense_bytes_per_token": self.layer_num * 2 * self.head_num * self.head_dim * 2,
+            "sealed_ratio": dense_equiv / compressed if compressed else None,
+            "counters": {**self.counters.__dict__, "strategies": dict(self.counters.strategies)},
+        }

@@ -1,0 +1,51 @@
+"""Radix-cache backend ``mosaickv``: SGLang's radix tree over MosaicKV's logical pages.
+
+A node's value is a run of logical slot ids, page aligned (``page_size == segment_tokens``), and
+each logical page has exactly one physical form in the pool: hot (dense rows) or sealed (one
+immutable compressed segment per layer, with its strategy and bases). So a prefix matched by N
+requests is read from the same sealed pages: compressed once, stored once. Splits happen at page
+boundaries (asserted), so both halves keep exactly their pages' policies; eviction returns pages
+to the allocator, which tells the pool to drop their packed bytes; locked nodes are never evicted
+(SGLang's own lock_ref logic is unchanged).
+"""
+from __future__ import annotations
+
+from sglang.srt.mem_cache.radix_cache import RadixCache
+
+from .pool import MosaicKVPool
+
+
+class MosaicRadixCache(RadixCache):
+    def __init__(self, params):
+        super().__init__(params)
+        pool = params.token_to_kv_pool_allocator.get_kvcache()
+        if not isinstance(pool, MosaicKVPool):
+            raise RuntimeError("radix-cache backend 'mosaickv' needs the MosaicKV pool")
+        self.pool = pool
+
+    def _split_node(self, key, child, split_len: int):
+        if split_len % self.page_size:
+            raise RuntimeError(f"MosaicKV: radix split at {split_len}, not a page boundary "
+                               f"(page_size {self.page_size})")
+        return super()._split_node(key, child, split_len)
+
+    def node_policy(self, node) -> list[dict]:
+        """Per page of a node: where it lives and, if sealed, each layer's K/V strategy."""
+        out = []
+        for slot in node.value[:: self.page_size].tolist():
+            page = slot // self.page_size
+            sealed = self.pool.sealed.get(page)
+            if sealed is None:
+                out.append({"page": page, "state": "hot"})
+            else:
+                out.append({"page": page, "state": "sealed", "position": sealed.position,
+                            "bytes": sealed.nbytes,
+                            "k": [s.k.strategy.spec for s in sealed.segments],
+                            "v": [s.v.strategy.spec for s in sealed.segments]})
+        return out
+
+
+def radix_cache_factory(ctx) -> MosaicRadixCache:
+    if ctx.disable_radix_cache:
+        raise RuntimeError("--kv-backend mosaickv needs the radix cache (drop --disable-radix-cache)")
+    return MosaicRadixCache(ctx.params)

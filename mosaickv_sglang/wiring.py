@@ -1,0 +1,100 @@
+"""Hooks that put the MosaicKV pool, allocator notifications, backend and stats into SGLang.
+
+Every hook is inert unless the server was started with ``--kv-backend mosaickv`` (the parsed
+MosaicConfig rides on ``ServerArgs._mosaickv_config``); ``plugin.register`` installs them.
+"""
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.plugins.hook_registry import HookType
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ATTR = "_mosaickv_config"
+
+
+def _config_of(server_args):
+    return getattr(server_args, CONFIG_ATTR, None)
+
+
+def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
+    """AROUND KVCacheConfigurator._build_token_to_kv_pool: the MosaicKV pool when enabled."""
+    cfg = _config_of(self.server_args)
+    if cfg is None:
+        return original(self, sizes=sizes, **kwargs)
+    from sglang.srt.runtime_context import get_parallel
+
+    from .pool import MosaicKVPool
+
+    return MosaicKVPool(
+        sizes.max_total_num_tokens,
+        page_size=self.pool_page_size,
+        dtype=self.kv_cache_dtype,
+        head_num=self.model_config.get_num_kv_heads(get_parallel().attn_tp_size),
+        head_dim=self.model_config.head_dim,
+        layer_num=self.layer_info.num_effective_layers,
+        device=self.device,
+        enable_memory_saver=False,
+        start_layer=self.layer_info.start_layer,
+        end_layer=self.layer_info.end_layer,
+        mosaic_config=cfg,
+    )
+
+
+def _release_page_ids(original, self, *page_ids):
+    """AROUND PagedTokenToKVPoolAllocator._release_page_ids: the pool drops freed pages."""
+    from .pool import MosaicKVPool
+
+    pool = self.get_kvcache()
+    if isinstance(pool, MosaicKVPool):
+        for ids in page_ids:
+            pool.release_pages(ids.tolist())
+    return original(self, *page_ids)
+
+
+def _support_triton(original, backend: str) -> bool:
+    """AROUND sglang's support_triton(backend): the CPU path of 'mosaickv' is pure torch."""
+    if backend == "mosaickv":
+        import torch
+
+        return torch.cuda.is_available()
+    return original(backend)
+
+
+def _internal_state(result, self, recv_req):
+    """AFTER Scheduler.get_internal_state: MosaicKV stats in /get_server_info."""
+    from .pool import MosaicKVPool
+
+    pool = self.token_to_kv_pool_allocator.get_kvcache()
+    if isinstance(pool, MosaicKVPool):
+        result.internal_state["mosaickv"] = pool.stats()
+    return result
+
+
+def register_backends() -> None:
+    """Attention backend + radix-cache backend names (idempotent: processes re-run plugins)."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    from .radix import radix_cache_factory
+
+    def create_mosaickv_backend(runner):
+        from .backend import MosaicAttnBackend
+
+        return MosaicAttnBackend(runner)
+
+    ATTENTION_BACKENDS["mosaickv"] = create_mosaickv_backend
+    if get_radix_cache_factory("mosaickv") is None:
+        register_radix_cache_backend("mosaickv", radix_cache_factory)
+
+
+HOOKS = {
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool":
+        (_build_token_to_kv_pool, HookType.AROUND),
+    "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids":
+        (_release_page_ids, HookType.AROUND),
+    "sglang.srt.utils.common.support_triton": (_support_triton, HookType.AROUND),
+    "sglang.srt.managers.scheduler.Scheduler.get_internal_state":
+        (_internal_state, HookType.AFTER),
+}
