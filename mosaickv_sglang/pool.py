@@ -83,6 +83,8 @@ class MosaicKVPool(MHATokenToKVPool):
         self.k_cands = [parse_strategy(s) for s in mosaic_config.k_candidates]
         self.v_cands = [parse_strategy(s) for s in mosaic_config.v_candidates]
         self.sink_cands = [parse_strategy(s) for s in mosaic_config.sink_candidates]
+        # Dense fallback in the cache's own precision, so "dense" is lossless for fp32 caches too.
+        self.dense = parse_strategy("dense:val=fp32" if self.dtype == torch.float32 else "dense")
         logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense)",
                     size, hot_pages * page_size, self._hot_capacity_bytes() / 1e6)
 
@@ -195,11 +197,15 @@ class MosaicKVPool(MHATokenToKVPool):
             k, v = self._page_kv(local, page)
             kb, vb = bases.k[local], bases.v[local]
             if sink:
-                kc = choose(k, rotate(k, kb), "k", self.sink_cands, cfg.sink_error_budget, "sink")
-                vc = choose(v, rotate(v, vb), "v", self.sink_cands, cfg.sink_error_budget, "sink")
+                kc = choose(k, rotate(k, kb), "k", self.sink_cands, cfg.sink_error_budget, "sink",
+                            self.dense)
+                vc = choose(v, rotate(v, vb), "v", self.sink_cands, cfg.sink_error_budget, "sink",
+                            self.dense)
             else:
-                kc = choose(k, rotate(k, kb), "k", self.k_cands, cfg.k_error_budget)
-                vc = choose(v, rotate(v, vb), "v", self.v_cands, cfg.v_error_budget)
+                kc = choose(k, rotate(k, kb), "k", self.k_cands, cfg.k_error_budget,
+                            fallback=self.dense)
+                vc = choose(v, rotate(v, vb), "v", self.v_cands, cfg.v_error_budget,
+                            fallback=self.dense)
             pages = None
             if cfg.select.enabled:
                 k_read = kc.strategy.decode(kc.encoded)

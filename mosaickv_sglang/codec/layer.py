@@ -34,7 +34,7 @@ def relative_error(x_hat: torch.Tensor, x: torch.Tensor) -> float:
 
 
 def choose(x: torch.Tensor, x_rot: torch.Tensor, kind: str, candidates: list[Strategy],
-           budget: float, reason: str = "within-budget") -> Choice:
+           budget: float, reason: str = "within-budget", fallback: Strategy = DENSE) -> Choice:
     """Cheapest candidate (measured bytes) whose reconstruction error is within budget.
 
     x and x_rot are the same vectors in the raw and the rotated basis (norms are equal, so errors
@@ -49,8 +49,10 @@ def choose(x: torch.Tensor, x_rot: torch.Tensor, kind: str, candidates: list[Str
     for _, err, strat, enc in tried:
         if err <= budget:
             return Choice(strat, enc, err, reason)
-    enc = Encoded(kind, tuple(x.shape), DENSE.encode(x, kind))
-    return Choice(DENSE, enc, relative_error(DENSE.decode(enc), x), "over-budget")
+    enc = Encoded(kind, tuple(x.shape), fallback.encode(x, kind))
+    # With no candidates at all, dense is the configured choice, not a missed budget.
+    return Choice(fallback, enc, relative_error(fallback.decode(enc), x),
+                  "over-budget" if candidates else reason)
 
 
 @dataclass

@@ -1,12 +1,12 @@
-"""Storage formats for the values a strategy keeps (bf16, fp8, or int8/int4 with a per-vector
-fp16 absmax scale). Used by the selection strategies, where each vector keeps r values."""
+"""Storage formats for the values a strategy keeps (fp32 for lossless fp32 caches, bf16, fp8, or
+int8/int4 with a per-vector fp16 absmax scale)."""
 from __future__ import annotations
 
 import torch
 
 from ..quant import absmax_offset, pack_codes, quantize_absmax, unpack_codes
 
-VALUE_FORMATS = ("bf16", "fp8", "int8", "int4")
+VALUE_FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")
 FP8_MAX = 448.0
 
 
@@ -17,6 +17,8 @@ def check_format(fmt: str) -> None:
 
 def encode_values(x: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     """x [..., r] -> tensors to keep (scale per vector along the last axis for int formats)."""
+    if fmt == "fp32":
+        return {"values": x.float().contiguous()}
     if fmt == "bf16":
         return {"values": x.to(torch.bfloat16)}
     if fmt == "fp8":
@@ -28,7 +30,7 @@ def encode_values(x: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
 
 def decode_values(t: dict[str, torch.Tensor], fmt: str) -> torch.Tensor:
     """Float32 view of the kept values (the compact [..., r] tensor, never the dense cache)."""
-    if fmt in ("bf16", "fp8"):
+    if fmt in ("fp32", "bf16", "fp8"):
         return t["values"].float()
     bits = 8 if fmt == "int8" else 4
     codes = unpack_codes(t["values"], bits).float() - absmax_offset(bits)

@@ -1,0 +1,277 @@
+"""Packed, kernel-friendly layout of one layer for a batch: the bytes a GPU decode kernel reads.
+
+One uint8 arena holds every sealed segment's K and V band data, exactly the tensors `Band.encode`
+produced, laid out per segment and per KV head so that one kernel program reads one
+(segment, head) block contiguously:
+
+    arena (uint8)
+    ├─ segment s0 ─ head 0: [K codes8|codes4|codes2|scale8|zero8|scale4|zero4|scale2|zero2][V ...]
+    │             ─ head 1: [...]            (every part starts on a 16-byte boundary)
+    ├─ segment s1 ─ ...                      (any mix of band layouts, one per segment)
+
+An int32 header row per segment (`HEADER_FIELDS`) says how to read it: tokens, where its block
+starts (in 16-byte units), the per-head stride, and per kind (K, V) the band widths b8/b4/b2, the
+token group and the byte offset of each part inside a head block. Per-request segment lists are CSR
+(`seg_indptr` [B+1], `seg_ids`). The request's bases (one basis block per request in this version,
+kept as float32 working copies) and its dense hot buffer (padded bf16) ride along.
+
+Only `band` strategies in the SVD basis are packed: a sink segment stored with `lowbit` or `dense`
+(the default sink candidate is lowbit in the raw basis) is rejected with the config change that
+makes it packable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layer import CompressedLayer
+from .quant import SCALE_DTYPE
+from .strategies.band import BAND_BITS, Band
+
+ALIGN = 16  # bytes; every part and every (segment, head) block starts on this boundary
+KIND_FIELDS = ("b8", "b4", "b2", "group",
+               "codes8", "codes4", "codes2",
+               "scale8", "zero8", "scale4", "zero4", "scale2", "zero2")
+HEADER_FIELDS = (("tokens", "base16", "head_stride")
+                 + tuple(f"k_{f}" for f in KIND_FIELDS) + tuple(f"v_{f}" for f in KIND_FIELDS))
+HEADER_WIDTH = 32  # int32 columns per row (fields padded: one 128-byte line per segment)
+HDR = {name: i for i, name in enumerate(HEADER_FIELDS)}  # column of each field
+K_FIELDS, V_FIELDS = HDR["k_b8"], HDR["v_b8"]  # first column of each kind's block
+MAX_ARENA_BYTES = (2**31 - 1) * ALIGN  # base16 is int32
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def band_parts(band: Band, tokens: int) -> list[tuple[str, int]]:
+    """(part name, bytes) per head for one kind, in arena order; empty bands have no parts."""
+    if tokens % band.group:
+        raise ValueError(f"segment of {tokens} tokens is not a multiple of {band.spec} group")
+    codes, scales = [], []
+    for bits in BAND_BITS:
+        n = getattr(band, f"b{bits}")
+        if n:
+            codes.append((f"codes{bits}", tokens * n * bits // 8))
+            scales += [(f"scale{bits}", tokens // band.group * n * 2),
+                       (f"zero{bits}", tokens // band.group * n * 2)]
+    return codes + scales
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Byte layout of one (segment, head) block for a (K band, V band, tokens) combination."""
+    k: Band
+    v: Band
+    tokens: int
+    offsets: dict[str, int]  # 'k.codes8' -> byte offset inside the head block
+    sizes: dict[str, int]  # 'k.codes8' -> bytes
+    head_bytes: int  # aligned size of one head block (the per-head stride)
+
+    @classmethod
+    def of(cls, k: Band, v: Band, tokens: int) -> "BlockLayout":
+        offsets, sizes, pos = {}, {}, 0
+        for kind, band in (("k", k), ("v", v)):
+            for name, nbytes in band_parts(band, tokens):
+                offsets[f"{kind}.{name}"], sizes[f"{kind}.{name}"] = pos, nbytes
+                pos = _align(pos + nbytes)
+        return cls(k, v, tokens, offsets, sizes, max(pos, ALIGN))
+
+    def payload_bytes(self) -> tuple[int, int]:
+        """(code bytes, scale bytes) per head, without alignment padding."""
+        codes = sum(n for name, n in self.sizes.items() if ".codes" in name)
+        return codes, sum(self.sizes.values()) - codes
+
+    def header(self, base: int) -> torch.Tensor:
+        """int32 [HEADER_WIDTH] for a segment whose block starts at byte `base`."""
+        if base % ALIGN or base > MAX_ARENA_BYTES:
+            raise ValueError(f"segment base {base} must be a multiple of {ALIGN} below "
+                             f"{MAX_ARENA_BYTES} (int32 header in {ALIGN}-byte units)")
+        row = torch.zeros(HEADER_WIDTH, dtype=torch.int32)
+        row[HDR["tokens"]], row[HDR["base16"]] = self.tokens, base // ALIGN
+        row[HDR["head_stride"]] = self.head_bytes
+        for kind, band in (("k", self.k), ("v", self.v)):
+            for field in ("b8", "b4", "b2", "group"):
+                row[HDR[f"{kind}_{field}"]] = getattr(band, field)
+            for part in KIND_FIELDS[4:]:
+                row[HDR[f"{kind}_{part}"]] = self.offsets.get(f"{kind}.{part}", 0)
+        return row
+
+
+@dataclass
+class PackedArena:
+    """One layer of a batch, packed for the band decode kernel (see the module docstring)."""
+    data: torch.Tensor  # uint8 [N], N a multiple of 16
+    headers: torch.Tensor  # int32 [num_segments, HEADER_WIDTH]
+    seg_indptr: torch.Tensor  # int32 [B+1]
+    seg_ids: torch.Tensor  # int32 [num_segments], request-major, in token order
+    k_basis: torch.Tensor  # float32 [B, H, D, D] (q_rot = q @ k_basis)
+    v_basis: torch.Tensor  # float32 [B, H, D, D] (out = acc_rot @ v_basis^T)
+    hot_k: torch.Tensor  # bf16 [B, H, T_hot_max, D], zero padded
+    hot_v: torch.Tensor
+    hot_lens: torch.Tensor  # int32 [B]
+    segment_tokens: int
+    page_tokens: int
+    payload: dict[str, int]  # 'codes', 'scales': bytes copied from the Encoded tensors
+    min_group: int = 32  # smallest K/V token group of any segment (kernels tile tokens by it)
+
+    @property
+    def batch(self) -> int:
+        return self.seg_indptr.numel() - 1
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_basis.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_basis.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def segments_per_request(self) -> list[int]:
+        return (self.seg_indptr[1:] - self.seg_indptr[:-1]).tolist()
+
+    def pages_per_request(self) -> list[int]:
+        ppseg = self.segment_tokens // self.page_tokens
+        return [n * ppseg for n in self.segments_per_request()]
+
+    def to(self, device) -> "PackedArena":
+        moved = {name: getattr(self, name).to(device) for name in
+                 ("data", "headers", "seg_indptr", "seg_ids", "k_basis", "v_basis", "hot_k",
+                  "hot_v", "hot_lens")}
+        return PackedArena(**moved, segment_tokens=self.segment_tokens,
+                           page_tokens=self.page_tokens, payload=dict(self.payload),
+                           min_group=self.min_group)
+
+    def byte_breakdown(self) -> dict[str, int]:
+        """Bytes held, by kind, measured from the tensors: codes + scales + padding == arena."""
+        out = dict(self.payload)
+        out["padding"] = _nbytes(self.data) - out["codes"] - out["scales"]
+        out["headers"] = _nbytes(self.headers)
+        out["segment_lists"] = _nbytes(self.seg_indptr) + _nbytes(self.seg_ids)
+        out["bases"] = _nbytes(self.k_basis) + _nbytes(self.v_basis)
+        out["hot"] = _nbytes(self.hot_k) + _nbytes(self.hot_v) + _nbytes(self.hot_lens)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(self.byte_breakdown().values())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _check_segment(i: int, b: int, seg, page_tokens: int, basis: int) -> tuple[Band, Band]:
+    where = f"request {b}, segment {i} (tokens {seg.start}..{seg.start + seg.tokens})"
+    bands = []
+    for kind, choice in (("K", seg.k), ("V", seg.v)):
+        strat = choice.strategy
+        if not isinstance(strat, Band):
+            d = choice.encoded.shape[-1]
+            hint = (f"use a band sink, e.g. sink_candidates=['band:b8={d},b4=0,b2=0,group=32'], "
+                    f"or sink_segments=0" if choice.reason == "sink" else
+                    "keep only band specs in k_candidates/v_candidates and raise the error "
+                    "budget so no segment falls back to dense")
+            raise ValueError(f"pack_layer: {where}: {kind} is stored as '{strat.spec}' "
+                             f"({choice.reason}); the packed kernel reads only 'band' segments: "
+                             f"{hint}")
+        if not strat.rot:
+            raise ValueError(f"pack_layer: {where}: {kind} band '{strat.spec}' has rot=0; the "
+                             f"kernel reads every segment in its request's basis (use rot=1)")
+        if strat.group % page_tokens:
+            raise ValueError(f"pack_layer: {where}: {kind} band group={strat.group} is not a "
+                             f"multiple of page_tokens={page_tokens} (a page must sit in one "
+                             f"token group)")
+        bands.append(strat)
+    if seg.basis != basis:
+        raise ValueError(f"pack_layer: {where} uses basis block {seg.basis}, but this version "
+                         f"supports one basis block per request (block {basis}); keep the "
+                         f"context within basis_block_tokens")
+    return bands[0], bands[1]
+
+
+def pack_layer(layers: list[CompressedLayer], page_tokens: int = 32) -> PackedArena:
+    """One CompressedLayer per request (same KV heads and head_dim) -> PackedArena (on CPU).
+
+    Every sealed segment must store K and V with `band` strategies in the SVD basis (any mix of
+    band layouts), of one segment size, with token groups that are multiples of `page_tokens`,
+    and each request must use a single basis block. Errors name the request, the segment and
+    the fix. Move the result with `.to(device)`.
+    """
+    if not layers:
+        raise ValueError("pack_layer: need at least one CompressedLayer (one per request)")
+    h, _, d = layers[0].hot_k.shape
+    seg_tokens = None
+    plan = []  # (request, segment, BlockLayout)
+    for b, layer in enumerate(layers):
+        if layer.hot_k is None or layer.hot_k.shape[0] != h or layer.hot_k.shape[2] != d:
+            raise ValueError(f"pack_layer: request {b} has hot buffer "
+                             f"{None if layer.hot_k is None else tuple(layer.hot_k.shape)}; "
+                             f"expected [{h}, T, {d}] like request 0")
+        basis = layer.segments[0].basis if layer.segments else 0
+        for i, seg in enumerate(layer.segments):
+            kb, vb = _check_segment(i, b, seg, page_tokens, basis)
+            seg_tokens = seg.tokens if seg_tokens is None else seg_tokens
+            if seg.tokens != seg_tokens or seg.tokens % page_tokens:
+                raise ValueError(f"pack_layer: request {b}, segment {i} has {seg.tokens} tokens; "
+                                 f"all segments must have the same size ({seg_tokens}), a "
+                                 f"multiple of page_tokens={page_tokens}")
+            if seg.k.encoded.shape != (h, seg.tokens, d):
+                raise ValueError(f"pack_layer: request {b}, segment {i} K shape "
+                                 f"{seg.k.encoded.shape} != {(h, seg.tokens, d)}")
+            plan.append((b, seg, BlockLayout.of(kb, vb, seg.tokens)))
+
+    # Offsets first (exact size), then one allocation and the copies.
+    bases, pos = [], 0
+    for _, _, lay in plan:
+        bases.append(pos)
+        pos += h * lay.head_bytes
+    data = torch.zeros(_align(max(pos, 1)), dtype=torch.uint8)
+    headers = torch.zeros(len(plan), HEADER_WIDTH, dtype=torch.int32)
+    payload = {"codes": 0, "scales": 0}
+    for n, ((_, seg, lay), base) in enumerate(zip(plan, bases)):
+        headers[n] = lay.header(base)
+        codes, scales = lay.payload_bytes()
+        payload["codes"] += h * codes
+        payload["scales"] += h * scales
+        for kind, choice in (("k", seg.k), ("v", seg.v)):
+            for name, t in choice.encoded.tensors.items():
+                want = torch.uint8 if name.startswith("codes") else SCALE_DTYPE
+                if t.dtype != want:
+                    raise ValueError(f"pack_layer: {kind}.{name} is {t.dtype}, expected {want}")
+                flat = t.contiguous().view(torch.uint8).reshape(h, -1)
+                key = f"{kind}.{name}"
+                if flat.shape[1] != lay.sizes[key]:
+                    raise ValueError(f"pack_layer: {key} holds {flat.shape[1]} bytes per head, "
+                                     f"layout expects {lay.sizes[key]}")
+                off = lay.offsets[key]
+                block = data[base:base + h * lay.head_bytes].view(h, lay.head_bytes)
+                block[:, off:off + lay.sizes[key]] = flat
+
+    counts = torch.tensor([len(layer.segments) for layer in layers], dtype=torch.int32)
+    seg_indptr = torch.zeros(len(layers) + 1, dtype=torch.int32)
+    seg_indptr[1:] = counts.cumsum(0)
+    k_basis = torch.empty(len(layers), h, d, d)
+    v_basis = torch.empty(len(layers), h, d, d)
+    for b, layer in enumerate(layers):
+        blk = layer.segments[0].basis if layer.segments else None
+        eye = torch.eye(d).expand(h, d, d)
+        k_basis[b] = eye if blk is None else layer.k_bases[blk].float()
+        v_basis[b] = eye if blk is None else layer.v_bases[blk].float()
+    hot_lens = torch.tensor([layer.hot_k.shape[1] for layer in layers], dtype=torch.int32)
+    t_max = max(int(hot_lens.max()), 1)
+    hot_k = torch.zeros(len(layers), h, t_max, d, dtype=torch.bfloat16)
+    hot_v = torch.zeros_like(hot_k)
+    for b, layer in enumerate(layers):
+        hot_k[b, :, :layer.hot_k.shape[1]] = layer.hot_k
+        hot_v[b, :, :layer.hot_v.shape[1]] = layer.hot_v
+    return PackedArena(data, headers, seg_indptr, torch.arange(len(plan), dtype=torch.int32),
+                       k_basis, v_basis, hot_k, hot_v, hot_lens,
+                       segment_tokens=seg_tokens or page_tokens, page_tokens=page_tokens,
+                       payload=payload,
+                       min_group=min([min(lay.k.group, lay.v.group) for _, _, lay in plan],
+                                     default=page_tokens))
