@@ -34,6 +34,7 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from . import wiring
 from .config import MosaicConfig
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 KV_BACKEND_CHOICES = ("default", "mosaickv")
 ATTENTION_BACKEND = "mosaickv"  # name under sglang's register_attention_backend
 RADIX_CACHE_BACKEND = "mosaickv"  # name under sglang's register_radix_cache_backend
-CONFIG_ATTR = "_mosaickv_config"  # on ServerArgs: the MosaicConfig, or None (dense)
+CONFIG_ATTR = wiring.CONFIG_ATTR  # on ServerArgs: the MosaicConfig, or None (dense)
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
@@ -168,14 +169,13 @@ HOOKS: dict[str, tuple[Any, HookType]] = {
     f"{_SERVER_ARGS}.add_cli_args": (_add_cli_args, HookType.AFTER),
     f"{_SERVER_ARGS}.from_cli_args": (_from_cli_args, HookType.AROUND),
     f"{_SERVER_ARGS}.check_server_args": (_check_server_args, HookType.AFTER),
+    **wiring.HOOKS,  # pool, allocator, backend and stats seams
 }
 
 
 def register() -> None:
     """``sglang.srt.plugins`` entry point (zero arguments; runs in every SGLang process)."""
-    from . import wiring
-
-    for target, (hook, hook_type) in {**HOOKS, **wiring.HOOKS}.items():
+    for target, (hook, hook_type) in HOOKS.items():
         HookRegistry.register(target, hook, hook_type)
     wiring.register_backends()
 

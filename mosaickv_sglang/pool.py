@@ -55,11 +55,30 @@ class SealedPage:
 @dataclass
 class PoolCounters:
     sealed_pages: int = 0
-    reused_pages: int = 0  # pages found already sealed when another request reached them
+    reused_pages: int = 0  # sealed pages handed to requests by a radix-tree prefix match
     freed_pages: int = 0
     over_budget: int = 0  # segment kinds kept dense because no candidate met the budget
     forced_seals: int = 0  # seals done early because the hot buffer ran out
     strategies: dict = field(default_factory=dict)
+
+
+def cell_fraction(cfg: MosaicConfig, head_num: int, head_dim: int) -> float:
+    """Physical bytes per logical token slot / dense bf16 bytes, sized for the *largest* candidate
+    (so the arena never over-commits unless a segment falls back to dense, which is counted):
+    hot-buffer share + compressed K and V + page metadata + header + amortized bases."""
+    from .codec.strategies import Encoded
+
+    x = torch.randn(head_num, cfg.segment_tokens, head_dim)
+    def worst(specs, kind):
+        return max(Encoded(kind, tuple(x.shape), parse_strategy(s).encode(x, kind)).nbytes()
+                   for s in specs)
+    seg = worst(cfg.k_candidates, "k") + worst(cfg.v_candidates, "v")
+    seg += build_page_meta(x, cfg.page_tokens, cfg.select.meta_channels).nbytes() \
+        if cfg.select.enabled else 0
+    seg += 4 * 6  # header
+    bases = 2 * head_num * head_dim * head_dim * 2 * cfg.segment_tokens / cfg.basis_block_tokens
+    dense = 2 * head_num * cfg.segment_tokens * head_dim * 2
+    return cfg.hot_buffer_fraction + (seg + bases) / dense
 
 
 class MosaicKVPool(MHATokenToKVPool):
@@ -236,6 +255,13 @@ class MosaicKVPool(MHATokenToKVPool):
             if hot >= 0:
                 self.free_hot_pages.append(hot)
                 self.hot_page_of[page] = -1
+
+    def clear(self) -> None:
+        """Every logical page is free again (the allocator was reset): drop all state."""
+        self.counters.freed_pages += len(self.sealed)
+        self.sealed.clear()
+        self.hot_page_of.fill_(-1)
+        self.free_hot_pages = list(range(self.num_hot_pages, 0, -1))
 
     # ---- accounting ---------------------------------------------------------------------
     def _hot_capacity_bytes(self) -> int:

@@ -23,6 +23,15 @@ class MosaicRadixCache(RadixCache):
             raise RuntimeError("radix-cache backend 'mosaickv' needs the MosaicKV pool")
         self.pool = pool
 
+    def match_prefix(self, params):
+        """SGLang's match, plus a count of the sealed pages a request gets from the tree."""
+        result = super().match_prefix(params)
+        slots = result.device_indices[:: self.page_size]
+        if len(slots):
+            self.pool.counters.reused_pages += sum(
+                1 for s in slots.tolist() if s // self.page_size in self.pool.sealed)
+        return result
+
     def _split_node(self, key, child, split_len: int):
         if split_len % self.page_size:
             raise RuntimeError(f"MosaicKV: radix split at {split_len}, not a page boundary "

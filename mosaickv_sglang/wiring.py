@@ -42,6 +42,23 @@ def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
     )
 
 
+def _compute_cell_size(result, self, kvc, num_layers):
+    """AFTER DefaultPoolConfigurator._compute_cell_size: bytes per *logical* token at the
+    compressed size, so the same free memory yields more token slots than a dense cache."""
+    cfg = _config_of(kvc.server_args)
+    if cfg is None or not result:
+        return result
+    from sglang.srt.runtime_context import get_parallel
+
+    from .pool import cell_fraction
+
+    frac = cell_fraction(cfg, kvc.model_config.get_num_kv_heads(get_parallel().attn_tp_size),
+                         kvc.model_config.head_dim)
+    logger.info("MosaicKV sizing: %.3f of the dense bytes per token (%.2fx more token slots)",
+                frac, 1 / frac)
+    return int(result * frac)
+
+
 def _release_page_ids(original, self, *page_ids):
     """AROUND PagedTokenToKVPoolAllocator._release_page_ids: the pool drops freed pages."""
     from .pool import MosaicKVPool
@@ -51,6 +68,29 @@ def _release_page_ids(original, self, *page_ids):
         for ids in page_ids:
             pool.release_pages(ids.tolist())
     return original(self, *page_ids)
+
+
+def _allocator_clear(result, self):
+    """AFTER PagedTokenToKVPoolAllocator.clear (e.g. /flush_cache): every page is free again."""
+    from .pool import MosaicKVPool
+
+    pool = self.get_kvcache()
+    if isinstance(pool, MosaicKVPool):
+        pool.clear()
+    return result
+
+
+def _fused_set_kv_buffer(original, forward_batch) -> bool:
+    """AROUND models.utils.enable_fused_set_kv_buffer: off for MosaicKV. The fused RoPE+store
+    kernels write K/V straight into get_key_buffer() rows by logical slot id, which would bypass
+    the pool's logical -> hot-buffer translation."""
+    from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
+
+    from .pool import MosaicKVPool
+
+    if isinstance(get_token_to_kv_pool(), MosaicKVPool):
+        return False
+    return original(forward_batch)
 
 
 def _support_triton(original, backend: str) -> bool:
@@ -90,10 +130,15 @@ def register_backends() -> None:
 
 
 HOOKS = {
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size":
+        (_compute_cell_size, HookType.AFTER),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool":
         (_build_token_to_kv_pool, HookType.AROUND),
     "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids":
         (_release_page_ids, HookType.AROUND),
+    "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear":
+        (_allocator_clear, HookType.AFTER),
+    "sglang.srt.models.utils.enable_fused_set_kv_buffer": (_fused_set_kv_buffer, HookType.AROUND),
     "sglang.srt.utils.common.support_triton": (_support_triton, HookType.AROUND),
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state":
         (_internal_state, HookType.AFTER),

@@ -9,11 +9,11 @@
 """
 import json
 import threading
-import time
 
 import pytest
 
-from server_utils import SMOLLM2, make_tiny_llama, mosaickv_stats, request, running_server
+from server_utils import (SMOLLM2, flush_cache, make_tiny_llama, mosaickv_stats, request,
+                          running_server)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(),
@@ -112,7 +112,7 @@ def test_frontend_dsl_fork_and_select(smol):
 
 
 def test_shared_prefix_is_compressed_once_and_reused(smol):
-    request(f"{smol.url}/flush_cache")
+    flush_cache(smol.url)
     prefix = _essay_ids(2048, 20000)
     ps = 128
     before = mosaickv_stats(smol.url)
@@ -139,8 +139,7 @@ def test_shared_prefix_is_compressed_once_and_reused(smol):
 
 
 def test_physical_bytes_per_token_at_least_3x_below_bf16(smol):
-    request(f"{smol.url}/flush_cache")
-    time.sleep(1)
+    flush_cache(smol.url)
     assert mosaickv_stats(smol.url)["sealed_pages"] == 0  # eviction freed the packed bytes
     _greedy(smol.url, _essay_ids(6000, 40000), 4)
     stats = mosaickv_stats(smol.url)

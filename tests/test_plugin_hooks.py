@@ -52,7 +52,15 @@ def test_other_sglang_names_resolve():
                    "sglang.srt.model_executor.cuda_graph_config.Backend.DISABLED",
                    "sglang.srt.configs.model_config.is_hybrid_swa_model",
                    "sglang.srt.utils.hf_transformers.config.get_config",
-                   "sglang.srt.utils.hf_transformers.common.get_hf_text_config"):
+                   "sglang.srt.utils.hf_transformers.common.get_hf_text_config",
+                   # used inside the pool / backend / radix / sizing hooks
+                   "sglang.srt.model_executor.forward_context.get_token_to_kv_pool",
+                   "sglang.srt.runtime_context.get_parallel",
+                   "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",
+                   "sglang.srt.mem_cache.memory_pool.unwrap_write_loc",
+                   "sglang.srt.mem_cache.radix_cache.RadixCache",
+                   "sglang.srt.mem_cache.registry.register_radix_cache_backend",
+                   "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"):
         pkgutil.resolve_name(target)
 
 

@@ -5,15 +5,20 @@ produced, laid out per segment and per KV head so that one kernel program reads 
 (segment, head) block contiguously:
 
     arena (uint8)
-    ├─ segment s0 ─ head 0: [K codes8|codes4|codes2|scale8|zero8|scale4|zero4|scale2|zero2][V ...]
+    ├─ segment s0 ─ head 0: [K codes8|codes4|codes2|scale8|zero8|scale4|zero4|scale2|zero2]
+    │                       [V codes8|...]
     │             ─ head 1: [...]            (every part starts on a 16-byte boundary)
     ├─ segment s1 ─ ...                      (any mix of band layouts, one per segment)
 
 An int32 header row per segment (`HEADER_FIELDS`) says how to read it: tokens, where its block
-starts (in 16-byte units), the per-head stride, and per kind (K, V) the band widths b8/b4/b2, the
-token group and the byte offset of each part inside a head block. Per-request segment lists are CSR
-(`seg_indptr` [B+1], `seg_ids`). The request's bases (one basis block per request in this version,
-kept as float32 working copies) and its dense hot buffer (padded bf16) ride along.
+starts (in 16-byte units), the per-head stride, its layout id, and per kind (K, V) the band widths
+b8/b4/b2, the token group and the byte offset of each part inside a head block. Each distinct
+layout also gets a per-channel read plan (`BlockLayout.channel_plan`: byte offset, shift and mask
+of every channel's code, offsets of its scale and zero), so a kernel loads the plan rather than
+re-deriving it per block. Per-request segment lists are CSR (`seg_indptr` [B+1], `seg_ids`).
+The request's bases (one basis block per request in this version, kept as float32 working
+copies) and its dense hot buffer (padded bf16) ride along. Band widths in headers and plans are
+channel counts at the layer's head_dim (a spec's widths are per 64 channels).
 
 Only `band` strategies in the SVD basis are packed: a sink segment stored with `lowbit` or `dense`
 (the default sink candidate is lowbit in the raw basis) is rejected with the config change that
@@ -33,11 +38,12 @@ ALIGN = 16  # bytes; every part and every (segment, head) block starts on this b
 KIND_FIELDS = ("b8", "b4", "b2", "group",
                "codes8", "codes4", "codes2",
                "scale8", "zero8", "scale4", "zero4", "scale2", "zero2")
-HEADER_FIELDS = (("tokens", "base16", "head_stride")
+HEADER_FIELDS = (("tokens", "base16", "head_stride", "layout")
                  + tuple(f"k_{f}" for f in KIND_FIELDS) + tuple(f"v_{f}" for f in KIND_FIELDS))
+# Per-channel read plan of a layout (`channel_plan`), one int32 row of head_dim per field.
+PLAN_FIELDS = ("code", "row", "shift", "mask", "scale", "zero", "group_bytes", "unused")
 HEADER_WIDTH = 32  # int32 columns per row (fields padded: one 128-byte line per segment)
 HDR = {name: i for i, name in enumerate(HEADER_FIELDS)}  # column of each field
-K_FIELDS, V_FIELDS = HDR["k_b8"], HDR["v_b8"]  # first column of each kind's block
 MAX_ARENA_BYTES = (2**31 - 1) * ALIGN  # base16 is int32
 
 
@@ -45,13 +51,20 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def band_parts(band: Band, tokens: int) -> list[tuple[str, int]]:
+def band_channels(band: Band, head_dim: int) -> dict[int, int]:
+    """bits -> channels of each band at `head_dim` (0 for an empty band)."""
+    band.validate_dims(head_dim)
+    out = dict.fromkeys(BAND_BITS, 0)
+    out.update({bits: n for _, n, bits in band.bands(head_dim)})
+    return out
+
+
+def band_parts(band: Band, tokens: int, head_dim: int) -> list[tuple[str, int]]:
     """(part name, bytes) per head for one kind, in arena order; empty bands have no parts."""
     if tokens % band.group:
         raise ValueError(f"segment of {tokens} tokens is not a multiple of {band.spec} group")
     codes, scales = [], []
-    for bits in BAND_BITS:
-        n = getattr(band, f"b{bits}")
+    for bits, n in band_channels(band, head_dim).items():
         if n:
             codes.append((f"codes{bits}", tokens * n * bits // 8))
             scales += [(f"scale{bits}", tokens // band.group * n * 2),
@@ -61,39 +74,65 @@ def band_parts(band: Band, tokens: int) -> list[tuple[str, int]]:
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """Byte layout of one (segment, head) block for a (K band, V band, tokens) combination."""
+    """Byte layout of one (segment, head) block for a (K band, V band, tokens, head_dim)."""
     k: Band
     v: Band
     tokens: int
+    head_dim: int
     offsets: dict[str, int]  # 'k.codes8' -> byte offset inside the head block
     sizes: dict[str, int]  # 'k.codes8' -> bytes
     head_bytes: int  # aligned size of one head block (the per-head stride)
 
     @classmethod
-    def of(cls, k: Band, v: Band, tokens: int) -> "BlockLayout":
+    def of(cls, k: Band, v: Band, tokens: int, head_dim: int) -> "BlockLayout":
         offsets, sizes, pos = {}, {}, 0
         for kind, band in (("k", k), ("v", v)):
-            for name, nbytes in band_parts(band, tokens):
+            for name, nbytes in band_parts(band, tokens, head_dim):
                 offsets[f"{kind}.{name}"], sizes[f"{kind}.{name}"] = pos, nbytes
                 pos = _align(pos + nbytes)
-        return cls(k, v, tokens, offsets, sizes, max(pos, ALIGN))
+        return cls(k, v, tokens, head_dim, offsets, sizes, max(pos, ALIGN))
 
     def payload_bytes(self) -> tuple[int, int]:
         """(code bytes, scale bytes) per head, without alignment padding."""
         codes = sum(n for name, n in self.sizes.items() if ".codes" in name)
         return codes, sum(self.sizes.values()) - codes
 
-    def header(self, base: int) -> torch.Tensor:
+    def key(self) -> tuple[str, str, int, int]:
+        return self.k.spec, self.v.spec, self.tokens, self.head_dim
+
+    def channel_plan(self) -> torch.Tensor:
+        """int32 [2 (K, V), len(PLAN_FIELDS), head_dim]: for each channel of the rotated basis,
+        where its code of token 0 lives (byte offset in the head block), the row stride in bytes,
+        the bit shift and mask inside the byte (mask 0: channel dropped), the byte offsets of its
+        group-0 scale and zero, and the bytes per token group of its band. The kernel loads
+        this instead of re-deriving it from the band widths on every block."""
+        plan = torch.zeros(2, len(PLAN_FIELDS), self.head_dim, dtype=torch.int32)
+        for k, (kind, band) in enumerate((("k", self.k), ("v", self.v))):
+            for start, n, bits in band.bands(self.head_dim):
+                per_byte = 8 // bits
+                j = torch.arange(n)
+                c = slice(start, start + n)
+                plan[k, 0, c] = self.offsets[f"{kind}.codes{bits}"] + j // per_byte
+                plan[k, 1, c] = n * bits // 8
+                plan[k, 2, c] = (j % per_byte) * bits
+                plan[k, 3, c] = (1 << bits) - 1
+                plan[k, 4, c] = self.offsets[f"{kind}.scale{bits}"] + 2 * j
+                plan[k, 5, c] = self.offsets[f"{kind}.zero{bits}"] + 2 * j
+                plan[k, 6, c] = 2 * n
+        return plan
+
+    def header(self, base: int, layout_id: int = 0) -> torch.Tensor:
         """int32 [HEADER_WIDTH] for a segment whose block starts at byte `base`."""
         if base % ALIGN or base > MAX_ARENA_BYTES:
             raise ValueError(f"segment base {base} must be a multiple of {ALIGN} below "
                              f"{MAX_ARENA_BYTES} (int32 header in {ALIGN}-byte units)")
         row = torch.zeros(HEADER_WIDTH, dtype=torch.int32)
         row[HDR["tokens"]], row[HDR["base16"]] = self.tokens, base // ALIGN
-        row[HDR["head_stride"]] = self.head_bytes
+        row[HDR["head_stride"]], row[HDR["layout"]] = self.head_bytes, layout_id
         for kind, band in (("k", self.k), ("v", self.v)):
-            for field in ("b8", "b4", "b2", "group"):
-                row[HDR[f"{kind}_{field}"]] = getattr(band, field)
+            for bits, n in band_channels(band, self.head_dim).items():
+                row[HDR[f"{kind}_b{bits}"]] = n
+            row[HDR[f"{kind}_group"]] = band.group
             for part in KIND_FIELDS[4:]:
                 row[HDR[f"{kind}_{part}"]] = self.offsets.get(f"{kind}.{part}", 0)
         return row
@@ -111,6 +150,7 @@ class PackedArena:
     hot_k: torch.Tensor  # bf16 [B, H, T_hot_max, D], zero padded
     hot_v: torch.Tensor
     hot_lens: torch.Tensor  # int32 [B]
+    plans: torch.Tensor  # int32 [num_layouts, 2, len(PLAN_FIELDS), D], header 'layout' indexes
     segment_tokens: int
     page_tokens: int
     payload: dict[str, int]  # 'codes', 'scales': bytes copied from the Encoded tensors
@@ -142,7 +182,7 @@ class PackedArena:
     def to(self, device) -> "PackedArena":
         moved = {name: getattr(self, name).to(device) for name in
                  ("data", "headers", "seg_indptr", "seg_ids", "k_basis", "v_basis", "hot_k",
-                  "hot_v", "hot_lens")}
+                  "hot_v", "hot_lens", "plans")}
         return PackedArena(**moved, segment_tokens=self.segment_tokens,
                            page_tokens=self.page_tokens, payload=dict(self.payload),
                            min_group=self.min_group)
@@ -151,7 +191,7 @@ class PackedArena:
         """Bytes held, by kind, measured from the tensors: codes + scales + padding == arena."""
         out = dict(self.payload)
         out["padding"] = _nbytes(self.data) - out["codes"] - out["scales"]
-        out["headers"] = _nbytes(self.headers)
+        out["headers"] = _nbytes(self.headers) + _nbytes(self.plans)
         out["segment_lists"] = _nbytes(self.seg_indptr) + _nbytes(self.seg_ids)
         out["bases"] = _nbytes(self.k_basis) + _nbytes(self.v_basis)
         out["hot"] = _nbytes(self.hot_k) + _nbytes(self.hot_v) + _nbytes(self.hot_lens)
@@ -171,9 +211,8 @@ def _check_segment(i: int, b: int, seg, page_tokens: int, basis: int) -> tuple[B
     for kind, choice in (("K", seg.k), ("V", seg.v)):
         strat = choice.strategy
         if not isinstance(strat, Band):
-            d = choice.encoded.shape[-1]
-            hint = (f"use a band sink, e.g. sink_candidates=['band:b8={d},b4=0,b2=0,group=32'], "
-                    f"or sink_segments=0" if choice.reason == "sink" else
+            hint = ("use a band sink, e.g. sink_candidates=['band:b8=64,b4=0,b2=0,group=32'] "
+                    "(8 bits on every channel), or sink_segments=0" if choice.reason == "sink" else
                     "keep only band specs in k_candidates/v_candidates and raise the error "
                     "budget so no segment falls back to dense")
             raise ValueError(f"pack_layer: {where}: {kind} is stored as '{strat.spec}' "
@@ -223,7 +262,7 @@ def pack_layer(layers: list[CompressedLayer], page_tokens: int = 32) -> PackedAr
             if seg.k.encoded.shape != (h, seg.tokens, d):
                 raise ValueError(f"pack_layer: request {b}, segment {i} K shape "
                                  f"{seg.k.encoded.shape} != {(h, seg.tokens, d)}")
-            plan.append((b, seg, BlockLayout.of(kb, vb, seg.tokens)))
+            plan.append((b, seg, BlockLayout.of(kb, vb, seg.tokens, d)))
 
     # Offsets first (exact size), then one allocation and the copies.
     bases, pos = [], 0
@@ -232,9 +271,14 @@ def pack_layer(layers: list[CompressedLayer], page_tokens: int = 32) -> PackedAr
         pos += h * lay.head_bytes
     data = torch.zeros(_align(max(pos, 1)), dtype=torch.uint8)
     headers = torch.zeros(len(plan), HEADER_WIDTH, dtype=torch.int32)
+    layout_ids: dict[tuple, int] = {}
+    plans = []
     payload = {"codes": 0, "scales": 0}
     for n, ((_, seg, lay), base) in enumerate(zip(plan, bases)):
-        headers[n] = lay.header(base)
+        if lay.key() not in layout_ids:
+            layout_ids[lay.key()] = len(plans)
+            plans.append(lay.channel_plan())
+        headers[n] = lay.header(base, layout_ids[lay.key()])
         codes, scales = lay.payload_bytes()
         payload["codes"] += h * codes
         payload["scales"] += h * scales
@@ -271,6 +315,8 @@ def pack_layer(layers: list[CompressedLayer], page_tokens: int = 32) -> PackedAr
         hot_v[b, :, :layer.hot_v.shape[1]] = layer.hot_v
     return PackedArena(data, headers, seg_indptr, torch.arange(len(plan), dtype=torch.int32),
                        k_basis, v_basis, hot_k, hot_v, hot_lens,
+                       torch.stack(plans) if plans else
+                       torch.zeros(1, 2, len(PLAN_FIELDS), d, dtype=torch.int32),
                        segment_tokens=seg_tokens or page_tokens, page_tokens=page_tokens,
                        payload=payload,
                        min_group=min([min(lay.k.group, lay.v.group) for _, _, lay in plan],

@@ -4,7 +4,8 @@ sorted by energy, so the leading `b8` channels get 8-bit codes, the next `b4` 4-
 Each band keeps one fp16 (scale, zero) per channel per `group` tokens, for K and V alike (in the
 rotated basis per-channel ranges are well defined for both). For a Gaussian source this is the
 classic reverse water-filling answer to "fewest bits for a given error", which per-vector top-r
-and uniform KIVI only approximate; bands are fixed per strategy so a kernel tiles them plainly."""
+and uniform KIVI only approximate; bands are fixed per strategy so a kernel tiles them plainly.
+Band widths are given per 64 channels and scale with head_dim (b4=60 means 120 at D=128)."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +16,7 @@ from .lowbit import (channel_groups_decode, channel_groups_pv, channel_groups_qk
                      quantize_channel_groups)
 
 BAND_BITS = (8, 4, 2)
+UNIT = 64  # band widths are per this many channels
 
 
 @register
@@ -31,20 +33,25 @@ class Band(Strategy):
         if self.group < 1:
             raise ValueError(f"band group={self.group} must be >= 1")
 
-    def bands(self):
+    def validate_dims(self, head_dim: int) -> None:
+        if head_dim % UNIT or sum(getattr(self, f"b{b}") for b in BAND_BITS) > UNIT:
+            raise ValueError(f"band {self.spec}: widths are per {UNIT} channels (sum <= {UNIT}) "
+                             f"and head_dim must be a multiple of {UNIT}, got {head_dim}")
+
+    def bands(self, head_dim: int = UNIT):
         """(first channel, channels, bits) for each non-empty band, leading channels first."""
+        scale = head_dim // UNIT
         start = 0
         for bits in BAND_BITS:
-            n = getattr(self, f"b{bits}")
+            n = getattr(self, f"b{bits}") * scale
             if n:
                 yield start, n, bits
                 start += n
 
     def encode(self, x: torch.Tensor, kind: str) -> Tensors:
-        if sum(n for _, n, _ in self.bands()) > x.shape[-1]:
-            raise ValueError(f"band {self.spec} covers more channels than head_dim {x.shape[-1]}")
+        self.validate_dims(x.shape[-1])
         out = {}
-        for start, n, bits in self.bands():
+        for start, n, bits in self.bands(x.shape[-1]):
             codes, scale, zero = quantize_channel_groups(x[..., start:start + n], bits, self.group)
             out.update({f"codes{bits}": pack_codes(codes, bits), f"scale{bits}": scale,
                         f"zero{bits}": zero})
@@ -57,17 +64,17 @@ class Band(Strategy):
 
     def decode(self, e: Encoded) -> torch.Tensor:
         out = torch.zeros(e.shape)
-        for start, n, bits in self.bands():
+        for start, n, bits in self.bands(e.shape[-1]):
             out[..., start:start + n] = channel_groups_decode(*self._band(e, bits))
         return out
 
     def qk(self, e: Encoded, q: torch.Tensor) -> torch.Tensor:
         q = q.float()
         return sum(channel_groups_qk(*self._band(e, bits), q[..., start:start + n])
-                   for start, n, bits in self.bands())
+                   for start, n, bits in self.bands(e.shape[-1]))
 
     def pv(self, e: Encoded, p: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(e.shape[0], p.shape[1], e.shape[2])
-        for start, n, bits in self.bands():
+        for start, n, bits in self.bands(e.shape[-1]):
             out[..., start:start + n] = channel_groups_pv(*self._band(e, bits), p.float())
         return out

@@ -1,0 +1,110 @@
+"""Start/stop a real SGLang server (a child process group, always torn down) and talk to it.
+
+Used by the demo, the accuracy runner and the end-to-end tests. On a CPU machine the MosaicKV
+CPU platform is switched on (``MOSAICKV_CPU_PLATFORM=1``); start-up is 20-70 s on two cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+from .assets.smollm2 import DEFAULT_OUT as SMOLLM2
+
+
+def server_env() -> dict:
+    """The environment for a server child: the CPU platform unless a GPU is present."""
+    import torch
+
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["MOSAICKV_CPU_PLATFORM"] = "1"
+    env.pop("SGLANG_PLUGINS", None)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(url: str, payload: dict | None = None, timeout: float = 120.0):
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+        try:
+            return resp.status, json.loads(raw or b"null")
+        except json.JSONDecodeError:
+            return resp.status, raw.decode()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (launcher, scheduler, detokenizer), then SIGKILL."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+@contextmanager
+def running_server(model: Path, log: Path, *args: str, startup_s: float = 300):
+    """Yield SimpleNamespace(url, log, proc) for `python -m sglang.launch_server` with args."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+           "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=server_env(),
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + startup_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if request(f"{url}/health", timeout=5)[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"server not healthy after {startup_s} s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield SimpleNamespace(url=url, log=log, proc=proc)
+    finally:
+        stop(proc)
+
+
+def flush_cache(url: str, timeout_s: float = 60) -> None:
+    """/flush_cache succeeds only once the scheduler is idle: retry until then."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            request(f"{url}/flush_cache")
+            return
+        except urllib.error.HTTPError:
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
+
+
+def mosaickv_stats(url: str) -> dict:
+    _, info = request(f"{url}/get_server_info")
+    return info["internal_states"][0]["mosaickv"]

@@ -1,0 +1,434 @@
+"""Split-KV decode attention read straight from the packed band arena (`codec/arena.py`).
+
+Stage 1, one program per (request, KV head, split), all G query heads of the KV head together:
+walk the split's share of the request's tokens (blocks of 64/128 tokens, or the selected
+32-token pages), read the codes and the fp16 scale/zero of each band, score on the codes,
+    q.k = sum_bands (q * scale) . codes + q . zero          (lowbit.channel_groups_qk)
+and accumulate p.v in the V basis the same way (p . codes) * scale + sum(p) * zero, never
+building a dense K or V tile. Band layouts differ per segment, so each channel's byte offset,
+shift and bit mask come from the segment's layout plan (`arena.BlockLayout.channel_plan`): one
+byte gather per tile, any layout mix. Products run on bf16 tensor cores with q*scale and p split
+in two bf16 halves (`common.dot_exact`), so scores match the float32 reference to ~1e-5.
+Stage 2, one program per (request, KV head): log-sum-exp merge of the splits and of the dense
+hot-buffer partial; it writes the two normalized parts (rotated, raw), and the wrapper's
+out = o_hot + o_rot @ V_basis^T puts them in one basis. q's rotation into the K basis is one
+batched matmul in the wrapper. This version supports one basis block per request.
+
+    wrapper = BandDecodeWrapper()
+    wrapper.plan(arena, num_qo_heads=32)          # once per batch step: splits, workspace
+    out = wrapper.run(q, arena, page_keep=keep)   # per layer
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mosaickv_sglang.codec.arena import HDR, HEADER_WIDTH, PLAN_FIELDS, PackedArena
+
+from .common import dot_exact, interpreting
+from .dense_decode import dense_decode_partial
+
+PAGE_TOKENS = 32
+MIN_PAGES_PER_SPLIT = 4
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 8  # target (request, head, split) programs per SM when choosing splits
+
+
+@triton.jit
+def _band_tile(ARENA_U8, ARENA_F16, PLAN, base, group, tok0, offs_n, offs_d, D: tl.constexpr,
+               TRANS: tl.constexpr):
+    """Integer codes of one block, [N, BLOCK_D] or with TRANS [BLOCK_D, N] (0 for dropped
+    channels), and float32 scale/zero [BLOCK_D]. PLAN points at the layout's per-channel plan
+    for this kind (arena.PLAN_FIELDS rows of D); `base` (int64) is the head block's byte
+    offset; everything per element stays int32."""
+    md = offs_d < D
+    code = tl.load(PLAN + offs_d, mask=md, other=0)
+    row = tl.load(PLAN + D + offs_d, mask=md, other=0)
+    shift = tl.load(PLAN + 2 * D + offs_d, mask=md, other=0)
+    bits = tl.load(PLAN + 3 * D + offs_d, mask=md, other=0)
+    keep = bits != 0
+    tok = tok0 + offs_n
+    u8 = ARENA_U8 + base
+    if TRANS:
+        raw = tl.load(u8 + (code[:, None] + tok[None, :] * row[:, None]), mask=keep[:, None],
+                      other=0)
+        codes = (raw.to(tl.int32) >> shift[:, None]) & bits[:, None]
+    else:
+        raw = tl.load(u8 + (code[None, :] + tok[:, None] * row[None, :]), mask=keep[None, :],
+                      other=0)
+        codes = (raw.to(tl.int32) >> shift[None, :]) & bits[None, :]
+    # BLOCK_N divides every group: one (scale, zero) per channel for the whole block.
+    g_off = (tok0 // group) * tl.load(PLAN + 6 * D + offs_d, mask=md, other=0)
+    f16 = ARENA_F16 + base // 2
+    s = tl.load(f16 + (tl.load(PLAN + 4 * D + offs_d, mask=md, other=0) + g_off) // 2,
+                mask=keep, other=0.0).to(tl.float32)
+    z = tl.load(f16 + (tl.load(PLAN + 5 * D + offs_d, mask=md, other=0) + g_off) // 2,
+                mask=keep, other=0.0).to(tl.float32)
+    return codes, s, z
+
+
+@triton.jit
+def _band_decode_stage1(
+    Q,  # fp32 [B, H, G, D]: rotated into the request's K basis, pre-scaled by sm_scale
+    ARENA_U8, ARENA_F16,  # the same bytes, as uint8 and as fp16
+    HEADERS, SEG_INDPTR, SEG_IDS,  # int32 [S, HDR_W], [B+1], [S]
+    PLANS,  # int32 [L, 2, PLAN_W, D]: per-channel read plan of each layout (K, V)
+    PAGE_IDS, PAGE_COUNTS,  # int32 [B, H, max_sel], [B, H] (read only with HAS_SELECT)
+    PART_M, PART_L, PART_ACC,  # fp32 [B, H, NS, G], [B, H, NS, G], [B, H, NS, G, D]
+    H, num_splits, units_per_seg, max_sel,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HDR_W: tl.constexpr,
+    PLAN_W: tl.constexpr, BASE_COL: tl.constexpr, STRIDE_COL: tl.constexpr,
+    LAYOUT_COL: tl.constexpr, K_GROUP_COL: tl.constexpr, V_GROUP_COL: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SELECT: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g, mask_d = offs_g < G, offs_d < D
+    bh = b * H + h
+    q = tl.load(Q + (bh * G + offs_g[:, None]) * D + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+
+    # This split's share of the units to read: selected pages (BLOCK_N = page), or every
+    # BLOCK_N-token block of every segment.
+    seg0 = tl.load(SEG_INDPTR + b)
+    if HAS_SELECT:
+        count = tl.load(PAGE_COUNTS + bh)
+    else:
+        count = (tl.load(SEG_INDPTR + b + 1) - seg0) * units_per_seg
+    per_split = tl.cdiv(count, num_splits)
+    start = split * per_split
+    end = tl.minimum(start + per_split, count)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for i in range(start, end):
+        if HAS_SELECT:
+            unit = tl.load(PAGE_IDS + bh * max_sel + i)
+        else:
+            unit = i
+        # Locate the unit: segment header row, head block, token offset.
+        seg_local = unit // units_per_seg
+        tok0 = (unit - seg_local * units_per_seg) * BLOCK_N
+        hdr = HEADERS + tl.load(SEG_IDS + seg0 + seg_local).to(tl.int64) * HDR_W
+        base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
+        plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)
+
+        # Scores on the K codes: (q * scale) . codes + q . zero.
+        kc, ks, kz = _band_tile(ARENA_U8, ARENA_F16, plan, base, tl.load(hdr + K_GROUP_COL),
+                                tok0, offs_n, offs_d, D, True)
+        s = dot_exact(q * ks[None, :], kc, EMULATE)
+        s += tl.sum(q * kz[None, :], 1)[:, None]
+
+        # Online softmax over the page.
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+
+        # p.v in the V basis: (p . codes) * scale + sum(p) * zero.
+        vc, vs, vz = _band_tile(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base,
+                                tl.load(hdr + V_GROUP_COL), tok0, offs_n, offs_d, D, False)
+        pv = dot_exact(p, vc, EMULATE) * vs[None, :] + tl.sum(p, 1)[:, None] * vz[None, :]
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    out = (bh * num_splits + split) * G + offs_g
+    tl.store(PART_M + out, m, mask=mask_g)
+    tl.store(PART_L + out, l, mask=mask_g)
+    tl.store(PART_ACC + out[:, None] * D + offs_d[None, :], acc,
+             mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _band_decode_stage2(
+    PART_M, PART_L, PART_ACC,  # stage 1 partials (rotated V basis)
+    HOT_M, HOT_L, HOT_ACC,  # fp32 [B, H, G], [B, H, G], [B, H, G, D] (raw basis)
+    O_ROT, O_HOT, LSE,  # fp32 [B, H, G, D] x2, [B, H, G]
+    num_splits,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g, mask_d = offs_g < G, offs_d < D
+    mask_gd = mask_g[:, None] & mask_d[None, :]
+    row = bh * G + offs_g
+
+    # Common max over the splits and the hot partial.
+    m_hot = tl.load(HOT_M + row, mask=mask_g, other=float("-inf"))
+    m_all = m_hot
+    for s in range(num_splits):
+        part = (bh * num_splits + s) * G + offs_g
+        m_all = tl.maximum(m_all, tl.load(PART_M + part, mask=mask_g, other=float("-inf")))
+    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)  # all empty: weights exp(-inf) = 0
+
+    # Log-sum-exp merge of the splits (rotated basis).
+    l_tot = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(num_splits):
+        part = (bh * num_splits + s) * G + offs_g
+        w = tl.exp(tl.load(PART_M + part, mask=mask_g, other=float("-inf")) - m_ref)
+        l_tot += w * tl.load(PART_L + part, mask=mask_g, other=0.0)
+        acc += w[:, None] * tl.load(PART_ACC + part[:, None] * D + offs_d[None, :],
+                                    mask=mask_gd, other=0.0)
+    # ... and the hot buffer (raw basis, kept apart until the wrapper rotates o_rot back).
+    w_hot = tl.exp(m_hot - m_ref)
+    l_tot += w_hot * tl.load(HOT_L + row, mask=mask_g, other=0.0)
+    hot = tl.load(HOT_ACC + row[:, None] * D + offs_d[None, :], mask=mask_gd, other=0.0)
+    l_tot = tl.where(mask_g, l_tot, 1.0)  # padding rows of the GQA tile
+    inv = 1.0 / l_tot
+    tl.store(O_ROT + row[:, None] * D + offs_d[None, :], acc * inv[:, None], mask=mask_gd)
+    tl.store(O_HOT + row[:, None] * D + offs_d[None, :], hot * (w_hot * inv)[:, None],
+             mask=mask_gd)
+    tl.store(LSE + row, m_ref + tl.log(l_tot), mask=mask_g)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_pages: int, device: torch.device) -> int:
+    """Enough (request, head, split) programs to fill the GPU PROGRAMS_PER_SM times, each
+    split >= 4 pages (128 tokens)."""
+    want = -(-PROGRAMS_PER_SM * _num_sms(device) // max(batch * kv_heads, 1))
+    cap = max(1, max_pages // MIN_PAGES_PER_SPLIT)
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def keep_to_page_list(page_keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [B, H, P] keep mask -> (page ids int32 [B, H, P], counts int32 [B, H]); the kept
+    pages come first in ascending order."""
+    order = torch.argsort((~page_keep).to(torch.int8), dim=-1, stable=True)
+    return order.to(torch.int32).contiguous(), page_keep.sum(-1, dtype=torch.int32)
+
+
+class BandDecodeWrapper:
+    """Decode attention over a `PackedArena`, FlashInfer style: `plan` (host side: shapes,
+    splits, workspace; once per batch step, shared by every layer) then `run` (launches; per
+    layer). Outputs match `codec.attention.decode_attention` on the same CompressedLayers."""
+
+    def __init__(self):
+        self._planned = False
+
+    def plan(self, arena: PackedArena, num_qo_heads: int, *, sm_scale: float | None = None,
+             num_kv_splits: int | None = None, max_selected_pages: int | None = None,
+             block_tokens: int | None = None, num_warps: int = 4, num_stages: int = 2) -> None:
+        """Read the batch structure of `arena` (any layer of the batch: they share it).
+
+        Without selection stage 1 reads blocks of up to `block_tokens` tokens (default 128 for
+        head_dim <= 64, else 64: the fastest on an H200; the largest of 128/64/32 dividing the
+        segment and every token group is used); with selection, 32-token pages.
+        """
+        if not isinstance(arena, PackedArena):
+            raise TypeError(f"plan: arena must be a PackedArena, got {type(arena).__name__}")
+        if arena.page_tokens != PAGE_TOKENS:
+            raise ValueError(f"plan: the kernel reads {PAGE_TOKENS}-token pages, arena has "
+                             f"page_tokens={arena.page_tokens}; repack with page_tokens=32")
+        bsz, h, d = arena.batch, arena.num_kv_heads, arena.head_dim
+        if num_qo_heads % h:
+            raise ValueError(f"plan: {num_qo_heads} query heads do not group evenly over {h} KV "
+                             f"heads")
+        if d < 16:
+            raise ValueError(f"plan: head_dim={d} is below the 16 a tl.dot tile needs")
+        g = num_qo_heads // h
+        pages = arena.pages_per_request()
+        empty = [b for b, (n, t) in enumerate(zip(pages, arena.hot_lens.tolist())) if not n + t]
+        if empty:
+            raise ValueError(f"plan: requests {empty} have neither sealed segments nor hot "
+                             f"tokens (nothing to attend to)")
+        max_pages = max(pages + [0])
+        if max_selected_pages is not None:
+            max_pages = min(max_pages, max_selected_pages)
+        splits = num_kv_splits or choose_num_splits(bsz, h, max_pages, arena.device)
+        if not 1 <= splits <= 1024:
+            raise ValueError(f"plan: num_kv_splits={splits} must be in [1, 1024]")
+        dev = arena.device
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.batch, self.kv_heads, self.group, self.head_dim = bsz, h, g, d
+        self.num_qo_heads, self.num_splits = num_qo_heads, splits
+        self.max_pages = max(pages + [0])
+        self.valid_pages = (torch.arange(max(self.max_pages, 1))[None, :] <
+                            torch.tensor(pages)[:, None]).to(dev)  # [B, P_max]
+        self.pages_per_seg = arena.segment_tokens // arena.page_tokens
+        self.num_warps, self.num_stages = num_warps, num_stages
+        block_tokens = block_tokens or (128 if d <= 64 else 64)
+        self.block_n = next(n for n in (128, 64, 32) if n <= max(block_tokens, 32) and
+                            arena.segment_tokens % n == 0 and arena.min_group % n == 0)
+        self.sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+        self.device = dev
+        self.part_m = torch.empty(bsz, h, splits, g, **f32)
+        self.part_l = torch.empty(bsz, h, splits, g, **f32)
+        self.part_acc = torch.empty(bsz, h, splits, g, d, **f32)
+        self.hot = (torch.empty(bsz, h, g, **f32), torch.empty(bsz, h, g, **f32),
+                    torch.empty(bsz, h, g, d, **f32))
+        self.o_rot = torch.empty(bsz, h, g, d, **f32)
+        self.o_hot = torch.empty(bsz, h, g, d, **f32)
+        self.lse = torch.empty(bsz, h, g, **f32)
+        self._planned = True
+
+    def _check_arena(self, arena: PackedArena) -> None:
+        if not isinstance(arena, PackedArena):
+            raise TypeError(f"run: arena must be a PackedArena, got {type(arena).__name__}")
+        got = (arena.batch, arena.num_kv_heads, arena.head_dim, arena.segment_tokens // PAGE_TOKENS)
+        want = (self.batch, self.kv_heads, self.head_dim, self.pages_per_seg)
+        if got != want:
+            raise ValueError(f"run: arena (batch, kv heads, head_dim, pages/segment) = {got} but "
+                             f"plan() saw {want}; call plan() for this batch")
+        if arena.device != self.device:
+            raise ValueError(f"run: arena is on {arena.device}, plan() on {self.device}")
+
+    def _selection(self, page_keep, page_ids, page_counts):
+        bsz, h = self.batch, self.kv_heads
+        if page_keep is not None:
+            if page_ids is not None or page_counts is not None:
+                raise ValueError("run: pass either page_keep or (page_ids, page_counts), not both")
+            if page_keep.dtype != torch.bool or page_keep.dim() != 3 or \
+                    tuple(page_keep.shape[:2]) != (bsz, h) or page_keep.device != self.device:
+                raise ValueError(f"run: page_keep must be bool [{bsz}, {h}, P] on {self.device}, "
+                                 f"got {page_keep.dtype} {tuple(page_keep.shape)} on "
+                                 f"{page_keep.device}")
+            page_ids, page_counts = keep_to_page_list(page_keep)
+        if (page_ids is None) != (page_counts is None):
+            raise ValueError("run: page_ids and page_counts go together")
+        if page_ids is None:
+            return None
+        if page_ids.dtype != torch.int32 or page_ids.dim() != 3 or \
+                tuple(page_ids.shape[:2]) != (bsz, h) or not page_ids.is_contiguous():
+            raise ValueError(f"run: page_ids must be contiguous int32 [{bsz}, {h}, P], got "
+                             f"{page_ids.dtype} {tuple(page_ids.shape)}")
+        if page_counts.dtype != torch.int32 or tuple(page_counts.shape) != (bsz, h):
+            raise ValueError(f"run: page_counts must be int32 [{bsz}, {h}], got "
+                             f"{page_counts.dtype} {tuple(page_counts.shape)}")
+        return page_ids, page_counts.contiguous()
+
+    def run(self, q: torch.Tensor, arena: PackedArena, *, page_keep: torch.Tensor | None = None,
+            page_ids: torch.Tensor | None = None, page_counts: torch.Tensor | None = None,
+            hot_partial: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """q [B, Hq, D] (fp32/bf16/fp16) -> out [B, Hq, D] (out_dtype, default q.dtype).
+
+        Selection (optional), per (request, KV head) over the request's compressed pages in
+        token order: `page_keep` bool [B, H, P] (pages >= the request's page count must be
+        False), or a list: `page_ids` int32 [B, H, P'] with the first `page_counts` [B, H]
+        entries valid. `hot_partial` = (m [B, Hq], l [B, Hq], acc [B, Hq, D]) float32, scores
+        scaled by sm_scale, replaces the hot-buffer kernel.
+        """
+        if not self._planned:
+            raise RuntimeError("run: call plan() first")
+        self._check_arena(arena)
+        bsz, h, g, d = self.batch, self.kv_heads, self.group, self.head_dim
+        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or \
+                tuple(q.shape) != (bsz, self.num_qo_heads, d) or q.device != self.device:
+            raise ValueError(f"run: q must be float32/bf16/fp16 [{bsz}, {self.num_qo_heads}, {d}] "
+                             f"on {self.device}, got {q.dtype} {tuple(q.shape)} on {q.device}")
+        sel = self._selection(page_keep, page_ids, page_counts)
+        if page_keep is not None:  # host sync: the page-list form skips this check
+            p = min(page_keep.shape[2], self.valid_pages.shape[1])
+            if bool(page_keep[:, :, p:].any()) or \
+                    bool((page_keep[:, :, :p] & ~self.valid_pages[:, None, :p]).any()):
+                raise ValueError("run: page_keep selects pages past a request's last compressed "
+                                 f"page (pages per request: {self.valid_pages.sum(1).tolist()})")
+
+        qs = (q.float() * self.sm_scale).view(bsz, h, g, d).contiguous()
+        q_rot = torch.matmul(qs, arena.k_basis).contiguous()  # [B, H, G, D] in the K basis
+        if hot_partial is None:
+            hot = dense_decode_partial(qs, arena.hot_k, arena.hot_v, arena.hot_lens, self.hot)
+        else:
+            hot = self._check_hot(hot_partial)
+
+        emulate = interpreting()
+        dummy = arena.seg_ids
+        self.stage1_kernel = _band_decode_stage1[(bsz, h, self.num_splits)](
+            q_rot, arena.data, arena.data.view(torch.float16), arena.headers, arena.seg_indptr,
+            arena.seg_ids, arena.plans, dummy if sel is None else sel[0],
+            dummy if sel is None else sel[1],
+            self.part_m, self.part_l, self.part_acc,
+            h, self.num_splits,
+            self.pages_per_seg if sel is not None else arena.segment_tokens // self.block_n,
+            0 if sel is None else sel[0].shape[2],
+            G=g, D=d, BLOCK_N=PAGE_TOKENS if sel is not None else self.block_n, HDR_W=HEADER_WIDTH,
+            PLAN_W=len(PLAN_FIELDS), BASE_COL=HDR["base16"], STRIDE_COL=HDR["head_stride"],
+            LAYOUT_COL=HDR["layout"], K_GROUP_COL=HDR["k_group"], V_GROUP_COL=HDR["v_group"],
+            BLOCK_G=max(16, triton.next_power_of_2(g)),
+            BLOCK_D=max(16, triton.next_power_of_2(d)), HAS_SELECT=sel is not None,
+            EMULATE=emulate, num_warps=self.num_warps, num_stages=self.num_stages)
+        _band_decode_stage2[(bsz * h,)](
+            self.part_m, self.part_l, self.part_acc, *hot, self.o_rot, self.o_hot, self.lse,
+            self.num_splits, G=g, D=d, BLOCK_G=triton.next_power_of_2(g),
+            BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+        # Back from the V basis: out = o_hot + o_rot @ V^T, one batched matmul.
+        out = torch.baddbmm(self.o_hot.view(bsz * h, g, d), self.o_rot.view(bsz * h, g, d),
+                            arena.v_basis.view(bsz * h, d, d).transpose(1, 2))
+        return out.view(bsz, self.num_qo_heads, d).to(out_dtype or q.dtype)
+
+    def _check_hot(self, hot_partial):
+        bsz, h, g, d = self.batch, self.kv_heads, self.group, self.head_dim
+        try:
+            m, l, acc = hot_partial
+        except (TypeError, ValueError):
+            raise ValueError("run: hot_partial must be a tuple (m, l, acc)") from None
+        shapes = ((bsz, self.num_qo_heads), (bsz, self.num_qo_heads),
+                  (bsz, self.num_qo_heads, d))
+        for name, t, shape in zip(("m", "l", "acc"), (m, l, acc), shapes):
+            if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != self.device:
+                raise ValueError(f"run: hot_partial {name} must be float32 {list(shape)} on "
+                                 f"{self.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+        return (m.reshape(bsz, h, g).contiguous(), l.reshape(bsz, h, g).contiguous(),
+                acc.reshape(bsz, h, g, d).contiguous())
+
+    def bytes_read(self, arena: PackedArena, page_keep: torch.Tensor | None = None) -> dict:
+        """Bytes the kernels touch in DRAM for one run (each byte once), by kind."""
+        return bytes_read(arena, self.num_qo_heads, self.num_splits, page_keep)
+
+
+def bytes_read(arena: PackedArena, num_qo_heads: int, num_splits: int,
+               page_keep: torch.Tensor | None = None) -> dict[str, int]:
+    """Codes of the pages read, scales/zeros of the token groups they touch, headers of the
+    segments touched, selection list, segment lists, bases, q, hot buffer and the split
+    workspace (written and read once). Computed on the host from the arena's headers."""
+    hdr = arena.headers.cpu().long()
+    bsz, h, d = arena.batch, arena.num_kv_heads, arena.head_dim
+    pps = arena.segment_tokens // PAGE_TOKENS
+    counts = arena.segments_per_request()
+    p_max = max(counts + [0]) * pps
+    seg_of_page = torch.full((bsz, max(p_max, 1)), -1, dtype=torch.long)
+    indptr = arena.seg_indptr.cpu().long()
+    ids = arena.seg_ids.cpu().long()
+    for b in range(bsz):
+        segs = ids[indptr[b]:indptr[b + 1]]
+        seg_of_page[b, :len(segs) * pps] = segs.repeat_interleave(pps)
+    valid = (seg_of_page >= 0)[:, None, :].expand(bsz, h, -1)
+    keep = valid if page_keep is None else valid & page_keep.cpu()[:, :, :valid.shape[2]]
+    seg = seg_of_page.clamp_min(0)[:, None, :].expand(bsz, h, -1)
+    page_in_seg = (torch.arange(seg.shape[2]) % pps)[None, None, :].expand(bsz, h, -1)
+    out = {"codes": 0, "scales": 0}
+    for kind in ("k", "v"):
+        col = HDR[f"{kind}_b8"]
+        b8, b4, b2, group = (hdr[:, col + i] for i in range(4))
+        page_codes = PAGE_TOKENS * (b8 + b4 // 2 + b2 // 4)  # bytes per page per head
+        out["codes"] += int(page_codes[seg][keep].sum())
+        group_scales = 4 * (b8 + b4 + b2)  # scale + zero, fp16, per token group per head
+        grp = page_in_seg * PAGE_TOKENS // group[seg]
+        span = arena.segment_tokens  # > any group index
+        key = ((seg * h + torch.arange(h)[None, :, None]) * span + grp)[keep]
+        touched = torch.unique(key)
+        out["scales"] += int(group_scales[touched // span // h].sum())
+    segs_touched = torch.unique(seg[keep])
+    out["headers"] = int(segs_touched.numel()) * HEADER_WIDTH * 4
+    out["segment_lists"] = (arena.seg_indptr.numel() + arena.seg_ids.numel()) * 4
+    out["selection"] = 0 if page_keep is None else int(keep.sum()) * 4 + bsz * h * 4
+    out["bases"] = (arena.k_basis.numel() + arena.v_basis.numel()) * 4
+    out["q"] = bsz * num_qo_heads * d * 4
+    out["hot"] = int(arena.hot_lens.sum()) * h * d * 2 * 2
+    out["workspace"] = 2 * bsz * num_qo_heads * num_splits * (d + 2) * 4
+    out["total"] = sum(out.values())
+    return out

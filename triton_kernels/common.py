@@ -1,0 +1,40 @@
+"""Helpers shared by the kernels: an fp32-accurate dot on bf16 tensor cores, and launch flags."""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU): bf16 tl.dot is wrong there, see `dot_exact`."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _round_bf16(x):
+    """float32 -> the nearest bf16 value (ties to even), still as float32 (exact in bf16).
+    Done on the bits because the interpreter's bf16 cast truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot_exact(a, b, EMULATE: tl.constexpr):
+    """a @ b in float32 where `b` (integer codes <= 255 or bf16 cache entries) is exact in bf16.
+
+    `a` (float32) is split as hi + lo, two bf16 numbers, so two bf16 MMAs with fp32 accumulation
+    give ~2^-17 relative accuracy per product instead of bf16's 2^-9. EMULATE runs the same two
+    products on float32 operands holding the same values (the interpreter mis-computes bf16 dots).
+    """
+    hi = _round_bf16(a)
+    lo = _round_bf16(a - hi)
+    if EMULATE:
+        bf = b.to(tl.float32)
+        out = tl.dot(hi, bf) + tl.dot(lo, bf)
+    else:
+        bb = b.to(tl.bfloat16)
+        out = tl.dot(hi.to(tl.bfloat16), bb) + tl.dot(lo.to(tl.bfloat16), bb)
+    return out
