@@ -9,6 +9,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import torch
+
 from .codec.strategies import parse_strategy
 
 # Candidates the chooser may pick from, cheapest-first is decided by measured bytes, not order.
@@ -37,7 +39,6 @@ class SelectionConfig:
     sink_tokens: int = 64
     recent_tokens: int = 256
     meta_channels: int = 8  # channels with per-page min/max (the rest: one norm bound)
-    rotated: bool = True  # page metadata in the K basis (False: raw channels, as Quest)
 
     def validate(self, page_tokens: int) -> None:
         for key in ("budget_tokens", "sink_tokens", "recent_tokens", "meta_channels"):
@@ -92,11 +93,12 @@ class MosaicConfig:
             specs = getattr(self, key)
             if not isinstance(specs, (list, tuple)) or (not specs and key != "sink_candidates"):
                 raise ValueError(f"mosaickv config: {key} must be a non-empty list of strategy specs")
+            kind = "v" if key == "v_candidates" else "k"
             for i, spec in enumerate(specs):
-                try:
-                    parse_strategy(spec)
+                try:  # parse, then encode one dummy segment: catches specs that can never fit
+                    parse_strategy(spec).encode(torch.zeros(1, self.segment_tokens, 64), kind)
                 except ValueError as exc:
-                    raise ValueError(f"mosaickv config: {key}[{i}]: {exc}") from None
+                    raise ValueError(f"mosaickv config: {key}[{i}] '{spec}': {exc}") from None
         self.select.validate(self.page_tokens)
 
     def to_dict(self) -> dict:

@@ -226,14 +226,14 @@ class MosaicKVPool(MHATokenToKVPool):
                 vc = choose(v, rotate(v, vb), "v", self.v_cands, cfg.v_error_budget,
                             fallback=self.dense)
             pages = None
-            if cfg.select.enabled:
-                k_read = kc.strategy.decode(kc.encoded)
-                k_read = k_read if kc.strategy.rot else rotate(k_read, kb)
-                pages = build_page_meta(k_read, cfg.page_tokens, cfg.select.meta_channels)
+            if cfg.select.enabled:  # in the space the scores are computed in
+                pages = build_page_meta(kc.strategy.decode(kc.encoded), cfg.page_tokens,
+                                        cfg.select.meta_channels)
             header = torch.tensor([strategy_id(kc.strategy.name), strategy_id(vc.strategy.name),
                                    int(kc.strategy.rot), int(vc.strategy.rot), position,
                                    self.page_size], dtype=torch.int32)
-            seg = Segment(position, self.page_size, kc, vc, 0, pages, pages is not None, header)
+            seg = Segment(position, self.page_size, kc, vc, 0, pages,
+                          pages is not None and kc.strategy.rot, header)
             segs.append(seg)
             nbytes += sum(segment_bytes(seg).values())
             for kind, c in (("k", kc), ("v", vc)):

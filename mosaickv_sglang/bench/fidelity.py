@@ -163,7 +163,7 @@ def methods_for(cap: Capture, default_ratio: float, default_cfg: MosaicConfig) -
         Method("quest (selection only, 1/4 budget)", MosaicConfig(
             k_candidates=["dense"], v_candidates=["dense"], hot_tokens=BASELINE_HOT,
             sink_segments=0, page_tokens=16,
-            select=replace(quarter, meta_channels=d, rotated=False)),
+            select=replace(quarter, meta_channels=d)),
             "baseline", note="dense values, per-page per-channel min/max, same token budget"),
     ]
     for bits in (8, 4, 2):

@@ -63,7 +63,7 @@ class Segment:
     v: Choice
     basis: int  # index of the basis block (K basis for pages/rotated K, V basis for rotated V)
     pages: PageMeta | None
-    pages_rotated: bool  # page metadata lives in the K basis (else in raw channels)
+    pages_rotated: bool  # page metadata lives in the K basis (K is rotated), else raw channels
     header: torch.Tensor  # int32 [len(HEADER_FIELDS)], what a kernel needs to find and read it
 
     def basis_of(self, kind: str) -> int | None:
@@ -157,19 +157,15 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
                 kc = choose(ks, rotate(ks, kb), "k", k_cands, cfg.k_error_budget)
                 vc = choose(vs, rotate(vs, vb), "v", v_cands, cfg.v_error_budget)
             pages = None
-            if select_meta:
-                k_read = kc.strategy.decode(kc.encoded)
-                if cfg.select.rotated:
-                    k_read = k_read if kc.strategy.rot else rotate(k_read, kb)
-                elif kc.strategy.rot:
-                    raise ValueError("select.rotated=false needs K candidates with rot=0")
-                pages = build_page_meta(k_read, cfg.page_tokens, cfg.select.meta_channels)
+            if select_meta:  # in the space the scores are computed in (see codec/pages.py)
+                pages = build_page_meta(kc.strategy.decode(kc.encoded), cfg.page_tokens,
+                                        cfg.select.meta_channels)
             header = torch.tensor([strategy_id(kc.strategy.name), strategy_id(vc.strategy.name),
                                    basis_id if kc.strategy.rot else -1,
                                    basis_id if vc.strategy.rot else -1, start, seg],
                                   dtype=torch.int32)
             layer.segments.append(Segment(start, seg, kc, vc, basis_id, pages,
-                                          pages is not None and cfg.select.rotated, header))
+                                          pages is not None and kc.strategy.rot, header))
     layer.hot_k = k[:, sealed:].to(torch.bfloat16).contiguous()
     layer.hot_v = v[:, sealed:].to(torch.bfloat16).contiguous()
     return layer

@@ -8,8 +8,9 @@ channels the largest L2 norm in the page. Then for any query q
 
 is a true upper bound on every score of the page (Cauchy-Schwarz on the rest). After rotation
 most energy sits in the first channels, so m=16 of 64 gives a tight bound for a fraction of
-Quest's 2*D values per page. Bounds are computed from the *decoded* K, so they bound what the
-attention actually reads.
+Quest's 2*D values per page. Bounds are computed from the *decoded* K in the space where the
+segment's scores are computed (its SVD basis when the K strategy is rotated, raw channels
+otherwise), so they bound exactly what the attention reads.
 """
 from __future__ import annotations
 
@@ -17,15 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-META_DTYPE = torch.float16
-
-
-def _round_out(x: torch.Tensor, down: bool) -> torch.Tensor:
-    """fp16 cast that never moves a lower bound up or an upper bound down."""
-    y = x.to(META_DTYPE)
-    bad = (y.float() > x) if down else (y.float() < x)
-    toward = torch.full_like(y, float("-inf") if down else float("inf"))
-    return torch.where(bad, torch.nextafter(y, toward), y)
+from .quant import SCALE_DTYPE as META_DTYPE, round_fp16  # metadata is fp16 like scales
 
 
 @dataclass
@@ -59,9 +52,9 @@ def build_page_meta(k: torch.Tensor, page_tokens: int, meta_channels: int) -> Pa
     rest_sq = (pages.pow(2).sum(-1) - sel.pow(2).sum(-1)).clamp_min(0)
     return PageMeta(
         channels=chans.to(torch.uint8),
-        lo=_round_out(sel.amin(2), down=True),
-        hi=_round_out(sel.amax(2), down=False),
-        rest_norm=_round_out(rest_sq.amax(2).sqrt(), down=False),
+        lo=round_fp16(sel.amin(2), down=True),
+        hi=round_fp16(sel.amax(2), down=False),
+        rest_norm=round_fp16(rest_sq.amax(2).sqrt(), down=False),
     )
 
 

@@ -48,6 +48,14 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)
 
 
+def round_fp16(x: torch.Tensor, down: bool) -> torch.Tensor:
+    """fp16 cast that never moves a value up (down=True) or down (down=False)."""
+    y = x.to(SCALE_DTYPE)
+    bad = (y.float() > x) if down else (y.float() < x)
+    toward = torch.full_like(y, float("-inf") if down else float("inf"))
+    return torch.where(bad, torch.nextafter(y, toward), y)
+
+
 def quantize_asym(x: torch.Tensor, bits: int, reduce_dims: tuple[int, ...]):
     """Asymmetric min/max quantization; one (scale, zero) per slice reduced over `reduce_dims`.
 
@@ -58,8 +66,10 @@ def quantize_asym(x: torch.Tensor, bits: int, reduce_dims: tuple[int, ...]):
     levels = (1 << bits) - 1
     lo = x.amin(dim=reduce_dims, keepdim=True)
     hi = x.amax(dim=reduce_dims, keepdim=True)
-    zero = lo.to(SCALE_DTYPE)
-    scale = ((hi - zero.float()) / levels).clamp_min(1e-8).to(SCALE_DTYPE)
+    # Round the fp16 zero down and the scale up, so [zero, zero + levels*scale] covers [lo, hi]
+    # and no value is clamped by more than rounding.
+    zero = round_fp16(lo, down=True)
+    scale = round_fp16(((hi - zero.float()) / levels).clamp_min(1e-8), down=False)
     codes = torch.round((x - zero.float()) / scale.float()).clamp_(0, levels).to(torch.uint8)
     return codes, scale, zero
 

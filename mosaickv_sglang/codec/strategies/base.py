@@ -43,7 +43,7 @@ class Strategy(ABC):
                 raise ValueError(
                     f"strategy '{self.name}' has no parameter '{key}'; known: {sorted(allowed)}")
         for key, (typ, default) in allowed.items():
-            setattr(self, key, typ(kwargs.get(key, default)))
+            setattr(self, key, _checked(self.name, key, typ, kwargs.get(key, default)))
         self.validate()
 
     def validate(self) -> None:
@@ -74,6 +74,18 @@ class Strategy(ABC):
     @abstractmethod
     def pv(self, e: Encoded, p: torch.Tensor) -> torch.Tensor:
         """p [H, G, S] -> sum_s p * x_s as [H, G, D], on the packed form."""
+
+
+def _checked(name: str, key: str, typ: type, value):
+    """value as typ, or a ValueError naming the parameter (no silent int('4.0') / bool('no'))."""
+    if typ is bool and value in (0, 1) and not isinstance(value, float):
+        return bool(value)
+    if typ is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if typ is str and isinstance(value, str):
+        return value
+    raise ValueError(f"strategy '{name}': parameter '{key}' must be "
+                     f"{'0/1' if typ is bool else typ.__name__}, got {value!r}")
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:

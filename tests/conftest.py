@@ -1,0 +1,65 @@
+"""Shared helpers for the codec tests: a fresh random seed per test (reported on failure) and a
+closeness check that NaN/inf can never pass.
+
+Every test that draws random data takes the `seed` fixture: it seeds torch's global RNG with a
+fresh seed (or MOSAICKV_TEST_SEED, to reproduce a failure) and returns it, and every assertion
+message carries it.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+
+def _fresh_seed() -> int:
+    env = os.environ.get("MOSAICKV_TEST_SEED")
+    if env:
+        return int(env)
+    return random.SystemRandom().randrange(2**31)
+
+
+@pytest.fixture
+def seed(request):
+    s = _fresh_seed()
+    torch.manual_seed(s)
+    # shown by `pytest -rA` / on failure next to the test id
+    request.node.user_properties.append(("seed", s))
+    # the tensors here are tiny: one intra-op thread avoids OpenMP spin-waiting on a busy 2-core box
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield s
+    torch.set_num_threads(threads)
+
+
+def repro(seed: int) -> str:
+    return f"[seed={seed}; rerun with MOSAICKV_TEST_SEED={seed}]"
+
+
+def assert_finite(t: torch.Tensor, what: str, seed: int) -> None:
+    bad = ~torch.isfinite(t)
+    assert not bool(bad.any()), f"{what}: {int(bad.sum())} non-finite values {repro(seed)}"
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.double(), expected.double()
+    return float((a - e).norm() / e.norm().clamp_min(1e-300))
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str,
+                     seed: int) -> float:
+    """Finite, same shape, and ||actual - expected|| <= rel * ||expected||. Returns the error."""
+    assert tuple(actual.shape) == tuple(expected.shape), \
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)} {repro(seed)}"
+    assert_finite(actual, what + " (actual)", seed)
+    assert_finite(expected, what + " (expected)", seed)
+    assert float(expected.double().norm()) > 0, f"{what}: degenerate all-zero reference {repro(seed)}"
+    err = rel_err(actual, expected)
+    assert err < rel, f"{what}: relative error {err:.3e} >= {rel:.1e} {repro(seed)}"
+    return err
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
