@@ -26,8 +26,12 @@ class MosaicRadixCache(RadixCache):
     def match_prefix(self, params):
         """SGLang's match, plus a count of the sealed pages a request gets from the tree."""
         result = super().match_prefix(params)
+        req = getattr(params, "req", None)
+        first_match = req is not None and not getattr(req, "_mosaickv_matched", False)
+        if req is not None:
+            req._mosaickv_matched = True  # chunked prefill re-matches its own pages: count once
         slots = result.device_indices[:: self.page_size]
-        if len(slots):
+        if first_match and len(slots):
             self.pool.counters.reused_pages += sum(
                 1 for s in slots.tolist() if s // self.page_size in self.pool.sealed)
         return result
