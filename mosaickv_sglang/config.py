@@ -93,10 +93,10 @@ class MosaicConfig:
             specs = getattr(self, key)
             if not isinstance(specs, (list, tuple)) or (not specs and key != "sink_candidates"):
                 raise ValueError(f"mosaickv config: {key} must be a non-empty list of strategy specs")
-            kind = "v" if key == "v_candidates" else "k"
+            kinds = {"k_candidates": "k", "v_candidates": "v", "sink_candidates": "kv"}[key]
             for i, spec in enumerate(specs):
-                try:  # parse, then encode one dummy segment: catches specs that can never fit
-                    parse_strategy(spec).encode(torch.zeros(1, self.segment_tokens, 64), kind)
+                try:  # parse, then encode dummy segments: catches specs that can never fit
+                    check_encodable(spec, kinds, self.segment_tokens, MAX_HEAD_DIM)
                 except ValueError as exc:
                     raise ValueError(f"mosaickv config: {key}[{i}] '{spec}': {exc}") from None
         self.select.validate(self.page_tokens)
@@ -125,6 +125,16 @@ class MosaicConfig:
         if not isinstance(data, dict):
             raise ValueError("mosaickv config must be a JSON object")
         return cls.from_dict(data)
+
+
+MAX_HEAD_DIM = 256  # config-time check; the pool re-checks with the model's real head_dim
+
+
+def check_encodable(spec: str, kinds: str, segment_tokens: int, head_dim: int) -> None:
+    """Raise ValueError if `spec` cannot encode a [1, segment_tokens, head_dim] K and/or V."""
+    strat = parse_strategy(spec)
+    for kind in kinds:
+        strat.encode(torch.zeros(1, segment_tokens, head_dim), kind)
 
 
 _FIELD_TYPES = {"int": int, "float": (int, float), "bool": bool, "list[str]": (list, tuple),

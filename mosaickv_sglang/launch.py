@@ -38,7 +38,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def request(url: str, payload: dict | None = None, timeout: float = 120.0):
+def request(url: str, payload: dict | None = None, timeout: float = 900.0):
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:

@@ -25,11 +25,11 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from .codec.basis import fit_basis, rotate, unrotate
+from .codec.basis import fit_basis, inverse, rotate, unrotate
 from .codec.layer import Segment, choose, segment_bytes
 from .codec.pages import build_page_meta
 from .codec.strategies import parse_strategy, strategy_id
-from .config import MosaicConfig
+from .config import MosaicConfig, check_encodable
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,13 @@ class MosaicKVPool(MHATokenToKVPool):
         self.free_hot_pages = list(range(hot_pages, 0, -1))
         self.sealed: dict[int, SealedPage] = {}
         self.counters = PoolCounters()
+        for key, kinds in (("k_candidates", "k"), ("v_candidates", "v"), ("sink_candidates", "kv")):
+            for spec in getattr(mosaic_config, key):
+                try:
+                    check_encodable(spec, kinds, page_size, self.head_dim)
+                except ValueError as exc:
+                    raise ValueError(f"mosaickv config: {key} '{spec}' does not fit this model "
+                                     f"(head_dim {self.head_dim}): {exc}") from None
         self.k_cands = [parse_strategy(s) for s in mosaic_config.k_candidates]
         self.v_cands = [parse_strategy(s) for s in mosaic_config.v_candidates]
         self.sink_cands = [parse_strategy(s) for s in mosaic_config.sink_candidates]
@@ -164,9 +171,9 @@ class MosaicKVPool(MHATokenToKVPool):
             k = seg.k.strategy.decode(seg.k.encoded)
             v = seg.v.strategy.decode(seg.v.encoded)
             if seg.k.strategy.rot:
-                k = unrotate(k, page.bases.k[local])
+                k = unrotate(k, inverse(page.bases.k[local]))
             if seg.v.strategy.rot:
-                v = unrotate(v, page.bases.v[local])
+                v = unrotate(v, inverse(page.bases.v[local]))
             ks.append(k)
             vs.append(v)
         ks.append(hot_k.float())

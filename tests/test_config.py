@@ -77,6 +77,7 @@ def _rejects(data: dict, needle: str):
     ({"dense_sink_segments": 1}, "dense_sink_segments"),  # a key from an older version
     ({"select": {"budget": 512}}, "select.budget"),
     ({"select": {"enabled": True, "metachannels": 8}}, "select.metachannels"),
+    ({"select": {"rotated": False}}, "select.rotated"),  # removed: pages follow the K strategy
 ])
 def test_unknown_keys_are_named(data, needle):
     _rejects(data, needle)
@@ -95,7 +96,6 @@ def test_unknown_keys_are_named(data, needle):
     ({"select": [1, 2]}, "select"),
     ({"select": {"enabled": 1}}, "select.enabled"),
     ({"select": {"budget_tokens": 1024.5}}, "select.budget_tokens"),
-    ({"select": {"rotated": "false"}}, "select.rotated"),
 ])
 def test_wrong_types_are_named(data, needle):
     _rejects(data, needle)
@@ -191,3 +191,14 @@ def test_select_may_be_a_selection_config():
     sel = SelectionConfig(budget_tokens=256)
     assert MosaicConfig.from_dict({"select": sel}).select == sel
     assert MosaicConfig(select={"budget_tokens": 256}).select == sel
+
+
+@pytest.mark.parametrize("spec", ["topr:r=96,val=bf16", "mask:r=80"])
+def test_valid_specs_for_wider_heads_accepted(spec):
+    MosaicConfig.from_dict({"k_candidates": [spec]})
+
+
+def test_sink_candidates_validated_for_v_too():
+    with pytest.raises(ValueError, match="sink_candidates"):
+        MosaicConfig.from_dict(
+            {"sink_candidates": ["lowbit:bits=4,group=48,k_axis=token,v_axis=channel"]})

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mosaickv_sglang.codec.attention import decode_attention
-from mosaickv_sglang.codec.basis import BASIS_DTYPE
+from mosaickv_sglang.codec.basis import BASIS_DTYPE, fit_basis
 from mosaickv_sglang.codec.layer import HEADER_FIELDS, choose, compress_layer, relative_error
 from mosaickv_sglang.codec.strategies import Encoded, parse_strategy, strategy_id
 from mosaickv_sglang.config import MosaicConfig, SelectionConfig
@@ -72,18 +72,55 @@ def hot_positions(nq: int, hot_start: int, t: int) -> torch.Tensor:
 
 def effective_kv(layer):
     """K/V as the attention effectively reads them, in the raw basis (float64): decoded segments
-    (a rotated strategy's reconstruction times U^T, U the stored bf16 basis) + the hot buffer."""
+    (a rotated strategy's reconstruction times U^-1, U the stored bf16 basis) + the hot buffer."""
     ks, vs = [], []
     for s in layer.segments:
         for kind, out, bases in (("k", ks, layer.k_bases), ("v", vs, layer.v_bases)):
             ch = s.k if kind == "k" else s.v
             x = ch.strategy.decode(ch.encoded).double()
             if ch.strategy.rot:
-                x = x @ bases[s.basis].double().transpose(1, 2)
+                x = x @ torch.linalg.inv(bases[s.basis].double())
             out.append(x)
     ks.append(layer.hot_k.double())
     vs.append(layer.hot_v.double())
     return torch.cat(ks, 1), torch.cat(vs, 1)
+
+
+# ---- bases ---------------------------------------------------------------------------------
+
+def test_fit_basis_principal_axes(seed):
+    h, t, d = 2, 256, 64
+    k, _ = kv(h, t, d)
+    u = fit_basis(k.float())
+    assert u.dtype == BASIS_DTYPE and u.shape == (h, d, d)
+    uf = u.float()
+    gram = uf.transpose(1, 2) @ uf
+    # orthonormal to bf16 precision (2^-8 per entry)
+    assert float(torch.linalg.matrix_norm(gram - torch.eye(d), ord=2).max()) < 2e-2, repro(seed)
+    # columns sorted by energy: the rotated coordinates' energy is non-increasing (up to bf16)
+    energy = (k.float() @ uf).pow(2).sum(1)  # [H, D]
+    assert bool((energy[:, 1:] <= energy[:, :-1] * 1.02 + 1e-3).all()), repro(seed)
+    # uncentred: the first axis carries the largest raw second moment (offsets included)
+    top = torch.linalg.eigvalsh(k.float().transpose(1, 2) @ k.float())[:, -1]
+    assert_rel_close(energy[:, 0], top, 2e-2, "first-axis energy", seed)
+
+
+def test_rotated_dense_segments_are_lossless(seed):
+    """The bf16 basis is orthonormal only to ~5e-3, so reads use its exact inverse: a rotated
+    dense fp32 cache must give the same attention as the unrotated one."""
+    h, g, d, seg, pt, hot = 2, 2, 64, 64, 16, 16
+    t = 3 * seg + hot + 3
+    k, v = kv(h, t, d)
+    q = torch.randn(2, h * g, d)
+    pos = hot_positions(2, 3 * seg, t)
+    outs = []
+    for spec in ("dense:val=fp32,rot=1", "dense:val=fp32"):
+        cfg = MosaicConfig(segment_tokens=seg, page_tokens=pt, basis_block_tokens=4 * seg,
+                           hot_tokens=hot, sink_segments=0, sink_candidates=[],
+                           k_candidates=[spec], v_candidates=[spec],
+                           select=SelectionConfig(enabled=False))
+        outs.append(decode_attention(q, compress_layer(k, v, cfg), pos, cfg.select, pt)[0])
+    assert_rel_close(outs[0], outs[1], 1e-5, "rotated vs raw dense fp32", seed)
 
 
 # ---- (a) lossless ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mosaickv_sglang.codec.basis import rotate
+from mosaickv_sglang.codec.basis import inverse, rotate, rotate_query
 from mosaickv_sglang.codec.layer import compress_layer
 from mosaickv_sglang.codec.pages import META_DTYPE, build_page_meta, page_upper_bound, select_pages
 from mosaickv_sglang.config import MosaicConfig, SelectionConfig
@@ -177,8 +177,9 @@ def _e2e_violation(k_spec: str, page_tokens: int, seed: int) -> float:
     worst = -float("inf")
     for s in layer.segments:
         kb = layer.k_bases[s.basis]
-        bound = page_upper_bound(s.pages, rotate(q, kb) if s.pages_rotated else q)
-        scores = s.k.strategy.qk(s.k.encoded, rotate(q, kb) if s.k.strategy.rot else q)
+        q_in = rotate_query(q, inverse(kb))  # how decode attention puts q into the K basis
+        bound = page_upper_bound(s.pages, q_in if s.pages_rotated else q)
+        scores = s.k.strategy.qk(s.k.encoded, q_in if s.k.strategy.rot else q)
         assert_finite(scores, "scores", seed)
         # tolerance: 1e-5 of ||q|| * max ||k|| of the page, 100x float32 accumulation error
         kn = s.k.strategy.decode(s.k.encoded).norm(dim=-1).amax(-1)

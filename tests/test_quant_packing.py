@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from mosaickv_sglang.codec.quant import (PACK_BITS, QUANT_BITS, SCALE_DTYPE, absmax_offset,
-                                         pack_codes, quantize_absmax, quantize_asym, unpack_codes)
+                                         pack_codes, quantize_absmax, quantize_asym, round_fp16,
+                                         unpack_codes)
 
 from conftest import assert_finite, repro
 
@@ -148,3 +149,22 @@ def test_constant_and_zero_slices_decode_finitely(bits, seed):
     dec = (codes.float() - absmax_offset(bits)) * scale.float()
     assert_finite(dec, "absmax decode of constant slices", seed)
     assert float((dec - x).abs().max()) <= abs(c) / (1 << bits), repro(seed)
+
+
+@pytest.mark.parametrize("down", (True, False))
+def test_round_fp16_is_directed(down, seed):
+    """Directed fp16 rounding (zero points, scales, page bounds): never up (down=True) or never
+    down, and at most one fp16 step away; values beyond fp16 range go to +-65504 or +-inf."""
+    x = torch.randn(4096) * torch.exp(torch.randn(4096) * 4)
+    x[:3] = torch.tensor([0.0, 1e5, -1e5])
+    y = round_fp16(x, down=down)
+    assert y.dtype == SCALE_DTYPE, repro(seed)
+    yd = y.double()
+    ok = (yd <= x.double()) if down else (yd >= x.double())
+    assert bool(ok.all()), f"{int((~ok).sum())} values rounded the wrong way {repro(seed)}"
+    inside = x.abs() <= 65504  # fp16 range; outside it saturates (finite side) or goes to inf
+    assert bool(torch.isfinite(y)[inside].all()), repro(seed)
+    step = torch.maximum(x.double().abs() * 2 ** -10, torch.tensor(2.0 ** -24))
+    assert bool(((yd - x.double()).abs() <= step)[inside].all()), repro(seed)
+    big = (x.abs() > 65504) & ((x > 0) == down)  # rounded toward zero: saturates at 65504
+    assert bool((y[big].double().abs() == 65504).all()), repro(seed)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .basis import inverse
+
 from .layer import CompressedLayer
 from .quant import SCALE_DTYPE
 from .strategies.band import BAND_BITS, Band
@@ -304,8 +306,10 @@ def pack_layer(layers: list[CompressedLayer], page_tokens: int = 32) -> PackedAr
     for b, layer in enumerate(layers):
         blk = layer.segments[0].basis if layer.segments else None
         eye = torch.eye(d).expand(h, d, d)
-        k_basis[b] = eye if blk is None else layer.k_bases[blk].float()
-        v_basis[b] = eye if blk is None else layer.v_bases[blk].float()
+        # The wrapper reads q @ k_basis and o_rot @ v_basis^T: store U^-T, the exact read
+        # transforms of the bf16 bases (see codec/basis.py).
+        k_basis[b] = eye if blk is None else inverse(layer.k_bases[blk]).transpose(1, 2)
+        v_basis[b] = eye if blk is None else inverse(layer.v_bases[blk]).transpose(1, 2)
     hot_lens = torch.tensor([layer.hot_k.shape[1] for layer in layers], dtype=torch.int32)
     t_max = max(int(hot_lens.max()), 1)
     hot_k = torch.zeros(len(layers), h, t_max, d, dtype=torch.bfloat16)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SelectionConfig
-from .basis import rotate, unrotate
+from .basis import inverse, rotate_query, unrotate
 from .layer import CompressedLayer
 from .pages import page_upper_bound, select_pages
 
@@ -70,12 +70,15 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
     qh = (q.float() * sm_scale).reshape(nq, h, g, d).permute(1, 0, 2, 3).reshape(h, nq * g, d)
     merger = _Merger(h, nq * g, d)
 
-    keep = _select(qh, layer, select, page_tokens, nq, g)
+    k_inv = [inverse(b) for b in layer.k_bases]
+    v_inv = [inverse(b) for b in layer.v_bases]
+    q_in = [rotate_query(qh, inv) for inv in k_inv]  # q in each K basis, once per basis
+    keep = _select(qh, q_in, layer, select, page_tokens, nq, g)
     all_scores = []
     for i, seg in enumerate(layer.segments):
-        kb = layer.k_bases[seg.basis] if seg.k.strategy.rot else None
-        vb = layer.v_bases[seg.basis] if seg.v.strategy.rot else None
-        scores = seg.k.strategy.qk(seg.k.encoded, rotate(qh, kb))  # [H, Nq*G, S]
+        q_seg = q_in[seg.basis] if seg.k.strategy.rot else qh
+        vb = v_inv[seg.basis] if seg.v.strategy.rot else None
+        scores = seg.k.strategy.qk(seg.k.encoded, q_seg)  # [H, Nq*G, S]
         if keep is not None:
             ppseg = seg.tokens // page_tokens
             page_mask = keep[:, :, i * ppseg:(i + 1) * ppseg]  # [Nq, H, pages]
@@ -107,7 +110,7 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
     return out, info, probs
 
 
-def _select(qh, layer: CompressedLayer, select: SelectionConfig | None, page_tokens: int,
+def _select(qh, q_in, layer: CompressedLayer, select: SelectionConfig | None, page_tokens: int,
             nq: int, g: int) -> torch.Tensor | None:
     """Page keep mask [Nq, H, P_total], or None when selection is off or the budget covers all."""
     if select is None or not select.enabled or not layer.segments:
@@ -117,8 +120,7 @@ def _select(qh, layer: CompressedLayer, select: SelectionConfig | None, page_tok
         return None
     if any(s.pages is None for s in layer.segments):
         raise ValueError("selection is enabled but the layer was compressed without page metadata")
-    bounds = torch.cat([page_upper_bound(s.pages, rotate(qh, layer.k_bases[s.basis])
-                                         if s.pages_rotated else qh)
+    bounds = torch.cat([page_upper_bound(s.pages, q_in[s.basis] if s.pages_rotated else qh)
                         for s in layer.segments], dim=-1)  # [H, Nq*G, P]
     h = bounds.shape[0]
     bounds = bounds.reshape(h, nq, g, -1)
