@@ -137,6 +137,17 @@ def check_encodable(spec: str, kinds: str, segment_tokens: int, head_dim: int) -
         strat.encode(torch.zeros(1, segment_tokens, head_dim), kind)
 
 
+def check_fits(cfg: "MosaicConfig", head_dim: int, segment_tokens: int | None = None) -> None:
+    """Every candidate must encode this model's K/V: a clear error at start-up, naming the key."""
+    for key, kinds in (("k_candidates", "k"), ("v_candidates", "v"), ("sink_candidates", "kv")):
+        for spec in getattr(cfg, key):
+            try:
+                check_encodable(spec, kinds, segment_tokens or cfg.segment_tokens, head_dim)
+            except ValueError as exc:
+                raise ValueError(f"mosaickv config: {key} '{spec}' does not fit this model "
+                                 f"(head_dim {head_dim}): {exc}") from None
+
+
 _FIELD_TYPES = {"int": int, "float": (int, float), "bool": bool, "list[str]": (list, tuple),
                 "SelectionConfig": (dict, SelectionConfig)}
 

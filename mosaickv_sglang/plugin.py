@@ -35,7 +35,7 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from . import wiring
-from .config import MosaicConfig
+from .config import MosaicConfig, check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,10 @@ def _check_server_args(result, self):
     _refuse_flags(self)
     model_config = self.get_model_config()
     _refuse_model(model_config.hf_config, self.tp_size, model_config=model_config)
+    try:
+        check_fits(get_config(self), model_config.head_dim)
+    except ValueError as exc:
+        raise MosaicKVUnsupported(str(exc)) from None
     _require_backend()
     return None
 

@@ -29,7 +29,7 @@ from .codec.basis import fit_basis, inverse, rotate, unrotate
 from .codec.layer import Segment, choose, segment_bytes
 from .codec.pages import build_page_meta
 from .codec.strategies import parse_strategy, strategy_id
-from .config import MosaicConfig, check_encodable
+from .config import MosaicConfig, check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class PoolCounters:
     reused_pages: int = 0  # sealed pages handed to requests by a radix-tree prefix match
     freed_pages: int = 0
     over_budget: int = 0  # segment kinds kept dense because no candidate met the budget
-    forced_seals: int = 0  # seals done early because the hot buffer ran out
+    arena_over_budget: int = 0  # seals that left the packed bytes above the start-up sizing
     strategies: dict = field(default_factory=dict)
 
 
@@ -68,6 +68,7 @@ def cell_fraction(cfg: MosaicConfig, head_num: int, head_dim: int) -> float:
     hot-buffer share + compressed K and V + page metadata + header + amortized bases."""
     from .codec.strategies import Encoded
 
+    check_fits(cfg, head_dim)
     x = torch.randn(head_num, cfg.segment_tokens, head_dim)
     def worst(specs, kind):
         return max(Encoded(kind, tuple(x.shape), parse_strategy(s).encode(x, kind)).nbytes()
@@ -99,13 +100,15 @@ class MosaicKVPool(MHATokenToKVPool):
         self.free_hot_pages = list(range(hot_pages, 0, -1))
         self.sealed: dict[int, SealedPage] = {}
         self.counters = PoolCounters()
-        for key, kinds in (("k_candidates", "k"), ("v_candidates", "v"), ("sink_candidates", "kv")):
-            for spec in getattr(mosaic_config, key):
-                try:
-                    check_encodable(spec, kinds, page_size, self.head_dim)
-                except ValueError as exc:
-                    raise ValueError(f"mosaickv config: {key} '{spec}' does not fit this model "
-                                     f"(head_dim {self.head_dim}): {exc}") from None
+        # What start-up sizing assumed the packed pages may take (worst candidate everywhere);
+        # exceeding it (dense fallbacks) is logged and counted, never silent.
+        dense_per_token = self.layer_num * 2 * self.head_num * self.head_dim * 2
+        self.arena_budget_bytes = int(size * dense_per_token * (
+            cell_fraction(mosaic_config, self.head_num, self.head_dim)
+            - mosaic_config.hot_buffer_fraction))
+        self.arena_bytes = 0
+        self._basis_refs: dict[int, int] = {}
+        check_fits(mosaic_config, self.head_dim, page_size)
         self.k_cands = [parse_strategy(s) for s in mosaic_config.k_candidates]
         self.v_cands = [parse_strategy(s) for s in mosaic_config.v_candidates]
         self.sink_cands = [parse_strategy(s) for s in mosaic_config.sink_candidates]
@@ -248,6 +251,7 @@ class MosaicKVPool(MHATokenToKVPool):
                 self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
                 self.counters.over_budget += c.reason == "over-budget"
         self.sealed[page] = SealedPage(position, segs, bases, nbytes)
+        self._account(self.sealed[page], +1)
         self.free_hot_pages.append(int(self.hot_page_of[page]))
         self.hot_page_of[page] = -1
         self.counters.sealed_pages += 1
@@ -256,7 +260,9 @@ class MosaicKVPool(MHATokenToKVPool):
     def release_pages(self, pages: list[int]) -> None:
         """Called by the allocator when logical pages return to its free list."""
         for page in pages:
-            if self.sealed.pop(page, None) is not None:
+            sealed = self.sealed.pop(page, None)
+            if sealed is not None:
+                self._account(sealed, -1)
                 self.counters.freed_pages += 1
             hot = int(self.hot_page_of[page])
             if hot >= 0:
@@ -267,10 +273,30 @@ class MosaicKVPool(MHATokenToKVPool):
         """Every logical page is free again (the allocator was reset): drop all state."""
         self.counters.freed_pages += len(self.sealed)
         self.sealed.clear()
+        self.arena_bytes = 0
+        self._basis_refs.clear()
         self.hot_page_of.fill_(-1)
         self.free_hot_pages = list(range(self.num_hot_pages, 0, -1))
 
     # ---- accounting ---------------------------------------------------------------------
+    def _account(self, page: SealedPage, sign: int) -> None:
+        """Running total of packed bytes: page bytes, plus bases while any page uses them."""
+        key = id(page.bases)
+        refs = self._basis_refs.get(key, 0) + sign
+        if (sign > 0 and refs == 1) or (sign < 0 and refs == 0):
+            self.arena_bytes += sign * page.bases.nbytes()
+        if refs:
+            self._basis_refs[key] = refs
+        else:
+            self._basis_refs.pop(key, None)
+        self.arena_bytes += sign * page.nbytes
+        if sign > 0 and self.arena_bytes > self.arena_budget_bytes:
+            if not self.counters.arena_over_budget:
+                logger.warning("MosaicKV: packed pages use %d bytes, above the %d bytes start-up "
+                               "sizing assumed (dense fallbacks); counted in stats",
+                               self.arena_bytes, self.arena_budget_bytes)
+            self.counters.arena_over_budget += 1
+
     def _hot_capacity_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_buffer + self.v_buffer)
 
@@ -282,7 +308,7 @@ class MosaicKVPool(MHATokenToKVPool):
                 f"{'-' if ratio is None else f'{ratio:.2f}x'} vs bf16 incl. metadata), "
                 f"hot {st['hot_tokens_in_use']}/{st['hot_tokens_capacity']} tokens, "
                 f"reused {self.counters.reused_pages}, over-budget {self.counters.over_budget}, "
-                f"forced seals {self.counters.forced_seals}")
+                f"arena {self.arena_bytes / 1e6:.1f}/{self.arena_budget_bytes / 1e6:.1f} MB")
 
     def stats(self) -> dict:
         """Physical bytes by kind, measured from the tensors, plus counters."""
@@ -307,5 +333,7 @@ class MosaicKVPool(MHATokenToKVPool):
             "sealed_bytes_per_token": compressed / sealed_tokens if sealed_tokens else None,
             "dense_bytes_per_token": self.layer_num * 2 * self.head_num * self.head_dim * 2,
             "sealed_ratio": dense_equiv / compressed if compressed else None,
+            "arena_bytes": self.arena_bytes,  # == compressed: kept incrementally
+            "arena_budget_bytes": self.arena_budget_bytes,
             "counters": {**self.counters.__dict__, "strategies": dict(self.counters.strategies)},
         }

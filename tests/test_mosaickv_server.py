@@ -141,11 +141,33 @@ def test_shared_prefix_is_compressed_once_and_reused(smol):
 
 def test_physical_bytes_per_token_at_least_3x_below_bf16(smol):
     flush_cache(smol.url)
-    assert mosaickv_stats(smol.url)["sealed_pages"] == 0  # eviction freed the packed bytes
+    emptied = mosaickv_stats(smol.url)
+    assert emptied["sealed_pages"] == 0 and emptied["arena_bytes"] == 0  # packed bytes freed
     t0 = time.time()
     _greedy(smol.url, _essay_ids(6000, 40000), 4)
     print(f"6000-token prefill + 4 decode steps: {time.time() - t0:.0f}s")
     stats = mosaickv_stats(smol.url)
     assert stats["sealed_tokens"] >= 5500
+    # the running total the pool keeps equals the bytes re-summed from every kept tensor
+    kept = sum(n for kind, n in stats["bytes"].items() if kind != "hot_buffer_capacity")
+    assert stats["arena_bytes"] == kept and kept <= stats["arena_budget_bytes"]
     ratio = stats["dense_bytes_per_token"] / stats["sealed_bytes_per_token"]
     assert ratio >= 3.0, stats
+
+
+def test_config_that_does_not_fit_the_model_fails_at_startup(tmp_path):
+    """Default bands need head_dim a multiple of 64; the tiny model has 16: a clear start-up
+    error naming the key, before any weight is loaded."""
+    import subprocess
+    import sys
+
+    from server_utils import server_env
+
+    model = make_tiny_llama(tmp_path / "tiny")
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+                           "--kv-backend", "mosaickv"], capture_output=True, text=True,
+                          timeout=300, env=server_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "k_candidates" in out and "does not fit this model (head_dim 16)" in out, out[-3000:]
+    assert "Load weight begin" not in out

@@ -1,0 +1,71 @@
+"""MosaicKVPool without a server: logical pages -> hot rows -> sealed segments, reads that match
+the dense data, byte accounting kept incrementally, frees and clear."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mosaickv_sglang.config import MosaicConfig
+from mosaickv_sglang.pool import MosaicKVPool
+
+PS, H, D, LAYERS = 128, 2, 64, 2
+
+
+def make_pool(**cfg) -> MosaicKVPool:
+    config = MosaicConfig(hot_tokens=0, **cfg)
+    return MosaicKVPool(16 * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
+                        mosaic_config=config)
+
+
+def write(pool, slots, seed):
+    g = torch.Generator().manual_seed(seed)
+    kv = []
+    for layer_id in range(LAYERS):
+        k = torch.randn(len(slots), H, D, generator=g)
+        v = torch.randn(len(slots), H, D, generator=g)
+        pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots, k, v)
+        kv.append((k, v))
+    return kv
+
+
+def test_lossless_pool_roundtrip_seal_free_and_accounting():
+    pool = make_pool(k_candidates=["dense:val=fp32"], v_candidates=["dense:val=fp32"],
+                     sink_candidates=[], select={"enabled": False})
+    slots = torch.arange(PS, 4 * PS + 40)  # pages 1..4 (page 0 is padding), partly filled last
+    kv = write(pool, slots, seed=0)
+    assert pool.seal_request(slots, len(slots)) == 3  # three full pages; the partial one stays hot
+    for layer_id, (k, v) in enumerate(kv):
+        keys, values = pool.dense_kv(layer_id, slots)
+        assert torch.equal(keys, k) and torch.equal(values, v)  # exact through the sealed pages
+        segs, hot_k, _, hot_start = pool.request_view(layer_id, slots)
+        assert len(segs) == 3 and hot_start == 3 * PS and hot_k.shape[1] == 40
+    st = pool.stats()
+    kept = sum(n for kind, n in st["bytes"].items() if kind != "hot_buffer_capacity")
+    assert st["arena_bytes"] == kept > 0 and st["sealed_pages"] == 3
+    assert pool.seal_request(slots, len(slots)) == 0  # sealed pages are not compressed twice
+    pool.release_pages([1, 2, 3, 4])
+    assert pool.stats()["sealed_pages"] == 0 and pool.arena_bytes == 0
+    assert len(pool.free_hot_pages) == pool.num_hot_pages
+
+
+def test_default_config_compresses_and_never_writes_into_sealed_pages():
+    pool = make_pool(sink_segments=0)  # every page through the K/V candidates (bands)
+    slots = torch.arange(PS, 3 * PS)
+    write(pool, slots, seed=1)
+    pool.seal_request(slots, len(slots))
+    st = pool.stats()
+    assert st["sealed_pages"] == 2
+    # codes + scales well under a third of bf16 (with only 2 pages the bases dominate the rest)
+    dense = st["sealed_tokens"] * st["dense_bytes_per_token"]
+    assert 3 * (st["bytes"]["values"] + st["bytes"]["scales"]) < dense
+    assert any(key.startswith("k:band") for key in st["counters"]["strategies"])
+    with pytest.raises(RuntimeError, match="sealed"):
+        write(pool, slots[:4], seed=2)
+    pool.clear()
+    assert pool.stats()["sealed_pages"] == 0 and pool.arena_bytes == 0
+
+
+def test_config_that_does_not_fit_the_head_dim_is_refused():
+    with pytest.raises(ValueError, match="does not fit this model"):
+        MosaicKVPool(16 * PS, PS, torch.float32, H, 16, LAYERS, "cpu", False,
+                     mosaic_config=MosaicConfig())
