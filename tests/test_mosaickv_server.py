@@ -44,7 +44,7 @@ def _greedy(url: str, ids: list[int], n: int) -> dict:
 
 
 # --------------------------------------------------------------------- lossless, tiny model
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test uses it: tear both servers down right after (idle CPU schedulers spin)
 def tiny_pair(tmp_path_factory):
     model = make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
     logs = tmp_path_factory.mktemp("logs")

@@ -240,14 +240,16 @@ def test_config_survives_pickling():
     assert plugin.get_config(pickle.loads(pickle.dumps(dense))) is None
 
 
-def test_programmatic_mosaickv_not_available_yet(tmp_path):
-    # Adjust when the MosaicKV attention / radix-cache backends are registered.
+def test_programmatic_server_args(tmp_path):
     from transformers import LlamaConfig
 
-    LlamaConfig(num_hidden_layers=2).save_pretrained(tmp_path)
-    assert not plugin.backend_available()
-    with pytest.raises(plugin.MosaicKVUnsupported, match="not available in this build"):
-        plugin.server_args(model_path=str(tmp_path))
+    LlamaConfig(num_hidden_layers=2, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    args = plugin.server_args(model_path=str(tmp_path), mosaickv_config={"hot_tokens": 32},
+                              device="cpu")
+    assert plugin.backend_available()  # server_args loads the plugins, which register them
+    assert (args.attention_backend, args.radix_cache_backend) == ("mosaickv", "mosaickv")
+    assert args.page_size == MosaicConfig().segment_tokens and args.disable_cuda_graph
+    assert getattr(args, plugin.CONFIG_ATTR).hot_tokens == 32
     with pytest.raises(plugin.MosaicKVUnsupported, match="speculative"):
         plugin.server_args(model_path=str(tmp_path), speculative_algorithm="EAGLE")
     with pytest.raises(ValueError, match="nope"):

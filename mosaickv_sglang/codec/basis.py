@@ -32,10 +32,6 @@ def fit_basis(x: torch.Tensor) -> torch.Tensor:
     return q.to(BASIS_DTYPE)
 
 
-def identity_basis(heads: int, dim: int, device=None) -> torch.Tensor:
-    return torch.eye(dim, dtype=BASIS_DTYPE, device=device).expand(heads, dim, dim).contiguous()
-
-
 def rotate(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
     """x [H, ..., D] -> x @ U per head (float32). None means the identity (no rotation)."""
     if basis is None:

@@ -66,10 +66,6 @@ class Segment:
     pages_rotated: bool  # page metadata lives in the K basis (K is rotated), else raw channels
     header: torch.Tensor  # int32 [len(HEADER_FIELDS)], what a kernel needs to find and read it
 
-    def basis_of(self, kind: str) -> int | None:
-        choice = self.k if kind == "k" else self.v
-        return self.basis if choice.strategy.rot else None
-
 
 @dataclass
 class CompressedLayer:
