@@ -54,21 +54,18 @@ def dsl_program(url: str) -> None:
 
     @sgl.function
     def travel(s, city):
-        s += sgl.user(f"I am planning a trip to {city}.")
-        forks = s.fork(2)
+        s += f"A short travel guide to {city}.\n"
+        forks = s.fork(2)  # two continuations of the same (cached) prefix, in parallel
         for f, topic in zip(forks, ("food", "sights")):
-            f += sgl.assistant_begin()
-            f += f"One {topic} tip for {city}: " + sgl.gen("tip", max_tokens=24, temperature=0)
-            f += sgl.assistant_end()
-        s += sgl.user(f"Which country is {city} in?")
-        s += sgl.assistant("It is in " + sgl.select("country", choices=["France", "Japan", "Peru"]))
+            f += f"One {topic} tip: " + sgl.gen("tip", max_tokens=24, temperature=0, stop="\n")
+        # reading the forks' variables waits for them and joins their text into this state
+        s += f"Food: {forks[0]['tip']}\nSights: {forks[1]['tip']}\n"
+        s += f"{city} is in " + sgl.select("country", choices=["France", "Japan", "Peru"])
 
     print("\n== frontend DSL program (fork / gen / select) ==")
     sgl.set_default_backend(sgl.RuntimeEndpoint(url))
     state = travel.run(city="Paris")
-    print(f"food tip:   {state['tip'] if 'tip' in state else ''}")
-    for i, f in enumerate(state.text().split("One ")[1:3]):
-        print(f"fork {i}: One {f.strip()[:120]}")
+    print(state.text().strip())
     print(f"select -> {state['country']}")
 
 
