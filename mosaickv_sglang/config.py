@@ -64,6 +64,9 @@ class MosaicConfig:
     k_error_budget: float = 0.08  # max relative reconstruction error per segment
     v_error_budget: float = 0.12
     select: SelectionConfig = field(default_factory=SelectionConfig)
+    # "off": pages are compressed synchronously after the forward that made them sealable. The
+    # asynchronous CPU recompression daemon is not built yet, so no other value is accepted.
+    daemon: str = "off"
 
     def __post_init__(self):
         if isinstance(self.select, dict):
@@ -100,6 +103,9 @@ class MosaicConfig:
                 except ValueError as exc:
                     raise ValueError(f"mosaickv config: {key}[{i}] '{spec}': {exc}") from None
         self.select.validate(self.page_tokens)
+        if self.daemon != "off":
+            raise ValueError(f"mosaickv config: daemon={self.daemon!r} is not available in this "
+                             "build; only 'off' (synchronous sealing) is")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -148,7 +154,7 @@ def check_fits(cfg: "MosaicConfig", head_dim: int, segment_tokens: int | None = 
                                  f"(head_dim {head_dim}): {exc}") from None
 
 
-_FIELD_TYPES = {"int": int, "float": (int, float), "bool": bool, "list[str]": (list, tuple),
+_FIELD_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool, "list[str]": (list, tuple),
                 "SelectionConfig": (dict, SelectionConfig)}
 
 

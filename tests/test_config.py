@@ -202,3 +202,9 @@ def test_sink_candidates_validated_for_v_too():
     with pytest.raises(ValueError, match="sink_candidates"):
         MosaicConfig.from_dict(
             {"sink_candidates": ["lowbit:bits=4,group=48,k_axis=token,v_axis=channel"]})
+
+
+def test_daemon_mode_is_off_and_other_values_are_refused():
+    assert MosaicConfig().daemon == "off"
+    with pytest.raises(ValueError, match="daemon"):
+        MosaicConfig.parse('{"daemon": "on"}')
