@@ -13,6 +13,12 @@ import random
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter on a CPU; this must precede the first `import triton`
+    # of the session, whichever test module (the kernel tests, or SGLang via the plugin tests)
+    # happens to import it first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _fresh_seed() -> int:
     env = os.environ.get("MOSAICKV_TEST_SEED")
