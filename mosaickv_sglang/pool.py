@@ -25,10 +25,10 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from .codec.basis import fit_basis, inverse, rotate, unrotate
-from .codec.layer import Segment, choose, segment_bytes
+from .codec.basis import fit_basis, inverse, unrotate
+from .codec.layer import Candidates, Segment, seal_segment, segment_bytes
 from .codec.pages import build_page_meta
-from .codec.strategies import parse_strategy, strategy_id
+from .codec.strategies import parse_strategy
 from .config import MosaicConfig, check_fits
 
 logger = logging.getLogger(__name__)
@@ -109,9 +109,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.arena_bytes = 0
         self._basis_refs: dict[int, int] = {}
         check_fits(mosaic_config, self.head_dim, page_size)
-        self.k_cands = [parse_strategy(s) for s in mosaic_config.k_candidates]
-        self.v_cands = [parse_strategy(s) for s in mosaic_config.v_candidates]
-        self.sink_cands = [parse_strategy(s) for s in mosaic_config.sink_candidates]
+        self.cands = Candidates.from_config(mosaic_config)
         # Dense fallback in the cache's own precision, so "dense" is lossless for fp32 caches too.
         self.dense = parse_strategy("dense:val=fp32" if self.dtype == torch.float32 else "dense")
         logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense)",
@@ -219,34 +217,15 @@ class MosaicKVPool(MHATokenToKVPool):
         return BasisPair(ks, vs)
 
     def _seal_page(self, page: int, position: int, bases: BasisPair) -> None:
-        cfg = self.cfg
-        sink = position // self.page_size < cfg.sink_segments
+        sink = position // self.page_size < self.cfg.sink_segments
         segs, nbytes = [], 0
         for local in range(self.layer_num):
             k, v = self._page_kv(local, page)
-            kb, vb = bases.k[local], bases.v[local]
-            if sink:
-                kc = choose(k, rotate(k, kb), "k", self.sink_cands, cfg.sink_error_budget, "sink",
-                            self.dense)
-                vc = choose(v, rotate(v, vb), "v", self.sink_cands, cfg.sink_error_budget, "sink",
-                            self.dense)
-            else:
-                kc = choose(k, rotate(k, kb), "k", self.k_cands, cfg.k_error_budget,
-                            fallback=self.dense)
-                vc = choose(v, rotate(v, vb), "v", self.v_cands, cfg.v_error_budget,
-                            fallback=self.dense)
-            pages = None
-            if cfg.select.enabled:  # in the space the scores are computed in
-                pages = build_page_meta(kc.strategy.decode(kc.encoded), cfg.page_tokens,
-                                        cfg.select.meta_channels)
-            header = torch.tensor([strategy_id(kc.strategy.name), strategy_id(vc.strategy.name),
-                                   int(kc.strategy.rot), int(vc.strategy.rot), position,
-                                   self.page_size], dtype=torch.int32)
-            seg = Segment(position, self.page_size, kc, vc, 0, pages,
-                          pages is not None and kc.strategy.rot, header)
+            seg = seal_segment(k, v, bases.k[local], bases.v[local], 0, position, self.cfg,
+                               self.cands, sink, self.cfg.select.enabled, self.dense)
             segs.append(seg)
             nbytes += sum(segment_bytes(seg).values())
-            for kind, c in (("k", kc), ("v", vc)):
+            for kind, c in (("k", seg.k), ("v", seg.v)):
                 key = f"{kind}:{c.strategy.spec}"
                 self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
                 self.counters.over_budget += c.reason == "over-budget"

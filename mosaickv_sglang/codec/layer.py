@@ -119,6 +119,43 @@ def _byte_kind(name: str) -> str:
     return "scales"  # scale, zero, value_scale
 
 
+@dataclass
+class Candidates:
+    """The parsed strategy candidates of a config (parsed once, used for every segment)."""
+    k: list[Strategy]
+    v: list[Strategy]
+    sink: list[Strategy]
+
+    @classmethod
+    def from_config(cls, cfg: MosaicConfig) -> "Candidates":
+        parse = lambda specs: [parse_strategy(s) for s in specs]  # noqa: E731
+        return cls(parse(cfg.k_candidates), parse(cfg.v_candidates), parse(cfg.sink_candidates))
+
+
+def seal_segment(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
+                 basis_id: int, start: int, cfg: MosaicConfig, cands: Candidates, sink: bool,
+                 select_meta: bool, fallback: Strategy = DENSE) -> Segment:
+    """One segment's K and V [H, S, D] (float) -> a sealed Segment: the chooser's strategies,
+    page metadata in the space its scores are computed in, and the header. Shared by the
+    offline codec (compress_layer) and the serving pool."""
+    if sink:
+        kc = choose(k, rotate(k, kb), "k", cands.sink, cfg.sink_error_budget, "sink", fallback)
+        vc = choose(v, rotate(v, vb), "v", cands.sink, cfg.sink_error_budget, "sink", fallback)
+    else:
+        kc = choose(k, rotate(k, kb), "k", cands.k, cfg.k_error_budget, fallback=fallback)
+        vc = choose(v, rotate(v, vb), "v", cands.v, cfg.v_error_budget, fallback=fallback)
+    pages = None
+    if select_meta:  # see codec/pages.py
+        pages = build_page_meta(kc.strategy.decode(kc.encoded), cfg.page_tokens,
+                                cfg.select.meta_channels)
+    tokens = k.shape[1]
+    header = torch.tensor([strategy_id(kc.strategy.name), strategy_id(vc.strategy.name),
+                           basis_id if kc.strategy.rot else -1,
+                           basis_id if vc.strategy.rot else -1, start, tokens], dtype=torch.int32)
+    return Segment(start, tokens, kc, vc, basis_id, pages, pages is not None and kc.strategy.rot,
+                   header)
+
+
 def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
                    select_meta: bool | None = None) -> CompressedLayer:
     """k, v: [H, T, D] (bf16 values as the dense cache holds them) -> CompressedLayer.
@@ -132,9 +169,7 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
     _, t, _ = k.shape
     seg = cfg.segment_tokens
     sealed = max((t - cfg.hot_tokens) // seg, 0) * seg
-    k_cands = [parse_strategy(s) for s in cfg.k_candidates]
-    v_cands = [parse_strategy(s) for s in cfg.v_candidates]
-    sink_cands = [parse_strategy(s) for s in cfg.sink_candidates]
+    cands = Candidates.from_config(cfg)
     layer = CompressedLayer(hot_start=sealed)
     kf, vf = k.float(), v.float()
     for block_start in range(0, sealed, cfg.basis_block_tokens):
@@ -145,23 +180,9 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
         layer.v_bases.append(vb)
         basis_id = len(layer.k_bases) - 1
         for start in range(block_start, block_end, seg):
-            ks, vs = kf[:, start:start + seg], vf[:, start:start + seg]
-            if start // seg < cfg.sink_segments:
-                kc = choose(ks, rotate(ks, kb), "k", sink_cands, cfg.sink_error_budget, "sink")
-                vc = choose(vs, rotate(vs, vb), "v", sink_cands, cfg.sink_error_budget, "sink")
-            else:
-                kc = choose(ks, rotate(ks, kb), "k", k_cands, cfg.k_error_budget)
-                vc = choose(vs, rotate(vs, vb), "v", v_cands, cfg.v_error_budget)
-            pages = None
-            if select_meta:  # in the space the scores are computed in (see codec/pages.py)
-                pages = build_page_meta(kc.strategy.decode(kc.encoded), cfg.page_tokens,
-                                        cfg.select.meta_channels)
-            header = torch.tensor([strategy_id(kc.strategy.name), strategy_id(vc.strategy.name),
-                                   basis_id if kc.strategy.rot else -1,
-                                   basis_id if vc.strategy.rot else -1, start, seg],
-                                  dtype=torch.int32)
-            layer.segments.append(Segment(start, seg, kc, vc, basis_id, pages,
-                                          pages is not None and kc.strategy.rot, header))
+            layer.segments.append(seal_segment(
+                kf[:, start:start + seg], vf[:, start:start + seg], kb, vb, basis_id, start, cfg,
+                cands, sink=start // seg < cfg.sink_segments, select_meta=select_meta))
     layer.hot_k = k[:, sealed:].to(torch.bfloat16).contiguous()
     layer.hot_v = v[:, sealed:].to(torch.bfloat16).contiguous()
     return layer
