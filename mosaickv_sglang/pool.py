@@ -280,12 +280,15 @@ class MosaicKVPool(MHATokenToKVPool):
         return sum(t.numel() * t.element_size() for t in self.k_buffer + self.v_buffer)
 
     def summary(self) -> str:
-        """One log line: what is kept and how well it is compressed."""
-        st = self.stats()
-        ratio = st["sealed_ratio"]
-        return (f"MosaicKV: {st['sealed_pages']} sealed pages ({st['sealed_tokens']} tokens, "
-                f"{'-' if ratio is None else f'{ratio:.2f}x'} vs bf16 incl. metadata), "
-                f"hot {st['hot_tokens_in_use']}/{st['hot_tokens_capacity']} tokens, "
+        """One log line: what is kept and how well it is compressed. Logged from the sealing
+        path, so it uses the running byte total instead of re-walking every tensor (stats())."""
+        tokens = len(self.sealed) * self.page_size
+        dense = tokens * self.layer_num * 2 * self.head_num * self.head_dim * 2
+        ratio = f"{dense / self.arena_bytes:.2f}x" if self.arena_bytes else "-"
+        hot_used = (self.num_hot_pages - len(self.free_hot_pages)) * self.page_size
+        return (f"MosaicKV: {len(self.sealed)} sealed pages ({tokens} tokens, "
+                f"{ratio} vs bf16 incl. metadata), "
+                f"hot {hot_used}/{self.num_hot_pages * self.page_size} tokens, "
                 f"reused {self.counters.reused_pages}, over-budget {self.counters.over_budget}, "
                 f"arena {self.arena_bytes / 1e6:.1f}/{self.arena_budget_bytes / 1e6:.1f} MB")
 
