@@ -229,8 +229,13 @@ class MosaicKVPool(MHATokenToKVPool):
                 key = f"{kind}:{c.strategy.spec}"
                 self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
                 self.counters.over_budget += c.reason == "over-budget"
-        self.sealed[page] = SealedPage(position, segs, bases, nbytes)
-        self._account(self.sealed[page], +1)
+        self._install(page, SealedPage(position, segs, bases, nbytes))
+
+    def _install(self, page: int, sealed: SealedPage) -> None:
+        """The one place a sealed page enters ``self.sealed`` (``release_pages``/``clear`` are the
+        only exits): account its bytes and give its hot page back."""
+        self.sealed[page] = sealed
+        self._account(sealed, +1)
         self.free_hot_pages.append(int(self.hot_page_of[page]))
         self.hot_page_of[page] = -1
         self.counters.sealed_pages += 1
