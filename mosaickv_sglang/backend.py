@@ -11,15 +11,12 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
-
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from .codec.attention import decode_attention
-from .codec.layer import CompressedLayer
 from .pool import MosaicKVPool
 
 logger = logging.getLogger(__name__)
@@ -76,28 +73,13 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         for i in range(forward_batch.batch_size):
             rid = int(forward_batch.req_pool_indices[i])
             seq_len = int(forward_batch.seq_lens[i])
-            view = self._layer_view(layer.layer_id, req_to_token[rid, :seq_len])
+            view = self.pool.layer_view(layer.layer_id, req_to_token[rid, :seq_len])
             out, _ = decode_attention(q_[i:i + 1].float(), view,
                                       torch.tensor([seq_len - 1]), self.cfg.select,
                                       self.cfg.page_tokens, sm_scale=layer.scaling)
             o_[i] = out[0].to(o_.dtype)
         self._maybe_seal(layer, forward_batch)
         return o_.reshape(q_.shape[0], hq * layer.v_head_dim)
-
-    def _layer_view(self, layer_id: int, slots: torch.Tensor) -> CompressedLayer:
-        """One request's sealed segments + hot rows as a CompressedLayer for the codec."""
-        pages, hot_k, hot_v, hot_start = self.pool.request_view(layer_id, slots)
-        local = layer_id - self.pool.start_layer
-        view = CompressedLayer(hot_k=hot_k, hot_v=hot_v, hot_start=hot_start)
-        basis_index: dict[int, int] = {}
-        for page in pages:
-            key = id(page.bases)
-            if key not in basis_index:
-                basis_index[key] = len(view.k_bases)
-                view.k_bases.append(page.bases.k[local])
-                view.v_bases.append(page.bases.v[local])
-            view.segments.append(replace(page.segments[local], basis=basis_index[key]))
-        return view
 
     # ---- sealing ------------------------------------------------------------------------
     def _maybe_seal(self, layer, forward_batch) -> None:

@@ -31,6 +31,9 @@ DEFAULT_V_CANDIDATES = (
 DEFAULT_SINK_CANDIDATES = ("lowbit:bits=8,group=32",)
 
 
+DECODE_KERNELS = ("auto", "triton", "reference")
+
+
 @dataclass
 class SelectionConfig:
     """Sequence dimension: which compressed pages a decode step reads."""
@@ -67,6 +70,10 @@ class MosaicConfig:
     # "off": pages are compressed synchronously after the forward that made them sealable. The
     # asynchronous CPU recompression daemon is not built yet, so no other value is accepted.
     daemon: str = "off"
+    # Decode over sealed pages: "triton" (the packed kernels), "reference" (the torch codec), or
+    # "auto" (triton on CUDA, reference elsewhere). Segments the kernel cannot read (a dense
+    # fallback, a non-band sink) send their request through the reference path, counted.
+    decode_kernel: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.select, dict):
@@ -103,6 +110,9 @@ class MosaicConfig:
                 except ValueError as exc:
                     raise ValueError(f"mosaickv config: {key}[{i}] '{spec}': {exc}") from None
         self.select.validate(self.page_tokens)
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"mosaickv config: decode_kernel={self.decode_kernel!r} must be one "
+                             f"of {list(DECODE_KERNELS)}")
         if self.daemon != "off":
             raise ValueError(f"mosaickv config: daemon={self.daemon!r} is not available in this "
                              "build; only 'off' (synchronous sealing) is")

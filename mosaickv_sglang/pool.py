@@ -19,17 +19,18 @@ other requests reusing the prefix) reuse them. Every byte kept is counted by ``s
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from .codec.basis import fit_basis, inverse, unrotate
-from .codec.layer import Candidates, Segment, seal_segment, segment_bytes
+from .codec.layer import Candidates, CompressedLayer, Segment, seal_segment, segment_bytes
 from .codec.pages import build_page_meta
 from .codec.strategies import parse_strategy
 from .config import MosaicConfig, check_fits
+from .segment_store import SegmentStore
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ class MosaicKVPool(MHATokenToKVPool):
         self.cands = Candidates.from_config(mosaic_config)
         # Dense fallback in the cache's own precision, so "dense" is lossless for fp32 caches too.
         self.dense = parse_strategy("dense:val=fp32" if self.dtype == torch.float32 else "dense")
+        self.store = SegmentStore(self.layer_num, self.num_logical_pages, self.head_num,
+                                  self.head_dim, page_size, mosaic_config.page_tokens, self.cands,
+                                  self.device)
         logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense)",
                     size, hot_pages * page_size, self._hot_capacity_bytes() / 1e6)
 
@@ -161,6 +165,21 @@ class MosaicKVPool(MHATokenToKVPool):
         hot_k = self.k_buffer[local][phys].transpose(0, 1)  # [H, T_hot, D]
         hot_v = self.v_buffer[local][phys].transpose(0, 1)
         return segs, hot_k, hot_v, n_sealed * ps
+
+    def layer_view(self, layer_id: int, slots: torch.Tensor) -> CompressedLayer:
+        """One request's sealed segments + hot rows as a CompressedLayer for the codec."""
+        pages, hot_k, hot_v, hot_start = self.request_view(layer_id, slots)
+        local = layer_id - self.start_layer
+        view = CompressedLayer(hot_k=hot_k, hot_v=hot_v, hot_start=hot_start)
+        basis_index: dict[int, int] = {}
+        for page in pages:
+            key = id(page.bases)
+            if key not in basis_index:
+                basis_index[key] = len(view.k_bases)
+                view.k_bases.append(page.bases.k[local])
+                view.v_bases.append(page.bases.v[local])
+            view.segments.append(replace(page.segments[local], basis=basis_index[key]))
+        return view
 
     def dense_kv(self, layer_id: int, slots: torch.Tensor):
         """Decompress one request's K/V [T, H, D] into a workspace (prefill over a prefix)."""
@@ -235,6 +254,8 @@ class MosaicKVPool(MHATokenToKVPool):
         """The one place a sealed page enters ``self.sealed`` (``release_pages``/``clear`` are the
         only exits): account its bytes and give its hot page back."""
         self.sealed[page] = sealed
+        for local, seg in enumerate(sealed.segments):
+            self.store.install(local, page, seg)
         self._account(sealed, +1)
         self.free_hot_pages.append(int(self.hot_page_of[page]))
         self.hot_page_of[page] = -1
@@ -247,6 +268,7 @@ class MosaicKVPool(MHATokenToKVPool):
             sealed = self.sealed.pop(page, None)
             if sealed is not None:
                 self._account(sealed, -1)
+                self.store.release(page)
                 self.counters.freed_pages += 1
             hot = int(self.hot_page_of[page])
             if hot >= 0:
@@ -257,6 +279,7 @@ class MosaicKVPool(MHATokenToKVPool):
         """Every logical page is free again (the allocator was reset): drop all state."""
         self.counters.freed_pages += len(self.sealed)
         self.sealed.clear()
+        self.store.clear()
         self.arena_bytes = 0
         self._basis_refs.clear()
         self.hot_page_of.fill_(-1)
@@ -323,4 +346,11 @@ class MosaicKVPool(MHATokenToKVPool):
             "arena_bytes": self.arena_bytes,  # == compressed: kept incrementally
             "arena_budget_bytes": self.arena_budget_bytes,
             "counters": {**self.counters.__dict__, "strategies": dict(self.counters.strategies)},
+            # The kernel-readable arena: reserved at start-up for the worst layout on every
+            # logical page (what the GPU holds) vs the blocks live now (inside arena_bytes).
+            "segment_store": {"reserved_bytes": self.store.reserved_bytes(),
+                              "live_block_bytes": self.store.live_bytes,
+                              "packed_segments": int(self.store.packed.sum()),
+                              "unpacked_segments": len(self.sealed) * self.layer_num
+                              - int(self.store.packed.sum())},
         }

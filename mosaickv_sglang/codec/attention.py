@@ -65,9 +65,7 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
     if hq % h:
         raise ValueError(f"{hq} query heads do not group evenly over {h} KV heads")
     g = hq // h
-    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
-    # [H, Nq*G, D]: the query axis rides along the GQA group axis.
-    qh = (q.float() * sm_scale).reshape(nq, h, g, d).permute(1, 0, 2, 3).reshape(h, nq * g, d)
+    qh = _grouped_queries(q, h, sm_scale)
     merger = _Merger(h, nq * g, d)
 
     k_inv = [inverse(b) for b in layer.k_bases]
@@ -108,6 +106,24 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
     probs = torch.cat(all_scores, -1).softmax(-1)  # [H, Nq*G, T]
     probs = probs.reshape(h, nq, g, -1).permute(1, 0, 2, 3).reshape(nq, hq, -1)
     return out, info, probs
+
+
+def select_keep(q: torch.Tensor, layer: CompressedLayer, select: SelectionConfig | None,
+                page_tokens: int, sm_scale: float | None = None) -> torch.Tensor | None:
+    """The page keep mask decode_attention uses for q [Nq, Hq, D] (None: every page is read);
+    the packed kernels' callers use it so both paths read exactly the same pages."""
+    nq, hq, _ = q.shape
+    h = layer.hot_k.shape[0]
+    qh = _grouped_queries(q, h, sm_scale)
+    q_in = [rotate_query(qh, inverse(b)) for b in layer.k_bases]
+    return _select(qh, q_in, layer, select, page_tokens, nq, hq // h)
+
+
+def _grouped_queries(q: torch.Tensor, h: int, sm_scale: float | None) -> torch.Tensor:
+    """q [Nq, Hq, D] -> scaled float32 [H, Nq*G, D]: the query axis rides along the GQA group."""
+    nq, hq, d = q.shape
+    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+    return (q.float() * sm_scale).reshape(nq, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)
 
 
 def _select(qh, q_in, layer: CompressedLayer, select: SelectionConfig | None, page_tokens: int,

@@ -1,0 +1,114 @@
+"""Packed segment store: per layer one uint8 arena holding every sealed band segment, the bytes
+the Triton decode kernel reads in place.
+
+Installing a sealed page copies each layer's band codes and fp16 scales into an arena block laid
+out as `codec.arena.BlockLayout` says, then points the segment's tensors at views of that block:
+the bytes exist once, and the torch codec (CPU decode, prefill decompression, tests) reads the
+same memory as the kernel. Headers sit in a per-layer table indexed by logical page, so a
+request's segment list is just its page ids. Blocks come from per-size free lists and a bump
+pointer (block sizes differ by layout); the arena is reserved at start-up for the worst layout
+on every logical page, so it cannot run out unless frees fragment it across sizes (then a clear
+error). Segments the kernel cannot read (not `band` in the SVD basis, e.g. a dense fallback) stay
+in their own tensors and are flagged unpacked; their requests decode on the reference path.
+"""
+from __future__ import annotations
+
+import torch
+
+from .codec.arena import ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout
+from .codec.layer import Candidates, Segment
+from .codec.strategies.band import Band
+
+
+def packable(seg: Segment, page_tokens: int) -> bool:
+    """The kernel reads K and V as rotated bands whose token groups hold whole pages."""
+    return all(isinstance(c.strategy, Band) and c.strategy.rot and c.strategy.group % page_tokens == 0
+               for c in (seg.k, seg.v))
+
+
+class SegmentStore:
+    def __init__(self, layers: int, pages: int, heads: int, head_dim: int, segment_tokens: int,
+                 page_tokens: int, cands: Candidates, device):
+        self.heads, self.head_dim, self.device = heads, head_dim, device
+        self.segment_tokens, self.page_tokens = segment_tokens, page_tokens
+        bands = [s for s in cands.k + cands.v + cands.sink if isinstance(s, Band) and s.rot]
+        worst = max((BlockLayout.of(a, b, segment_tokens, head_dim).head_bytes
+                     for a in bands for b in bands), default=0)
+        self.capacity = heads * worst * pages  # bytes per layer
+        # Uninitialized: only installed blocks are ever read (and CPU pages stay uncommitted).
+        self.data = [torch.empty(max(self.capacity, ALIGN), dtype=torch.uint8, device=device)
+                     for _ in range(layers)]
+        self.headers = [torch.zeros(pages + 1, HEADER_WIDTH, dtype=torch.int32, device=device)
+                        for _ in range(layers)]
+        self.packed = torch.zeros(layers, pages + 1, dtype=torch.bool)  # host: kernel-readable
+        self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
+        self.free: list[dict[int, list[int]]] = [{} for _ in range(layers)]  # size -> bases
+        self.top = [0] * layers  # bump pointer per layer
+        self.live_bytes = 0
+        self.layouts: dict[tuple, int] = {}
+        self._plans: list[torch.Tensor] = []
+        self.plans = torch.zeros(1, 2, len(PLAN_FIELDS), head_dim, dtype=torch.int32, device=device)
+        self.min_group = segment_tokens
+
+    # ---- install / release ----------------------------------------------------------------
+    def install(self, layer: int, page: int, seg: Segment) -> bool:
+        """Copy one layer's segment into the arena and re-point its tensors at the copy.
+        Returns False (nothing stored) when the kernel cannot read it."""
+        if not packable(seg, self.page_tokens):
+            return False
+        lay = BlockLayout.of(seg.k.strategy, seg.v.strategy, seg.tokens, self.head_dim)
+        size = self.heads * lay.head_bytes
+        base = self._alloc(layer, size)
+        block = self.data[layer][base:base + size].view(self.heads, lay.head_bytes)
+        for kind, choice in (("k", seg.k), ("v", seg.v)):
+            for name, t in list(choice.encoded.tensors.items()):
+                key = f"{kind}.{name}"
+                off, n = lay.offsets[key], lay.sizes[key]
+                part = block[:, off:off + n]
+                part.copy_(t.contiguous().view(torch.uint8).reshape(self.heads, n))
+                choice.encoded.tensors[name] = part.view(t.dtype).view(t.shape)
+        if lay.key() not in self.layouts:
+            self.layouts[lay.key()] = len(self._plans)
+            self._plans.append(lay.channel_plan())
+            self.plans = torch.stack(self._plans).to(self.device)
+            self.min_group = min(self.min_group, lay.k.group, lay.v.group)
+        self.headers[layer][page] = lay.header(base, self.layouts[lay.key()]).to(self.device)
+        self.packed[layer, page] = True
+        self.blocks[(layer, page)] = (base, size)
+        self.live_bytes += size
+        return True
+
+    def release(self, page: int) -> None:
+        for layer in range(len(self.data)):
+            block = self.blocks.pop((layer, page), None)
+            if block is not None:
+                base, size = block
+                self.free[layer].setdefault(size, []).append(base)
+                self.live_bytes -= size
+            self.packed[layer, page] = False
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.free = [{} for _ in self.data]
+        self.top = [0] * len(self.data)
+        self.packed.zero_()
+        self.live_bytes = 0
+
+    def _alloc(self, layer: int, size: int) -> int:
+        bases = self.free[layer].get(size)
+        if bases:
+            return bases.pop()
+        base = self.top[layer]
+        if base + size > self.capacity:
+            raise RuntimeError(
+                f"MosaicKV segment arena of layer {layer} is fragmented: {base + size} > "
+                f"{self.capacity} bytes although live blocks fit the start-up sizing; restart "
+                "with fewer distinct band candidates")
+        self.top[layer] = base + size
+        return base
+
+    # ---- accounting ---------------------------------------------------------------------
+    def reserved_bytes(self) -> int:
+        """Physical bytes this store allocated (arenas, header tables, layout plans)."""
+        return sum(t.numel() * t.element_size() for t in self.data + self.headers) + \
+            self.plans.numel() * self.plans.element_size()
