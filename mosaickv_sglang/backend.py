@@ -1,8 +1,9 @@
 """Attention backend ``mosaickv``: decode on the packed pages, prefill through a workspace.
 
-* decode: per request, the sealed pages (packed, read by the codec's reference attention with
-  query-aware page selection; the Triton kernels take this place on CUDA) plus the dense hot
-  buffer, merged with log-sum-exp;
+* decode: the sealed pages (packed) plus the dense hot buffer, merged with log-sum-exp, with
+  query-aware page selection: on CUDA (``decode_kernel: auto``) one Triton launch per layer over
+  the whole batch, reading the pool's packed arena in place (`packed_decode.py`); elsewhere the
+  codec's torch reference per request;
 * extend/prefill: sealed prefix pages are decompressed into a workspace and the stock SDPA path
   runs over (workspace + hot rows);
 * after the last layer of a forward, full pages that are ``hot_tokens`` behind their request's
@@ -17,6 +18,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from .codec.attention import decode_attention
+from .packed_decode import PackedDecode
 from .pool import MosaicKVPool
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,13 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         self.pool: MosaicKVPool = pool
         self.cfg = pool.cfg
         self.last_layer = pool.start_layer + pool.layer_num - 1
+        kernel = self.cfg.decode_kernel
+        if kernel == "auto":
+            kernel = "triton" if torch.device(pool.device).type == "cuda" else "reference"
+        # Decode over sealed pages: the packed Triton kernels, or the torch codec per request.
+        self.packed = PackedDecode(pool) if kernel == "triton" else None
+        pool.decode_path = self.packed
+        logger.info("MosaicKV decode path: %s", kernel)
 
     # ---- extend -------------------------------------------------------------------------
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -70,6 +79,12 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         q_ = q.reshape(-1, hq, d)
         o_ = q_.new_empty((q_.shape[0], hq, layer.v_head_dim))
         req_to_token = self.req_to_token_pool.req_to_token
+        if self.packed is not None:
+            if layer.layer_id == self.pool.start_layer:
+                self.packed.begin(forward_batch, req_to_token)
+            self.packed.attend(q_, layer, o_)
+            self._maybe_seal(layer, forward_batch)
+            return o_.reshape(q_.shape[0], hq * layer.v_head_dim)
         for i in range(forward_batch.batch_size):
             rid = int(forward_batch.req_pool_indices[i])
             seq_len = int(forward_batch.seq_lens[i])

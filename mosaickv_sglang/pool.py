@@ -113,6 +113,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.cands = Candidates.from_config(mosaic_config)
         # Dense fallback in the cache's own precision, so "dense" is lossless for fp32 caches too.
         self.dense = parse_strategy("dense:val=fp32" if self.dtype == torch.float32 else "dense")
+        self.decode_path = None  # the backend's PackedDecode when decode runs on the kernels
         self.store = SegmentStore(self.layer_num, self.num_logical_pages, self.head_num,
                                   self.head_dim, page_size, mosaic_config.page_tokens, self.cands,
                                   self.device)
@@ -348,6 +349,9 @@ class MosaicKVPool(MHATokenToKVPool):
             "counters": {**self.counters.__dict__, "strategies": dict(self.counters.strategies)},
             # The kernel-readable arena: reserved at start-up for the worst layout on every
             # logical page (what the GPU holds) vs the blocks live now (inside arena_bytes).
+            "decode": {} if self.decode_path is None else {
+                "kernel_request_steps": self.decode_path.kernel_requests,
+                "reference_decode_requests": self.decode_path.reference_requests},
             "segment_store": {"reserved_bytes": self.store.reserved_bytes(),
                               "live_block_bytes": self.store.live_bytes,
                               "packed_segments": int(self.store.packed.sum()),
