@@ -1,0 +1,78 @@
+"""GPU page selection (mosaickv_kernels.page_select) against codec.pages on fresh random inputs:
+the Triton bounds vs page_upper_bound, and the page list vs select_pages' keep mask."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mosaickv_kernels.page_select import (page_bounds, page_bounds_reference, pack_page_meta,
+                                          select_page_list)
+from mosaickv_sglang.codec.pages import build_page_meta, select_pages
+
+from conftest import assert_finite, assert_rel_close, repro
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_meta(nseg, h, d, seg=128, page=32, m=8):
+    spectrum = torch.exp(-torch.linspace(0, 3, d)) * 3
+    return pack_page_meta([build_page_meta(torch.randn(h, seg, d) * spectrum, page, m)
+                           for _ in range(nseg)])
+
+
+def test_bounds_match_reference_and_bound_scores(seed):
+    torch.manual_seed(seed)
+    h, g, d = 2, 3, 64
+    meta = random_meta(7, h, d)
+    counts = [3, 0, 4]  # request 1 has no sealed segment
+    seg_indptr = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    seg_ids = torch.randperm(7).to(torch.int32)
+    q = torch.randn(3, h, g, d)
+    max_pages = max(counts) * 4 + 2  # padding past every request
+    got = page_bounds(q.to(DEVICE), meta.to(DEVICE), seg_indptr.to(DEVICE), seg_ids.to(DEVICE),
+                      max_pages).cpu()
+    ref = page_bounds_reference(q, meta, seg_indptr, seg_ids, max_pages)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(got)), repro(seed)
+    assert fin.sum() == sum(counts) * 4 * h, repro(seed)
+    assert_rel_close(got[fin], ref[fin], 1e-5, "page bounds", seed)
+
+
+def test_page_list_matches_select_pages(seed):
+    torch.manual_seed(seed)
+    bsz, h, g, p = 3, 2, 4, 40
+    bounds = torch.randn(bsz, h, g, p)
+    num = torch.tensor([40, 9, 23])
+    budget, sink, recent = 12, 2, 3
+    flat = bounds.amax(2)
+    flat = flat.masked_fill(torch.arange(p)[None, None, :] >= num[:, None, None], float("-inf"))
+    ids, counts = select_page_list(flat.to(DEVICE), num, budget, sink, recent)
+    ids, counts = ids.cpu(), counts.cpu()
+    for b in range(bsz):
+        want = select_pages(bounds[b, :, :, :num[b]], 1, budget, sink, recent)  # [H, n]
+        for hh in range(h):
+            c = int(counts[b, hh])
+            got = ids[b, hh, :c]
+            assert torch.equal(got, want[hh].nonzero()[:, 0].to(torch.int32)), repro(seed)
+            assert bool((ids[b, hh, c:] == p).all()), repro(seed)
+
+
+def test_selection_feeds_the_decode_kernel_shape(seed):
+    """bounds of an empty batch and misuse raise or return -inf, never garbage."""
+    torch.manual_seed(seed)
+    meta = random_meta(1, 1, 64)
+    q = torch.randn(1, 1, 1, 64)
+    out = page_bounds(q.to(DEVICE), meta.to(DEVICE), torch.zeros(2, dtype=torch.int32,
+                                                                  device=DEVICE),
+                      torch.zeros(1, dtype=torch.int32, device=DEVICE), 0)
+    assert bool(torch.isneginf(out).all())
+    with pytest.raises(ValueError, match="float32"):
+        page_bounds(q.double(), meta, torch.zeros(2, dtype=torch.int32), torch.zeros(1), 4)
+    with pytest.raises(ValueError, match="budget_pages"):
+        select_page_list(torch.zeros(1, 1, 4), torch.tensor([4]), 0, 0, 0)
+    with pytest.raises(ValueError, match="differ"):
+        pack_page_meta([build_page_meta(torch.randn(1, 64, 64), 32, 8),
+                        build_page_meta(torch.randn(1, 128, 64), 32, 8)])
+    assert_finite(meta.lo.float(), "meta", seed)

@@ -1,0 +1,182 @@
+"""Query-aware page selection on the GPU: score every compressed page of a batch from its page
+metadata (`codec/pages.py`: per 32-token page and KV head, fp16 min/max of m channels of the
+segment's K basis plus a norm bound for the rest), then keep the best pages per (request, KV head).
+
+    bound(q, page) = sum_c max(q_c lo_c, q_c hi_c) + ||q_rest|| * rest_norm     (>= every q.k)
+
+Stage 1 (`page_bounds`, Triton): one program per (request, KV head, block of pages), max of the
+bound over the G query heads of the group (they read the same pages, as in `select_pages`).
+Stage 2 (`select_page_list`, torch): sink and recent pages forced, `torch.topk` to the budget,
+ascending page ids: the `(page_ids, page_counts)` list `BandDecodeWrapper.run` consumes.
+
+    meta = pack_page_meta([seg.pages for seg in segments_in_arena_order]).to("cuda")
+    bounds = page_bounds(q_rot, meta, arena.seg_indptr, arena.seg_ids, max_pages)
+    ids, counts = select_page_list(bounds, page_counts_of_requests, budget_pages, sink, recent)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mosaickv_sglang.codec.pages import PageMeta
+
+
+@dataclass
+class PackedPageMeta:
+    """Page metadata of every segment of an arena, indexed by the arena's segment id."""
+    channels: torch.Tensor  # int32 [S, H, M]: K-basis channels with min/max
+    lo: torch.Tensor  # fp16 [S, H, PPS, M]
+    hi: torch.Tensor  # fp16 [S, H, PPS, M]
+    rest_norm: torch.Tensor  # fp16 [S, H, PPS]
+
+    @property
+    def pages_per_segment(self) -> int:
+        return self.lo.shape[2]
+
+    def to(self, device) -> "PackedPageMeta":
+        return PackedPageMeta(*(t.to(device) for t in
+                                (self.channels, self.lo, self.hi, self.rest_norm)))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (self.channels, self.lo, self.hi, self.rest_norm))
+
+
+def pack_page_meta(metas: list[PageMeta]) -> PackedPageMeta:
+    """One PageMeta per segment, in the arena's segment-id order (all of one shape)."""
+    if not metas:
+        raise ValueError("pack_page_meta: need at least one segment's PageMeta")
+    shapes = {tuple(m.lo.shape) for m in metas}
+    if len(shapes) != 1:
+        raise ValueError(f"pack_page_meta: segments differ in [H, pages, channels]: {shapes}")
+    return PackedPageMeta(torch.stack([m.channels.to(torch.int32) for m in metas]),
+                          torch.stack([m.lo for m in metas]), torch.stack([m.hi for m in metas]),
+                          torch.stack([m.rest_norm for m in metas]))
+
+
+@triton.jit
+def _page_bounds(
+    Q,  # fp32 [B, H, G, D] in the K basis (any positive scale)
+    CHANNELS, LO, HI, REST,  # PackedPageMeta tensors
+    SEG_INDPTR, SEG_IDS,  # int32 [B+1], [S]
+    OUT,  # fp32 [B, H, P_out]; -inf past the request's pages
+    H, P_out,
+    G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PPS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g, mask_m = offs_g < G, offs_m < M
+    seg0 = tl.load(SEG_INDPTR + b)
+    n_pages = (tl.load(SEG_INDPTR + b + 1) - seg0) * PPS
+    valid = offs_p < n_pages
+    seg = tl.load(SEG_IDS + seg0 + offs_p // PPS, mask=valid, other=0).to(tl.int64)
+    sh = seg * H + h  # [P] row of (segment, head)
+    q_base = Q + (b * H + h) * G * D
+    q = tl.load(q_base + offs_g[:, None] * D + offs_d[None, :],
+                mask=mask_g[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_sq = tl.sum(q * q, 1)  # [G]
+
+    pm = valid[:, None] & mask_m[None, :]
+    chan = tl.load(CHANNELS + sh[:, None] * M + offs_m[None, :], mask=pm, other=0)  # [P, M]
+    row = (sh * PPS + offs_p % PPS)[:, None] * M + offs_m[None, :]
+    lo = tl.load(LO + row, mask=pm, other=0.0).to(tl.float32)
+    hi = tl.load(HI + row, mask=pm, other=0.0).to(tl.float32)
+    rest = tl.load(REST + sh * PPS + offs_p % PPS, mask=valid, other=0.0).to(tl.float32)
+    # q at each page's channels: [G, P, M] (a gather from the L1-resident q row).
+    qc = tl.load(q_base + offs_g[:, None, None] * D + chan[None, :, :],
+                 mask=mask_g[:, None, None] & pm[None, :, :], other=0.0)
+    head = tl.sum(tl.maximum(qc * lo[None], qc * hi[None]), 2)  # [G, P]
+    q_rest = tl.sqrt(tl.maximum(q_sq[:, None] - tl.sum(qc * qc, 2), 0.0))  # [G, P]
+    bound = head + q_rest * rest[None, :]
+    bound = tl.where(mask_g[:, None], bound, float("-inf"))
+    best = tl.max(bound, 0)
+    best = tl.where(valid, best, float("-inf"))
+    tl.store(OUT + (b * H + h) * P_out + offs_p, best, mask=offs_p < P_out)
+
+
+def page_bounds(q_rot: torch.Tensor, meta: PackedPageMeta, seg_indptr: torch.Tensor,
+                seg_ids: torch.Tensor, max_pages: int, out: torch.Tensor | None = None,
+                block_pages: int = 64) -> torch.Tensor:
+    """q_rot fp32 [B, H, G, D] (queries in the K basis) -> float32 [B, H, max_pages]: per page of
+    each request (in token order, the arena's segment lists) the largest bound over the group's
+    query heads; -inf past a request's pages."""
+    if q_rot.dtype != torch.float32 or q_rot.dim() != 4 or not q_rot.is_contiguous():
+        raise ValueError(f"page_bounds: q_rot must be contiguous float32 [B, H, G, D], got "
+                         f"{q_rot.dtype} {tuple(q_rot.shape)}")
+    bsz, h, g, d = q_rot.shape
+    s, mh, m = meta.channels.shape
+    if mh != h or tuple(meta.lo.shape) != (s, h, meta.pages_per_segment, m):
+        raise ValueError(f"page_bounds: meta is for [S, H, M] = {(s, mh, m)} with lo "
+                         f"{tuple(meta.lo.shape)}; q_rot has H={h}")
+    if seg_indptr.numel() != bsz + 1:
+        raise ValueError(f"page_bounds: seg_indptr has {seg_indptr.numel()} entries for B={bsz}")
+    if out is None:
+        out = torch.empty(bsz, h, max(max_pages, 1), dtype=torch.float32, device=q_rot.device)
+    if max_pages:
+        grid = (bsz, h, triton.cdiv(max_pages, block_pages))
+        _page_bounds[grid](q_rot, meta.channels, meta.lo, meta.hi, meta.rest_norm, seg_indptr,
+                           seg_ids, out, h, out.shape[2], G=g, D=d, M=m,
+                           PPS=meta.pages_per_segment, BLOCK_G=triton.next_power_of_2(g),
+                           BLOCK_P=block_pages, BLOCK_M=triton.next_power_of_2(m),
+                           BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    else:
+        out.fill_(float("-inf"))
+    return out
+
+
+def page_bounds_reference(q_rot: torch.Tensor, meta: PackedPageMeta, seg_indptr: torch.Tensor,
+                          seg_ids: torch.Tensor, max_pages: int) -> torch.Tensor:
+    """Torch oracle of `page_bounds` through `codec.pages.page_upper_bound`, request by request."""
+    from mosaickv_sglang.codec.pages import page_upper_bound
+    bsz, h = q_rot.shape[:2]
+    out = torch.full((bsz, h, max(max_pages, 1)), float("-inf"))
+    indptr = seg_indptr.tolist()
+    for b in range(bsz):
+        ids = seg_ids[indptr[b]:indptr[b + 1]].long().cpu()
+        if not len(ids):
+            continue
+        bounds = []
+        for sid in ids.tolist():
+            pm = PageMeta(meta.channels[sid].cpu().to(torch.uint8), meta.lo[sid].cpu(),
+                          meta.hi[sid].cpu(), meta.rest_norm[sid].cpu())
+            bounds.append(page_upper_bound(pm, q_rot[b].cpu()).amax(1))  # [H, PPS]
+        row = torch.cat(bounds, -1)
+        out[b, :, :row.shape[1]] = row[:, :max_pages]
+    return out
+
+
+def select_page_list(bounds: torch.Tensor, num_pages: torch.Tensor, budget_pages: int,
+                     sink_pages: int, recent_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bounds [B, H, P] (-inf past each request's pages), num_pages int [B] (pages per request)
+    -> (page_ids int32 [B, H, K] ascending, page_counts int32 [B, H]), K = min(P, budget + forced).
+
+    Like `codec.pages.select_pages`: the first `sink_pages` and last `recent_pages` pages are
+    always kept and count toward `budget_pages`; the rest go by largest bound; a request with no
+    more pages than the budget keeps all of them. All on the device, no host sync."""
+    if bounds.dim() != 3 or bounds.dtype != torch.float32:
+        raise ValueError(f"select_page_list: bounds must be float32 [B, H, P], got "
+                         f"{bounds.dtype} {tuple(bounds.shape)}")
+    if budget_pages < 1:
+        raise ValueError(f"select_page_list: budget_pages={budget_pages} must be >= 1")
+    bsz, h, p = bounds.shape
+    idx = torch.arange(p, device=bounds.device)
+    n = num_pages.to(bounds.device).long()[:, None, None]  # [B, 1, 1]
+    forced = (idx < sink_pages) | (idx >= n - recent_pages)
+    score = torch.where(forced & (idx < n), torch.inf, bounds)
+    k = min(p, budget_pages + sink_pages + recent_pages)
+    top, ids = score.topk(k, dim=-1)  # forced pages (+inf) first
+    n_forced = torch.clamp(torch.minimum(n, torch.full_like(n, sink_pages + recent_pages)), max=p)
+    take = torch.maximum(n_forced, torch.minimum(n, torch.full_like(n, budget_pages)))
+    rank = torch.arange(k, device=bounds.device)
+    keep = (rank < take) & (top > float("-inf"))  # [B, H, K]
+    ids = torch.where(keep, ids, p).sort(-1).values  # dropped entries sort last
+    return ids.to(torch.int32), keep.sum(-1, dtype=torch.int32)
