@@ -76,3 +76,39 @@ def test_selection_feeds_the_decode_kernel_shape(seed):
         pack_page_meta([build_page_meta(torch.randn(1, 64, 64), 32, 8),
                         build_page_meta(torch.randn(1, 128, 64), 32, 8)])
     assert_finite(meta.lo.float(), "meta", seed)
+
+
+def test_wrapper_select_matches_reference_pipeline(seed):
+    """compress_layer -> pack_layer + pack_page_meta -> wrapper.select -> wrapper.run: the same
+    pages as the reference selector and the same output as decode_attention."""
+    from mosaickv_kernels.band_decode import BandDecodeWrapper
+    from mosaickv_sglang.codec.arena import pack_layer
+    from mosaickv_sglang.codec.attention import decode_attention
+    from mosaickv_sglang.codec.layer import compress_layer
+    from mosaickv_sglang.config import MosaicConfig, SelectionConfig
+    torch.manual_seed(seed)
+    h, g, d = 2, 2, 64
+    sel = SelectionConfig(budget_tokens=128, sink_tokens=32, recent_tokens=32, meta_channels=8)
+    cfg = MosaicConfig(sink_candidates=["band:b8=64,b4=0,b2=0,group=32"], k_error_budget=10.0,
+                       v_error_budget=10.0, sink_error_budget=10.0, select=sel)
+    q = torch.randn(2, h * g, d) * 2
+    layers, refs, keeps = [], [], []
+    for b, t in enumerate((5 * 128 + 70, 3 * 128 + 100)):
+        k = (torch.randn(h, t, d) * torch.exp(-torch.linspace(0, 2, d)) * 3).to(torch.bfloat16)
+        layer = compress_layer(k, torch.randn(h, t, d).to(torch.bfloat16), cfg)
+        out, info = decode_attention(q[b:b + 1], layer, torch.tensor([t - 1]), sel, 32)
+        layers.append(layer)
+        refs.append(out[0])
+        keeps.append(info.page_keep[0])
+    arena = pack_layer(layers).to(DEVICE)
+    meta = pack_page_meta([s.pages for layer in layers for s in layer.segments]).to(DEVICE)
+    wrapper = BandDecodeWrapper()
+    wrapper.plan(arena, h * g, num_kv_splits=2)
+    ids, counts = wrapper.select(q.to(DEVICE), arena, meta, budget_pages=4, sink_pages=1,
+                                 recent_pages=1)
+    for b, kp in enumerate(keeps):
+        for hh in range(h):
+            got = ids[b, hh, :int(counts[b, hh])].cpu().long()
+            assert torch.equal(got, kp[hh].nonzero()[:, 0]), repro(seed)
+    out = wrapper.run(q.to(DEVICE), arena, page_ids=ids, page_counts=counts)
+    assert_rel_close(out.cpu(), torch.stack(refs), 2e-3, "select + decode", seed)

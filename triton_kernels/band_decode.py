@@ -5,18 +5,21 @@ walk the split's share of the request's tokens (blocks of 64/128 tokens, or the 
 32-token pages), read the codes and the fp16 scale/zero of each band, score on the codes,
     q.k = sum_bands (q * scale) . codes + q . zero          (lowbit.channel_groups_qk)
 and accumulate p.v in the V basis the same way (p . codes) * scale + sum(p) * zero, never
-building a dense K or V tile. Band layouts differ per segment, so each channel's byte offset,
-shift and bit mask come from the segment's layout plan (`arena.BlockLayout.channel_plan`): one
-byte gather per tile, any layout mix. Products run on bf16 tensor cores with q*scale and p split
-in two bf16 halves (`common.dot_exact`), so scores match the float32 reference to ~1e-5.
-Stage 2, one program per (request, KV head): log-sum-exp merge of the splits and of the dense
+building a dense K or V tile. Band widths are compile-time constants of a launch: one launch per
+distinct (K, V) width set of the arena's layouts (`band_width_classes`), each skipping the
+segments of other widths, so every band of a unit is one contiguous [tokens, row bytes] tile
+(vector loads) unpacked in registers; offsets and token groups come from the segment header.
+Products run on bf16 tensor cores with q*scale and p split in two bf16 halves
+(`common.dot_exact`), so scores match the float32 reference to ~1e-5.
+Stage 2, one program per (request, KV head): log-sum-exp merge of all launches' splits and of the dense
 hot-buffer partial; it writes the two normalized parts (rotated, raw), and the wrapper's
 out = o_hot + o_rot @ V_basis^T puts them in one basis. q's rotation into the K basis is one
 batched matmul in the wrapper. This version supports one basis block per request.
 
     wrapper = BandDecodeWrapper()
     wrapper.plan(arena, num_qo_heads=32)          # once per batch step: splits, workspace
-    out = wrapper.run(q, arena, page_keep=keep)   # per layer
+    ids, counts = wrapper.select(q, arena, meta, budget_pages=128, sink_pages=2, recent_pages=8)
+    out = wrapper.run(q, arena, page_ids=ids, page_counts=counts)   # per layer
 """
 from __future__ import annotations
 
@@ -24,48 +27,79 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaickv_sglang.codec.arena import HDR, HEADER_WIDTH, PLAN_FIELDS, PackedArena
+from mosaickv_sglang.codec.arena import HDR, HEADER_WIDTH, KIND_FIELDS, PLAN_FIELDS, PackedArena
 
 from .common import dot_exact, interpreting
 from .dense_decode import dense_decode_partial
+from .page_select import PackedPageMeta, page_bounds, select_page_list
 
 PAGE_TOKENS = 32
 MIN_PAGES_PER_SPLIT = 4
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 8  # target (request, head, split) programs per SM when choosing splits
+# Stage 1 reads a kind's header fields at fixed offsets from its first column (KC / VC).
+assert KIND_FIELDS[:13] == ("b8", "b4", "b2", "group", "codes8", "codes4", "codes2", "scale8",
+                            "zero8", "scale4", "zero4", "scale2", "zero2")
 
 
 @triton.jit
-def _band_tile(ARENA_U8, ARENA_F16, PLAN, base, group, tok0, offs_n, offs_d, D: tl.constexpr,
-               TRANS: tl.constexpr):
-    """Integer codes of one block, [N, BLOCK_D] or with TRANS [BLOCK_D, N] (0 for dropped
-    channels), and float32 scale/zero [BLOCK_D]. PLAN points at the layout's per-channel plan
-    for this kind (arena.PLAN_FIELDS rows of D); `base` (int64) is the head block's byte
-    offset; everything per element stays int32."""
-    md = offs_d < D
-    code = tl.load(PLAN + offs_d, mask=md, other=0)
-    row = tl.load(PLAN + D + offs_d, mask=md, other=0)
-    shift = tl.load(PLAN + 2 * D + offs_d, mask=md, other=0)
-    bits = tl.load(PLAN + 3 * D + offs_d, mask=md, other=0)
-    keep = bits != 0
-    tok = tok0 + offs_n
-    u8 = ARENA_U8 + base
-    if TRANS:
-        raw = tl.load(u8 + (code[:, None] + tok[None, :] * row[:, None]), mask=keep[:, None],
-                      other=0)
-        codes = (raw.to(tl.int32) >> shift[:, None]) & bits[:, None]
+def _band_codes(U8, tok, BITS: tl.constexpr, ROW: tl.constexpr, RB: tl.constexpr):
+    """Codes [N, RB * 8 // BITS] (int32) of one band for the tokens `tok`: the band's rows are
+    ROW contiguous bytes per token, loaded as [N, RB] (RB >= ROW, a power of two, padding 0)
+    and unpacked in channel order (code j of a row sits in byte j*BITS//8 at shift
+    (j % (8//BITS))*BITS, as quant.pack_codes writes it)."""
+    offs_b = tl.arange(0, RB)
+    raw = tl.load(U8 + tok[:, None] * ROW + offs_b[None, :], mask=offs_b[None, :] < ROW,
+                  other=0).to(tl.int32)
+    if BITS == 8:
+        codes = raw
+    elif BITS == 4:
+        codes = tl.interleave(raw & 15, raw >> 4)
     else:
-        raw = tl.load(u8 + (code[None, :] + tok[:, None] * row[None, :]), mask=keep[None, :],
-                      other=0)
-        codes = (raw.to(tl.int32) >> shift[None, :]) & bits[None, :]
-    # BLOCK_N divides every group: one (scale, zero) per channel for the whole block.
-    g_off = (tok0 // group) * tl.load(PLAN + 6 * D + offs_d, mask=md, other=0)
-    f16 = ARENA_F16 + base // 2
-    s = tl.load(f16 + (tl.load(PLAN + 4 * D + offs_d, mask=md, other=0) + g_off) // 2,
-                mask=keep, other=0.0).to(tl.float32)
-    z = tl.load(f16 + (tl.load(PLAN + 5 * D + offs_d, mask=md, other=0) + g_off) // 2,
-                mask=keep, other=0.0).to(tl.float32)
-    return codes, s, z
+        codes = tl.interleave(tl.interleave(raw & 3, (raw >> 4) & 3),
+                              tl.interleave((raw >> 2) & 3, raw >> 6))
+    return codes
+
+
+@triton.jit
+def _band_scales(F16, off, grp, NB: tl.constexpr, W: tl.constexpr):
+    """fp16 scale (or zero) row [W] of token group `grp` of a band of NB channels whose group-0
+    row starts at byte `off` of the head block (F16 points at the head block)."""
+    offs_w = tl.arange(0, W)
+    return tl.load(F16 + off // 2 + grp * NB + offs_w, mask=offs_w < NB, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _score_band(q_band, U8, F16, hdr, tok, grp, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr,
+                ZERO_COL: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
+                EMULATE: tl.constexpr):
+    """q . k over one K band for the tokens `tok`: (q * scale) . codes + q . zero -> [G, N]."""
+    codes = _band_codes(U8 + tl.multiple_of(tl.load(hdr + CODES_COL), 16), tok, BITS,
+                        NB * BITS // 8, W * BITS // 8)
+    sc = _band_scales(F16, tl.load(hdr + SCALE_COL), grp, NB, W)
+    zr = _band_scales(F16, tl.load(hdr + ZERO_COL), grp, NB, W)
+    s = dot_exact(q_band * sc[None, :], tl.trans(codes), EMULATE)
+    return s + tl.sum(q_band * zr[None, :], 1)[:, None]
+
+
+@triton.jit
+def _pv_band(p, U8, F16, hdr, tok, grp, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr,
+             ZERO_COL: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
+             EMULATE: tl.constexpr):
+    """p . v over one V band: (p . codes) * scale + sum(p) * zero -> [G, W]."""
+    codes = _band_codes(U8 + tl.multiple_of(tl.load(hdr + CODES_COL), 16), tok, BITS,
+                        NB * BITS // 8, W * BITS // 8)
+    sc = _band_scales(F16, tl.load(hdr + SCALE_COL), grp, NB, W)
+    zr = _band_scales(F16, tl.load(hdr + ZERO_COL), grp, NB, W)
+    return dot_exact(p, codes, EMULATE) * sc[None, :] + tl.sum(p, 1)[:, None] * zr[None, :]
+
+
+@triton.jit
+def _store_band(PART_ACC, rows, mask_g, acc, START: tl.constexpr, NB: tl.constexpr,
+                W: tl.constexpr, D: tl.constexpr):
+    offs_w = tl.arange(0, W)
+    tl.store(PART_ACC + rows[:, None] * D + START + offs_w[None, :], acc,
+             mask=mask_g[:, None] & (offs_w[None, :] < NB))
 
 
 @triton.jit
@@ -73,29 +107,43 @@ def _band_decode_stage1(
     Q,  # fp32 [B, H, G, D]: rotated into the request's K basis, pre-scaled by sm_scale
     ARENA_U8, ARENA_F16,  # the same bytes, as uint8 and as fp16
     HEADERS, SEG_INDPTR, SEG_IDS,  # int32 [S, HDR_W], [B+1], [S]
-    PLANS,  # int32 [L, 2, PLAN_W, D]: per-channel read plan of each layout (K, V)
     PAGE_IDS, PAGE_COUNTS,  # int32 [B, H, max_sel], [B, H] (read only with HAS_SELECT)
-    PART_M, PART_L, PART_ACC,  # fp32 [B, H, NS, G], [B, H, NS, G], [B, H, NS, G, D]
-    H, num_splits, units_per_seg, max_sel,
+    PART_M, PART_L, PART_ACC,  # fp32 [B, H, NP, G], [B, H, NP, G], [B, H, NP, G, D]
+    H, num_splits, num_parts, part0, units_per_seg, max_sel,
     G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HDR_W: tl.constexpr,
-    PLAN_W: tl.constexpr, BASE_COL: tl.constexpr, STRIDE_COL: tl.constexpr,
-    LAYOUT_COL: tl.constexpr, K_GROUP_COL: tl.constexpr, V_GROUP_COL: tl.constexpr,
+    BASE_COL: tl.constexpr, STRIDE_COL: tl.constexpr,  # header columns; KC, VC: first
+    KC: tl.constexpr, VC: tl.constexpr,  # column of K's / V's fields (arena.KIND_FIELDS order)
+    K8: tl.constexpr, K4: tl.constexpr, K2: tl.constexpr,  # band widths (channels) this launch
+    V8: tl.constexpr, V4: tl.constexpr, V2: tl.constexpr,  # reads; other segments are skipped
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SELECT: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
+    """One program per (request, KV head, split): the split's units (BLOCK_N-token blocks, or
+    selected 32-token pages) of the segments whose band widths are this launch's (K8..V2, all
+    compile-time, so each band is a contiguous [N, row] byte tile), all G query heads at once.
+    Writes the split's softmax partial (max, sum, acc in the V basis) to part `part0 + split`."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    mask_g, mask_d = offs_g < G, offs_d < D
+    mask_g = offs_g < G
     bh = b * H + h
-    q = tl.load(Q + (bh * G + offs_g[:, None]) * D + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    WK8: tl.constexpr = max(16, triton.next_power_of_2(K8))
+    WK4: tl.constexpr = max(16, triton.next_power_of_2(K4))
+    WK2: tl.constexpr = max(16, triton.next_power_of_2(K2))
+    WV8: tl.constexpr = max(16, triton.next_power_of_2(V8))
+    WV4: tl.constexpr = max(16, triton.next_power_of_2(V4))
+    WV2: tl.constexpr = max(16, triton.next_power_of_2(V2))
+    # q of each K band (channels [start, start + width) of the K basis).
+    q_rows = Q + (bh * G + offs_g[:, None]) * D
+    q8 = tl.load(q_rows + tl.arange(0, WK8)[None, :],
+                 mask=mask_g[:, None] & (tl.arange(0, WK8)[None, :] < K8), other=0.0)
+    q4 = tl.load(q_rows + K8 + tl.arange(0, WK4)[None, :],
+                 mask=mask_g[:, None] & (tl.arange(0, WK4)[None, :] < K4), other=0.0)
+    q2 = tl.load(q_rows + K8 + K4 + tl.arange(0, WK2)[None, :],
+                 mask=mask_g[:, None] & (tl.arange(0, WK2)[None, :] < K2), other=0.0)
 
-    # This split's share of the units to read: selected pages (BLOCK_N = page), or every
-    # BLOCK_N-token block of every segment.
     seg0 = tl.load(SEG_INDPTR + b)
     if HAS_SELECT:
         count = tl.load(PAGE_COUNTS + bh)
@@ -107,43 +155,62 @@ def _band_decode_stage1(
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    acc8 = tl.zeros([BLOCK_G, WV8], tl.float32)
+    acc4 = tl.zeros([BLOCK_G, WV4], tl.float32)
+    acc2 = tl.zeros([BLOCK_G, WV2], tl.float32)
     for i in range(start, end):
         if HAS_SELECT:
             unit = tl.load(PAGE_IDS + bh * max_sel + i)
         else:
             unit = i
-        # Locate the unit: segment header row, head block, token offset.
         seg_local = unit // units_per_seg
-        tok0 = (unit - seg_local * units_per_seg) * BLOCK_N
+        tok = (unit - seg_local * units_per_seg) * BLOCK_N + offs_n
         hdr = HEADERS + tl.load(SEG_IDS + seg0 + seg_local).to(tl.int64) * HDR_W
-        base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
-        plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)
+        mine = (tl.load(hdr + KC) == K8) & (tl.load(hdr + KC + 1) == K4) & \
+            (tl.load(hdr + KC + 2) == K2) & (tl.load(hdr + VC) == V8) & \
+            (tl.load(hdr + VC + 1) == V4) & (tl.load(hdr + VC + 2) == V2)
+        if mine:
+            base = tl.multiple_of(tl.load(hdr + BASE_COL).to(tl.int64) * 16 +
+                                  h * tl.load(hdr + STRIDE_COL), 16)
+            u8 = ARENA_U8 + base
+            f16 = ARENA_F16 + base // 2
+            tok0 = (unit - seg_local * units_per_seg) * BLOCK_N
+            kgrp = tok0 // tl.load(hdr + KC + 3)
+            vgrp = tok0 // tl.load(hdr + VC + 3)
+            s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+            if K8 > 0:
+                s += _score_band(q8, u8, f16, hdr, tok, kgrp, KC + 4, KC + 7, KC + 8, K8, 8,
+                                 WK8, EMULATE)
+            if K4 > 0:
+                s += _score_band(q4, u8, f16, hdr, tok, kgrp, KC + 5, KC + 9, KC + 10, K4, 4,
+                                 WK4, EMULATE)
+            if K2 > 0:
+                s += _score_band(q2, u8, f16, hdr, tok, kgrp, KC + 6, KC + 11, KC + 12, K2, 2,
+                                 WK2, EMULATE)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            if V8 > 0:
+                acc8 = acc8 * alpha[:, None] + _pv_band(p, u8, f16, hdr, tok, vgrp, VC + 4,
+                                                        VC + 7, VC + 8, V8, 8, WV8, EMULATE)
+            if V4 > 0:
+                acc4 = acc4 * alpha[:, None] + _pv_band(p, u8, f16, hdr, tok, vgrp, VC + 5,
+                                                        VC + 9, VC + 10, V4, 4, WV4, EMULATE)
+            if V2 > 0:
+                acc2 = acc2 * alpha[:, None] + _pv_band(p, u8, f16, hdr, tok, vgrp, VC + 6,
+                                                        VC + 11, VC + 12, V2, 2, WV2, EMULATE)
+            m = m_new
 
-        # Scores on the K codes: (q * scale) . codes + q . zero.
-        kc, ks, kz = _band_tile(ARENA_U8, ARENA_F16, plan, base, tl.load(hdr + K_GROUP_COL),
-                                tok0, offs_n, offs_d, D, True)
-        s = dot_exact(q * ks[None, :], kc, EMULATE)
-        s += tl.sum(q * kz[None, :], 1)[:, None]
-
-        # Online softmax over the page.
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-
-        # p.v in the V basis: (p . codes) * scale + sum(p) * zero.
-        vc, vs, vz = _band_tile(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base,
-                                tl.load(hdr + V_GROUP_COL), tok0, offs_n, offs_d, D, False)
-        pv = dot_exact(p, vc, EMULATE) * vs[None, :] + tl.sum(p, 1)[:, None] * vz[None, :]
-        acc = acc * alpha[:, None] + pv
-        m = m_new
-
-    out = (bh * num_splits + split) * G + offs_g
-    tl.store(PART_M + out, m, mask=mask_g)
-    tl.store(PART_L + out, l, mask=mask_g)
-    tl.store(PART_ACC + out[:, None] * D + offs_d[None, :], acc,
-             mask=mask_g[:, None] & mask_d[None, :])
+    rows = (bh * num_parts + part0 + split) * G + offs_g
+    tl.store(PART_M + rows, m, mask=mask_g)
+    tl.store(PART_L + rows, l, mask=mask_g)
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(PART_ACC + rows[:, None] * D + offs_d[None, :], tl.zeros([BLOCK_G, BLOCK_D], tl.float32),
+             mask=mask_g[:, None] & (offs_d[None, :] >= V8 + V4 + V2) & (offs_d[None, :] < D))
+    _store_band(PART_ACC, rows, mask_g, acc8, 0, V8, WV8, D)
+    _store_band(PART_ACC, rows, mask_g, acc4, V8, V4, WV4, D)
+    _store_band(PART_ACC, rows, mask_g, acc2, V8 + V4, V2, WV2, D)
 
 
 @triton.jit
@@ -202,6 +269,14 @@ def choose_num_splits(batch: int, kv_heads: int, max_pages: int, device: torch.d
     want = -(-PROGRAMS_PER_SM * _num_sms(device) // max(batch * kv_heads, 1))
     cap = max(1, max_pages // MIN_PAGES_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
+
+
+def band_width_classes(plans: torch.Tensor) -> list[tuple[int, ...]]:
+    """Distinct (K b8, b4, b2, V b8, b4, b2) channel counts of an arena's layout plans
+    (int32 [L, 2, PLAN_W, D]): one stage-1 launch each, the widths compile-time there."""
+    mask = plans[:, :, PLAN_FIELDS.index("mask")].cpu()  # [L, 2, D]
+    counts = torch.stack([(mask == (1 << bits) - 1).sum(-1) for bits in (8, 4, 2)], -1)
+    return sorted({tuple(row) for row in counts.reshape(-1, 6).tolist()})
 
 
 def keep_to_page_list(page_keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,9 +340,11 @@ class BandDecodeWrapper:
                             arena.segment_tokens % n == 0 and arena.min_group % n == 0)
         self.sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
         self.device = dev
-        self.part_m = torch.empty(bsz, h, splits, g, **f32)
-        self.part_l = torch.empty(bsz, h, splits, g, **f32)
-        self.part_acc = torch.empty(bsz, h, splits, g, d, **f32)
+        self.widths = band_width_classes(arena.plans)
+        parts = splits * len(self.widths)
+        self.part_m = torch.empty(bsz, h, parts, g, **f32)
+        self.part_l = torch.empty(bsz, h, parts, g, **f32)
+        self.part_acc = torch.empty(bsz, h, parts, g, d, **f32)
         self.hot = (torch.empty(bsz, h, g, **f32), torch.empty(bsz, h, g, **f32),
                     torch.empty(bsz, h, g, d, **f32))
         self.o_rot = torch.empty(bsz, h, g, d, **f32)
@@ -347,28 +424,48 @@ class BandDecodeWrapper:
 
         emulate = interpreting()
         dummy = arena.seg_ids
-        self.stage1_kernel = _band_decode_stage1[(bsz, h, self.num_splits)](
-            q_rot, arena.data, arena.data.view(torch.float16), arena.headers, arena.seg_indptr,
-            arena.seg_ids, arena.plans, dummy if sel is None else sel[0],
-            dummy if sel is None else sel[1],
-            self.part_m, self.part_l, self.part_acc,
-            h, self.num_splits,
-            self.pages_per_seg if sel is not None else arena.segment_tokens // self.block_n,
-            0 if sel is None else sel[0].shape[2],
-            G=g, D=d, BLOCK_N=PAGE_TOKENS if sel is not None else self.block_n, HDR_W=HEADER_WIDTH,
-            PLAN_W=len(PLAN_FIELDS), BASE_COL=HDR["base16"], STRIDE_COL=HDR["head_stride"],
-            LAYOUT_COL=HDR["layout"], K_GROUP_COL=HDR["k_group"], V_GROUP_COL=HDR["v_group"],
-            BLOCK_G=max(16, triton.next_power_of_2(g)),
-            BLOCK_D=max(16, triton.next_power_of_2(d)), HAS_SELECT=sel is not None,
-            EMULATE=emulate, num_warps=self.num_warps, num_stages=self.num_stages)
+        parts = self.num_splits * len(self.widths)
+        for i, (k8, k4, k2, v8, v4, v2) in enumerate(self.widths):
+            _band_decode_stage1[(bsz, h, self.num_splits)](
+                q_rot, arena.data, arena.data.view(torch.float16), arena.headers,
+                arena.seg_indptr, arena.seg_ids, dummy if sel is None else sel[0],
+                dummy if sel is None else sel[1], self.part_m, self.part_l, self.part_acc,
+                h, self.num_splits, parts, i * self.num_splits,
+                self.pages_per_seg if sel is not None else arena.segment_tokens // self.block_n,
+                0 if sel is None else sel[0].shape[2],
+                G=g, D=d, BLOCK_N=PAGE_TOKENS if sel is not None else self.block_n,
+                HDR_W=HEADER_WIDTH, BASE_COL=HDR["base16"], STRIDE_COL=HDR["head_stride"],
+                KC=HDR["k_b8"], VC=HDR["v_b8"], K8=k8, K4=k4, K2=k2, V8=v8, V4=v4, V2=v2,
+                BLOCK_G=max(16, triton.next_power_of_2(g)),
+                BLOCK_D=max(16, triton.next_power_of_2(d)), HAS_SELECT=sel is not None,
+                EMULATE=emulate, num_warps=self.num_warps, num_stages=self.num_stages)
         _band_decode_stage2[(bsz * h,)](
             self.part_m, self.part_l, self.part_acc, *hot, self.o_rot, self.o_hot, self.lse,
-            self.num_splits, G=g, D=d, BLOCK_G=triton.next_power_of_2(g),
+            parts, G=g, D=d, BLOCK_G=triton.next_power_of_2(g),
             BLOCK_D=triton.next_power_of_2(d), num_warps=4)
         # Back from the V basis: out = o_hot + o_rot @ V^T, one batched matmul.
         out = torch.baddbmm(self.o_hot.view(bsz * h, g, d), self.o_rot.view(bsz * h, g, d),
                             arena.v_basis.view(bsz * h, d, d).transpose(1, 2))
         return out.view(bsz, self.num_qo_heads, d).to(out_dtype or q.dtype)
+
+    def select(self, q: torch.Tensor, arena: PackedArena, meta: PackedPageMeta, *,
+               budget_pages: int, sink_pages: int, recent_pages: int):
+        """Query-aware page list on the device (`page_select`): bounds of every compressed page
+        from `meta` (the arena's segments' page metadata, by segment id), then the top pages per
+        (request, KV head) -> (page_ids, page_counts) for `run`. No host sync."""
+        if not self._planned:
+            raise RuntimeError("select: call plan() first")
+        self._check_arena(arena)
+        bsz, h, g, d = self.batch, self.kv_heads, self.group, self.head_dim
+        if meta.pages_per_segment != self.pages_per_seg or meta.channels.shape[1] != h:
+            raise ValueError(f"select: meta has {meta.pages_per_segment} pages/segment and "
+                             f"{meta.channels.shape[1]} heads; the arena {self.pages_per_seg} "
+                             f"and {h}")
+        qs = (q.float() * self.sm_scale).view(bsz, h, g, d)
+        q_rot = torch.matmul(qs, arena.k_basis).contiguous()
+        bounds = page_bounds(q_rot, meta, arena.seg_indptr, arena.seg_ids, self.max_pages)
+        num_pages = (arena.seg_indptr[1:] - arena.seg_indptr[:-1]) * self.pages_per_seg
+        return select_page_list(bounds, num_pages, budget_pages, sink_pages, recent_pages)
 
     def _check_hot(self, hot_partial):
         bsz, h, g, d = self.batch, self.kv_heads, self.group, self.head_dim
