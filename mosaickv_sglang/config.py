@@ -67,9 +67,17 @@ class MosaicConfig:
     k_error_budget: float = 0.08  # max relative reconstruction error per segment
     v_error_budget: float = 0.12
     select: SelectionConfig = field(default_factory=SelectionConfig)
-    # "off": pages are compressed synchronously after the forward that made them sealable. The
-    # asynchronous CPU recompression daemon is not built yet, so no other value is accepted.
+    # "off": pages are compressed synchronously after the forward that made them sealable.
+    # "process": CPU worker processes compress them (mosaickv_sglang/daemon/); pages stay in the
+    # hot buffer until the result is adopted between scheduler steps.
     daemon: str = "off"
+    daemon_workers: int = 2  # worker processes per scheduler rank
+    daemon_threads: int = 1  # torch intra-op threads per worker
+    daemon_queue_segments: int = 64  # shared-memory page slots (pages in flight to the workers)
+    # Backpressure: when fewer than this fraction of hot pages is free at a step boundary, the
+    # oldest pending pages are sealed on the scheduler thread (counted, logged).
+    daemon_hot_watermark: float = 0.125
+    daemon_timeout_s: float = 120.0  # a busy worker silent this long is killed and restarted
     # Decode over sealed pages: "triton" (the packed kernels), "reference" (the torch codec), or
     # "auto" (triton on CUDA, reference elsewhere). Segments the kernel cannot read (a dense
     # fallback, a non-band sink) send their request through the reference path, counted.
@@ -113,9 +121,22 @@ class MosaicConfig:
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"mosaickv config: decode_kernel={self.decode_kernel!r} must be one "
                              f"of {list(DECODE_KERNELS)}")
-        if self.daemon != "off":
-            raise ValueError(f"mosaickv config: daemon={self.daemon!r} is not available in this "
-                             "build; only 'off' (synchronous sealing) is")
+        if self.daemon not in DAEMON_MODES:
+            raise ValueError(f"mosaickv config: daemon={self.daemon!r}; choose one of "
+                             f"{DAEMON_MODES}")
+        for key in ("daemon_workers", "daemon_threads", "daemon_queue_segments"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 1")
+        block_pages = self.basis_block_tokens // self.segment_tokens
+        if self.daemon_queue_segments < block_pages:
+            raise ValueError(f"mosaickv config: daemon_queue_segments={self.daemon_queue_segments} "
+                             f"must hold one basis block ({block_pages} pages = "
+                             f"basis_block_tokens / segment_tokens)")
+        if not 0 <= self.daemon_hot_watermark < 1:
+            raise ValueError(f"mosaickv config: daemon_hot_watermark={self.daemon_hot_watermark} "
+                             "must be in [0, 1)")
+        if not self.daemon_timeout_s > 0:
+            raise ValueError(f"mosaickv config: daemon_timeout_s={self.daemon_timeout_s} must be > 0")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -143,6 +164,7 @@ class MosaicConfig:
         return cls.from_dict(data)
 
 
+DAEMON_MODES = ("off", "process")
 MAX_HEAD_DIM = 256  # config-time check; the pool re-checks with the model's real head_dim
 
 

@@ -15,6 +15,12 @@ keeps two physical stores behind those ids:
 Page 0 of a request's positions is its sink page. Bases are per (request position block of
 ``basis_block_tokens``): the first seal in a block fits them, later pages of that block (also
 other requests reusing the prefix) reuse them. Every byte kept is counted by ``stats()``.
+
+Sealing runs inline (``daemon: off``) or in the recompression daemon (``daemon: process``,
+``daemon/``): a submitted page stays hot, and is read hot, until its result is adopted between
+scheduler steps (``adopt``). ``_install`` is the only way into ``sealed``; ``release_pages`` and
+``clear`` the only ways out. A logical page carries a generation, bumped when it is freed, so a
+result for a page that was freed (and maybe reused) meanwhile is discarded, never installed.
 """
 from __future__ import annotations
 
@@ -25,9 +31,10 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from .codec.basis import fit_basis, inverse, unrotate
-from .codec.layer import Candidates, CompressedLayer, Segment, seal_segment, segment_bytes
+from .codec.basis import inverse, unrotate
+from .codec.layer import Candidates, CompressedLayer, segment_bytes
 from .codec.pages import build_page_meta
+from .codec.seal import BasisPair, SealedPage, seal_group, worst_encoded_bytes, worst_page_bytes
 from .codec.strategies import parse_strategy
 from .config import MosaicConfig, check_fits
 from .segment_store import SegmentStore
@@ -35,22 +42,7 @@ from .segment_store import SegmentStore
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class BasisPair:
-    """K and V bases of one position block, per layer ([H, D, D] bf16 each)."""
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-
-@dataclass
-class SealedPage:
-    position: int  # first token position in the request that sealed it
-    segments: list[Segment]  # one per layer
-    bases: BasisPair
-    nbytes: int = 0
+__all__ = ["BasisPair", "MosaicKVPool", "SealedPage", "cell_fraction"]
 
 
 @dataclass
@@ -67,14 +59,10 @@ def cell_fraction(cfg: MosaicConfig, head_num: int, head_dim: int) -> float:
     """Physical bytes per logical token slot / dense bf16 bytes, sized for the *largest* candidate
     (so the arena never over-commits unless a segment falls back to dense, which is counted):
     hot-buffer share + compressed K and V + page metadata + header + amortized bases."""
-    from .codec.strategies import Encoded
-
     check_fits(cfg, head_dim)
     x = torch.randn(head_num, cfg.segment_tokens, head_dim)
-    def worst(specs, kind):
-        return max(Encoded(kind, tuple(x.shape), parse_strategy(s).encode(x, kind)).nbytes()
-                   for s in specs)
-    seg = worst(cfg.k_candidates, "k") + worst(cfg.v_candidates, "v")
+    seg = sum(worst_encoded_bytes(specs, kind, head_num, cfg.segment_tokens, head_dim)
+              for specs, kind in ((cfg.k_candidates, "k"), (cfg.v_candidates, "v")))
     seg += build_page_meta(x, cfg.page_tokens, cfg.select.meta_channels).nbytes() \
         if cfg.select.enabled else 0
     seg += 4 * 6  # header
@@ -117,6 +105,12 @@ class MosaicKVPool(MHATokenToKVPool):
         self.store = SegmentStore(self.layer_num, self.num_logical_pages, self.head_num,
                                   self.head_dim, page_size, mosaic_config.page_tokens, self.cands,
                                   self.device)
+        # daemon state: page generations, pages submitted (page -> job; None: deferred), pages
+        # waiting for the bases their block's first page is getting (first -> (pos, page, gen))
+        self.page_gen = [0] * (self.num_logical_pages + 1)
+        self.pending: dict[int, object] = {}
+        self.deferred: dict[int, list[tuple[int, int, int]]] = {}
+        self.daemon = self._start_daemon() if mosaic_config.daemon == "process" else None
         logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense)",
                     size, hot_pages * page_size, self._hot_capacity_bytes() / 1e6)
 
@@ -136,6 +130,10 @@ class MosaicKVPool(MHATokenToKVPool):
         return hot * self.page_size + loc % self.page_size
 
     def _take_hot_page(self) -> int:
+        if not self.free_hot_pages and self.daemon is not None:
+            # Still before any attention of this forward (hot pages are taken at the first
+            # layer's write), so installing pages here switches them for the whole forward.
+            self._relieve(1)
         if not self.free_hot_pages:
             raise RuntimeError(
                 "MosaicKV hot buffer exhausted: raise hot_buffer_fraction in --mosaickv-config "
@@ -205,22 +203,51 @@ class MosaicKVPool(MHATokenToKVPool):
 
     # ---- sealing ------------------------------------------------------------------------
     def seal_request(self, slots: torch.Tensor, seq_len: int) -> int:
-        """Seal every full page of one request that is >= hot_tokens behind its last token.
-        Returns the number of pages newly compressed."""
+        """Seal (or submit to the daemon) every full page of one request that is >= hot_tokens
+        behind its last token. Returns the number of pages newly sealed or submitted."""
         ps = self.page_size
         limit = max(seq_len - self.cfg.hot_tokens, 0) // ps
         pages = (slots[: limit * ps: ps] // ps).tolist()
-        todo = [(i, p) for i, p in enumerate(pages) if p not in self.sealed]
+        todo = [(i, p) for i, p in enumerate(pages)
+                if p not in self.sealed and p not in self.pending]
         if not todo:
             return 0
         block = self.cfg.basis_block_tokens // ps
         for blk in sorted({i // block for i, _ in todo}):
-            group = [(i, p) for i, p in todo if i // block == blk]
-            first = pages[blk * block] if blk * block < len(pages) else None
-            bases = self.sealed[first].bases if first in self.sealed else self._fit_bases(group)
-            for i, p in group:
-                self._seal_page(p, i * ps, bases)
+            group = [(i * ps, p, self.page_gen[p]) for i, p in todo if i // block == blk]
+            first = pages[blk * block]
+            if first in self.sealed:
+                self._seal(group, self.sealed[first].bases, first)
+            elif first in self.pending:  # the daemon is fitting this block's bases: wait
+                self.deferred.setdefault(first, []).extend(group)
+                for _, p, _ in group:
+                    self.pending[p] = None
+            else:
+                self._seal(group, None, first)
         return len(todo)
+
+    def _seal(self, group: list[tuple[int, int, int]], bases: BasisPair | None, first: int):
+        """Pages (position, page, gen) of one basis block: inline, or submitted to the daemon."""
+        if self.daemon is None:
+            self._seal_now(group, bases)
+            return
+        if self.daemon.broken:
+            self.daemon.counters.sync_seals_fallback += len(group)
+            self._seal_now(group, bases)
+            return
+        job = self.daemon.submit([p for _, p, _ in group], [g for _, _, g in group],
+                                 [pos for pos, _, _ in group], first, bases)
+        for _, p, _ in group:
+            self.pending[p] = job
+
+    def _seal_now(self, group: list[tuple[int, int, int]], bases: BasisPair | None) -> None:
+        """Seal on this thread from the hot buffer (the codec code the worker runs too)."""
+        pages = [p for _, p, _ in group]
+        sealed = seal_group(lambda i, local: self._page_kv(local, pages[i]),
+                            [pos for pos, _, _ in group], bases, self.layer_num, self.cfg,
+                            self.cands, self.dense)
+        for page, sp in zip(pages, sealed):
+            self._install(page, sp)
 
     def _page_kv(self, local: int, page: int):
         phys = self.hot_page_of[page] * self.page_size + torch.arange(self.page_size)
@@ -228,33 +255,25 @@ class MosaicKVPool(MHATokenToKVPool):
         v = self.v_buffer[local][phys].transpose(0, 1).float()
         return k, v
 
-    def _fit_bases(self, group) -> BasisPair:
-        ks, vs = [], []
+    def _copy_page(self, page: int, dst: torch.Tensor) -> None:
+        """A hot page's K/V, all layers, into a daemon slot [layers, 2, H, S, D]."""
+        phys = self.hot_page_of[page] * self.page_size + torch.arange(self.page_size)
+        phys = phys.to(self.device)
         for local in range(self.layer_num):
-            kv = [self._page_kv(local, p) for _, p in group]
-            ks.append(fit_basis(torch.cat([k for k, _ in kv], 1)))
-            vs.append(fit_basis(torch.cat([v for _, v in kv], 1)))
-        return BasisPair(ks, vs)
-
-    def _seal_page(self, page: int, position: int, bases: BasisPair) -> None:
-        sink = position // self.page_size < self.cfg.sink_segments
-        segs, nbytes = [], 0
-        for local in range(self.layer_num):
-            k, v = self._page_kv(local, page)
-            seg = seal_segment(k, v, bases.k[local], bases.v[local], 0, position, self.cfg,
-                               self.cands, sink, self.cfg.select.enabled, self.dense)
-            segs.append(seg)
-            nbytes += sum(segment_bytes(seg).values())
-            for kind, c in (("k", seg.k), ("v", seg.v)):
-                key = f"{kind}:{c.strategy.spec}"
-                self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
-                self.counters.over_budget += c.reason == "over-budget"
-        self._install(page, SealedPage(position, segs, bases, nbytes))
+            dst[local, 0].copy_(self.k_buffer[local][phys].transpose(0, 1), non_blocking=True)
+            dst[local, 1].copy_(self.v_buffer[local][phys].transpose(0, 1), non_blocking=True)
 
     def _install(self, page: int, sealed: SealedPage) -> None:
         """The one place a sealed page enters ``self.sealed`` (``release_pages``/``clear`` are the
         only exits): account its bytes and give its hot page back."""
+        if page in self.sealed:
+            raise RuntimeError(f"MosaicKV: page {page} sealed twice")
         self.sealed[page] = sealed
+        for seg in sealed.segments:
+            for kind, c in (("k", seg.k), ("v", seg.v)):
+                key = f"{kind}:{c.strategy.spec}"
+                self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
+                self.counters.over_budget += c.reason == "over-budget"
         for local, seg in enumerate(sealed.segments):
             self.store.install(local, page, seg)
         self._account(sealed, +1)
@@ -262,10 +281,82 @@ class MosaicKVPool(MHATokenToKVPool):
         self.hot_page_of[page] = -1
         self.counters.sealed_pages += 1
 
+    # ---- daemon -------------------------------------------------------------------------
+    def _start_daemon(self):
+        from .daemon.client import DaemonClient
+
+        per_layer = worst_page_bytes(self.cfg, self.head_num, self.head_dim, self.dense)
+        bases = self.layer_num * 2 * self.head_num * self.head_dim * self.head_dim * 2
+        # + the pickled skeleton (strategy objects, headers) and tensor alignment, a few KB per
+        # layer; an overflow is reported by the worker and the page sealed here (counted)
+        result_bytes = self.layer_num * (per_layer + 16384) + bases + 65536
+        return DaemonClient(self.cfg, self.layer_num, self.head_num, self.head_dim,
+                            self.k_buffer[0].dtype, self.device, self.dense.spec, result_bytes,
+                            self._copy_page)
+
+    def adopt(self, tp_group=None) -> int:
+        """Step boundary (the scheduler hook): install what every rank has ready, relieve the
+        hot buffer if it runs low. Returns the number of pages installed."""
+        if self.daemon is None:
+            return 0
+        from .daemon.adopt import adopt
+
+        return adopt(self, tp_group)
+
+    def _finish(self, job, sealed: list[SealedPage] | None) -> int:
+        """A job leaves the daemon: install its live pages (sealing them here if `sealed` is
+        None), then submit the pages that waited for its bases. Returns pages installed."""
+        self.daemon.retire(job)
+        live = [i for i, (p, g) in enumerate(zip(job.pages, job.gens))
+                if self.page_gen[p] == g and p not in self.sealed]
+        for p in job.pages:
+            if self.pending.get(p) is job:
+                del self.pending[p]
+        if sealed is None and live:
+            pages = [job.pages[i] for i in live]
+            sealed = [None] * len(job.pages)
+            done = seal_group(lambda i, local: self._page_kv(local, pages[i]),
+                              [job.positions[i] for i in live],
+                              job.bases if job.bases_given else None, self.layer_num, self.cfg,
+                              self.cands, self.dense)
+            for i, sp in zip(live, done):
+                sealed[i] = sp
+        for i in live:
+            self._install(job.pages[i], sealed[i])
+        self.daemon.counters.discarded_pages += len(job.pages) - len(live)
+        waiting = [(pos, p, g) for pos, p, g in self.deferred.pop(job.first, ())
+                   if self.page_gen[p] == g]
+        for _, p, _ in waiting:
+            self.pending.pop(p, None)
+        if waiting:
+            first = job.first if job.first in self.sealed else waiting[0][1]
+            self._seal(waiting, self.sealed[first].bases if first in self.sealed else None, first)
+        return len(live)
+
+    def _relieve(self, want_free: int) -> int:
+        """Backpressure: seal the oldest pending jobs on this thread until `want_free` hot pages
+        are free (or nothing is pending). Counted and logged; returns pages sealed."""
+        done = 0
+        while len(self.free_hot_pages) < want_free:
+            jobs = self.daemon.open_jobs()
+            if not jobs:
+                break
+            self.daemon.cancel(jobs[0])  # a result still on its way is dropped when it comes
+            n = self._finish(jobs[0], None)
+            self.daemon.counters.sync_seals_backpressure += n
+            done += n
+        if done:
+            logger.warning("MosaicKV daemon behind: %d pages sealed on the scheduler thread "
+                           "(hot buffer %d/%d pages free)", done, len(self.free_hot_pages),
+                           self.num_hot_pages)
+        return done
+
     # ---- frees --------------------------------------------------------------------------
     def release_pages(self, pages: list[int]) -> None:
         """Called by the allocator when logical pages return to its free list."""
         for page in pages:
+            self.page_gen[page] += 1  # a result still in flight for it will be discarded
+            self.pending.pop(page, None)
             sealed = self.sealed.pop(page, None)
             if sealed is not None:
                 self._account(sealed, -1)
@@ -279,6 +370,12 @@ class MosaicKVPool(MHATokenToKVPool):
     def clear(self) -> None:
         """Every logical page is free again (the allocator was reset): drop all state."""
         self.counters.freed_pages += len(self.sealed)
+        self.page_gen = [g + 1 for g in self.page_gen]
+        self.pending.clear()
+        self.deferred.clear()
+        if self.daemon is not None:
+            for job in self.daemon.open_jobs():
+                self.daemon.cancel(job)
         self.sealed.clear()
         self.store.clear()
         self.arena_bytes = 0
@@ -319,7 +416,8 @@ class MosaicKVPool(MHATokenToKVPool):
                 f"{ratio} vs bf16 incl. metadata), "
                 f"hot {hot_used}/{self.num_hot_pages * self.page_size} tokens, "
                 f"reused {self.counters.reused_pages}, over-budget {self.counters.over_budget}, "
-                f"arena {self.arena_bytes / 1e6:.1f}/{self.arena_budget_bytes / 1e6:.1f} MB")
+                f"arena {self.arena_bytes / 1e6:.1f}/{self.arena_budget_bytes / 1e6:.1f} MB"
+                + (self.daemon.summary() if self.daemon is not None else ""))
 
     def stats(self) -> dict:
         """Physical bytes by kind, measured from the tensors, plus counters."""
@@ -347,6 +445,7 @@ class MosaicKVPool(MHATokenToKVPool):
             "arena_bytes": self.arena_bytes,  # == compressed: kept incrementally
             "arena_budget_bytes": self.arena_budget_bytes,
             "counters": {**self.counters.__dict__, "strategies": dict(self.counters.strategies)},
+            "daemon": self.daemon.stats() if self.daemon is not None else None,
             # The kernel-readable arena: reserved at start-up for the worst layout on every
             # logical page (what the GPU holds) vs the blocks live now (inside arena_bytes).
             "decode": {} if self.decode_path is None else {

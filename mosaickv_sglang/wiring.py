@@ -112,6 +112,17 @@ def _internal_state(result, self, recv_req):
     return result
 
 
+def _adopt_daemon_results(self, *args, **kwargs):
+    """BEFORE Scheduler.get_next_batch_to_run: the daemon's step-boundary adoption point (runs
+    once per loop iteration, no forward in progress); agreed across TP ranks on the CPU group."""
+    from .pool import MosaicKVPool
+
+    pool = self.token_to_kv_pool_allocator.get_kvcache()
+    if isinstance(pool, MosaicKVPool) and pool.daemon is not None:
+        pool.adopt(self.tp_cpu_group if self.server_args.tp_size > 1 else None)
+    return None
+
+
 def register_backends() -> None:
     """Attention backend + radix-cache backend names (idempotent: processes re-run plugins)."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
@@ -142,4 +153,6 @@ HOOKS = {
     "sglang.srt.utils.common.support_triton": (_support_triton, HookType.AROUND),
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state":
         (_internal_state, HookType.AFTER),
+    "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
+        (_adopt_daemon_results, HookType.BEFORE),
 }

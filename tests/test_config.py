@@ -204,7 +204,28 @@ def test_sink_candidates_validated_for_v_too():
             {"sink_candidates": ["lowbit:bits=4,group=48,k_axis=token,v_axis=channel"]})
 
 
-def test_daemon_mode_is_off_and_other_values_are_refused():
+def test_daemon_modes_and_keys():
     assert MosaicConfig().daemon == "off"
-    with pytest.raises(ValueError, match="daemon"):
-        MosaicConfig.parse('{"daemon": "on"}')
+    cfg = MosaicConfig.parse('{"daemon": "process", "daemon_workers": 3, "daemon_threads": 2, '
+                             '"daemon_queue_segments": 40, "daemon_hot_watermark": 0.2, '
+                             '"daemon_timeout_s": 5}')
+    assert (cfg.daemon, cfg.daemon_workers, cfg.daemon_threads, cfg.daemon_queue_segments,
+            cfg.daemon_hot_watermark, cfg.daemon_timeout_s) == ("process", 3, 2, 40, 0.2, 5)
+
+
+@pytest.mark.parametrize("data,needle", [
+    ({"daemon": "on"}, "daemon='on'"),
+    ({"daemon": 1}, "'daemon' must be str"),
+    ({"daemon_workers": 0}, "daemon_workers=0"),
+    ({"daemon_workers": 2.0}, "'daemon_workers' must be int"),
+    ({"daemon_threads": 0}, "daemon_threads=0"),
+    ({"daemon_queue_segments": 0}, "daemon_queue_segments=0"),
+    ({"daemon_queue_segments": 8}, "daemon_queue_segments=8 must hold one basis block (32 pages"),
+    ({"daemon_queue_segments": "64"}, "'daemon_queue_segments' must be int"),
+    ({"daemon_hot_watermark": 1.0}, "daemon_hot_watermark=1.0"),
+    ({"daemon_hot_watermark": -0.1}, "daemon_hot_watermark=-0.1"),
+    ({"daemon_timeout_s": 0}, "daemon_timeout_s=0"),
+    ({"daemon_timeout_s": True}, "'daemon_timeout_s' must be float"),
+])
+def test_bad_daemon_values_are_named(data, needle):
+    _rejects(data, needle)

@@ -1,0 +1,356 @@
+"""Scheduler side of the recompression daemon: jobs, slots, workers, liveness.
+
+A job is a group of full pages of one basis block, with the block's bases or none (the worker
+fits them). The client copies the pages' K/V from the hot buffer into free shared-memory slots,
+sends the job to the least loaded worker and, at each `collect()` (the scheduler's step
+boundary), reads finished pages without ever blocking: results are in shared memory and the pipe
+is polled with a zero timeout. The pool decides what to do with ready jobs (adopt.py); the
+client only moves data and keeps workers alive:
+
+* a worker that exited, broke its pipe, or has work and no heartbeat for ``daemon_timeout_s``
+  is killed and restarted; its unfinished jobs are sent again from the same slots (their pages
+  are still in the hot buffer, and in the slots); counted in ``restarts`` / ``resubmitted_pages``;
+* more than MAX_RESTARTS restarts within RESTART_WINDOW_S mark the daemon broken: the pool then
+  seals synchronously, logged and counted, never silently.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Callable
+
+import torch
+
+from ..codec.seal import BasisPair, SealedPage
+from ..config import MosaicConfig
+from .channel import Channel, ChannelSpec, load
+
+logger = logging.getLogger(__name__)
+
+STARTUP_S = 300.0  # a new worker may take this long to import torch before it first beats
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
+LATENCY_SAMPLES = 4096
+
+
+@dataclass
+class Job:
+    id: int
+    pages: list[int]  # logical pages, in position order
+    gens: list[int]  # each page's generation when submitted (a reused page has a newer one)
+    positions: list[int]
+    first: int  # the basis block's first page: deferred pages of the block wait on this job
+    bases: BasisPair | None  # None: the worker fits them on these pages
+    bases_given: bool = False  # the bases came from the pool (not fitted by a worker)
+    slots: list[int] = field(default_factory=list)
+    worker: int = -1
+    event: object = None  # CUDA event after the copies into the slots
+    results: list[SealedPage | None] = field(default_factory=list)
+    error: str | None = None
+    cancelled: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.error is not None or (bool(self.results) and None not in self.results)
+
+
+@dataclass
+class DaemonCounters:
+    submitted_pages: int = 0
+    adopted_pages: int = 0  # installed from a worker's result
+    discarded_pages: int = 0  # result dropped: page freed/reused, or sealed by backpressure first
+    sync_seals_backpressure: int = 0  # pages sealed on the scheduler thread (hot buffer low)
+    sync_seals_fallback: int = 0  # pages sealed on the scheduler thread (worker error / broken)
+    worker_errors: int = 0
+    restarts: int = 0
+    resubmitted_pages: int = 0
+    worker_pages: int = 0
+    worker_seconds: float = 0.0
+
+
+@dataclass
+class _Worker:
+    index: int
+    proc: subprocess.Popen
+    jobs_conn: Connection
+    results_conn: Connection
+    spawned_at: float
+    inflight: list[int] = field(default_factory=list)  # job ids, in send order
+
+
+class DaemonClient:
+    def __init__(self, cfg: MosaicConfig, layers: int, heads: int, head_dim: int,
+                 dtype: torch.dtype, device, dense_spec: str, result_bytes: int,
+                 copy_page: Callable[[int, torch.Tensor], None]):
+        """copy_page(logical page, dst [layers, 2, heads, tokens, head_dim]) fills a slot."""
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.copy_page = copy_page
+        self.dense_spec = dense_spec
+        spec = ChannelSpec(layers, heads, head_dim, cfg.segment_tokens, str(dtype).split(".")[-1],
+                           cfg.daemon_queue_segments, cfg.daemon_workers, result_bytes)
+        self.channel = Channel.create(spec)
+        if self.device.type == "cuda":
+            self.channel.pin()
+        self.free_slots = deque(range(spec.slots))
+        self.open: dict[int, Job] = {}  # submitted, not yet adopted/sealed/cancelled (id order)
+        self.waiting: deque[Job] = deque()  # no slots yet
+        self.copying: deque[Job] = deque()  # in slots, device copy not finished
+        self.inflight: dict[int, Job] = {}  # sent to a worker (cancelled ones too)
+        self.releasing: deque[tuple[object, list[int]]] = deque()  # (event, slots)
+        self.counters = DaemonCounters()
+        self.latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self._next_id = 0
+        self._restart_times: deque[float] = deque()
+        self.broken = False
+        self.workers = [self._spawn(i) for i in range(cfg.daemon_workers)]
+        self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.channel)
+        logger.info("MosaicKV daemon: %d worker processes x %d threads, %d slots (%.1f MB shared "
+                    "memory%s)", cfg.daemon_workers, cfg.daemon_threads, spec.slots,
+                    spec.total_bytes() / 1e6, ", pinned" if self.channel.pinned else "")
+
+    # ---- workers --------------------------------------------------------------------------
+    def _spawn(self, index: int) -> _Worker:
+        jobs_r, jobs_w = os.pipe()
+        res_r, res_w = os.pipe()
+        args = {"worker": index, "parent": os.getpid(), "channel": json.loads(
+            self.channel.spec.to_json()), "config": self.cfg.to_dict(), "dense": self.dense_spec,
+            "threads": self.cfg.daemon_threads, "fd_in": jobs_r, "fd_out": res_w}
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.daemon_threads))
+        self.channel.heartbeats[index] = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "mosaickv_sglang.daemon.worker",
+                                 json.dumps(args)], pass_fds=(jobs_r, res_w), env=env)
+        os.close(jobs_r)
+        os.close(res_w)
+        return _Worker(index, proc, Connection(jobs_w, readable=False),
+                       Connection(res_r, writable=False), time.monotonic())
+
+    def _alive(self, w: _Worker) -> str | None:
+        """None if healthy, else why it is not."""
+        if w.proc.poll() is not None:
+            return f"exited with {w.proc.returncode}"
+        beat = float(self.channel.heartbeats[w.index])
+        started = beat > w.spawned_at
+        silent = time.monotonic() - beat
+        limit = self.cfg.daemon_timeout_s if started else max(self.cfg.daemon_timeout_s, STARTUP_S)
+        if w.inflight and silent > limit:
+            return f"no heartbeat for {silent:.1f} s with {len(w.inflight)} jobs"
+        return None
+
+    def _restart(self, w: _Worker, why: str) -> None:
+        """Kill, respawn, and send its unfinished jobs again (data still in their slots)."""
+        if w.proc.poll() is None:
+            w.proc.send_signal(signal.SIGKILL)
+        w.proc.wait()
+        w.jobs_conn.close()
+        w.results_conn.close()
+        self.counters.restarts += 1
+        now = time.monotonic()
+        self._restart_times.append(now)
+        while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
+            self._restart_times.popleft()
+        jobs = [self.inflight.pop(j) for j in w.inflight if j in self.inflight]
+        new = self._spawn(w.index)
+        self.workers[w.index] = new
+        if len(self._restart_times) > MAX_RESTARTS:
+            self.broken = True
+            logger.error("MosaicKV daemon: worker %d %s; %d restarts in %.0f s: daemon marked "
+                         "broken, pages are sealed on the scheduler thread from now on "
+                         "(counted as sync_seals_fallback)", w.index, why,
+                         len(self._restart_times), RESTART_WINDOW_S)
+        else:
+            logger.warning("MosaicKV daemon: worker %d %s; restarted (pid %d), resubmitting %d "
+                           "jobs", w.index, why, new.proc.pid, len(jobs))
+        for job in jobs:
+            if job.cancelled:
+                self._release(job.slots)
+                continue
+            job.results = [None] * len(job.pages)
+            if job.bases is not None and not job.bases_given:
+                job.bases = None  # fitted by the dead worker: fit again
+            self.counters.resubmitted_pages += len(job.pages)
+            self._send(job)
+
+    # ---- jobs -----------------------------------------------------------------------------
+    def submit(self, pages: list[int], gens: list[int], positions: list[int], first: int,
+               bases: BasisPair | None) -> Job:
+        job = Job(self._next_id, pages, gens, positions, first, bases, bases is not None)
+        self._next_id += 1
+        self.open[job.id] = job
+        self.waiting.append(job)
+        self.counters.submitted_pages += len(pages)
+        self.pump()
+        return job
+
+    def pump(self) -> None:
+        """Copy waiting jobs into free slots (FIFO), then send those whose copies are done."""
+        while self.releasing and _done(self.releasing[0][0]):
+            self.free_slots.extend(self.releasing.popleft()[1])
+        while self.waiting and len(self.free_slots) >= len(self.waiting[0].pages):
+            job = self.waiting.popleft()
+            job.slots = [self.free_slots.popleft() for _ in job.pages]
+            for page, slot in zip(job.pages, job.slots):
+                self.copy_page(page, self.channel.kv(slot))
+            if job.bases is not None:
+                dst = self.channel.bases(job.slots[0])
+                for i, (k, v) in enumerate(zip(job.bases.k, job.bases.v)):
+                    dst[i, 0].copy_(k, non_blocking=True)
+                    dst[i, 1].copy_(v, non_blocking=True)
+            job.event = _record(self.device)
+            self.copying.append(job)
+        while self.copying and _done(self.copying[0].event):
+            job = self.copying.popleft()
+            if job.cancelled:
+                self._release(job.slots)
+            else:
+                self._send(job)
+
+    def _send(self, job: Job) -> None:
+        job.results = [None] * len(job.pages)
+        w = min(self.workers, key=lambda w: sum(len(self.inflight[j].pages)
+                                                for j in w.inflight if j in self.inflight))
+        msg = {"id": job.id, "slots": job.slots, "positions": job.positions,
+               "fit": job.bases is None}
+        job.worker = w.index
+        self.inflight[job.id] = job
+        w.inflight.append(job.id)
+        try:
+            w.jobs_conn.send(msg)
+        except OSError:  # broken pipe: the worker died; collect() restarts and resends
+            pass
+
+    def cancel(self, job: Job) -> None:
+        """The pool no longer wants this job (its pages were freed or sealed another way)."""
+        self.open.pop(job.id, None)
+        job.cancelled = True
+        if job in self.waiting:
+            self.waiting.remove(job)
+
+    def retire(self, job: Job) -> None:
+        """The pool installed (or discarded) this ready job."""
+        self.open.pop(job.id, None)
+
+    def open_jobs(self) -> list[Job]:
+        return list(self.open.values())
+
+    # ---- results --------------------------------------------------------------------------
+    def collect(self) -> None:
+        """Non-blocking: restart dead/hung workers, read every finished page."""
+        for w in list(self.workers):
+            why = self._alive(w)
+            if why is None:
+                why = self._drain(w)
+            if why is not None:
+                self._restart(self.workers[w.index], why)
+        self.pump()
+
+    def _drain(self, w: _Worker) -> str | None:
+        try:
+            while w.results_conn.poll(0):
+                self._handle(w, w.results_conn.recv())
+        except (EOFError, OSError) as exc:
+            return f"result pipe closed ({type(exc).__name__})"
+        return None
+
+    def _handle(self, w: _Worker, msg: dict) -> None:
+        job = self.inflight.get(msg["id"])
+        if job is None:
+            return
+        if "error" in msg:
+            self.counters.worker_errors += 1
+            logger.error("MosaicKV daemon: worker %d failed on job %d (its pages are sealed on "
+                         "the scheduler thread):\n%s", w.index, job.id, msg["error"])
+            job.error = msg["error"]
+        elif job.cancelled:  # nobody wants it: do not copy it out
+            job.results[msg["index"]] = False
+        else:
+            i = msg["index"]
+            refs = {"bases": job.bases} if job.bases is not None else {}
+            page = load(self.channel.result(job.slots[i]), msg["offset"], msg["length"], refs,
+                        self.device)
+            if job.bases is None:
+                job.bases = page.bases  # fitted by the worker, sent with the first page
+            job.results[i] = page
+            self.latencies.append(msg["seconds"])
+            self.counters.worker_pages += 1
+            self.counters.worker_seconds += msg["seconds"]
+        if job.ready:
+            self.inflight.pop(job.id)
+            w.inflight.remove(job.id)
+            self._release(job.slots, _record(self.device))
+            if job.cancelled:
+                self.counters.discarded_pages += len(job.pages)
+
+    def _release(self, slots: list[int], event=None) -> None:
+        if event is None:
+            self.free_slots.extend(slots)
+        else:
+            self.releasing.append((event, slots))
+
+    # ---- lifecycle / stats ----------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the workers and free the shared memory (also run at exit / garbage collection)."""
+        self._finalizer()
+
+    def summary(self) -> str:
+        """The daemon's part of the pool's log line."""
+        c, st = self.counters, self.stats()
+        p99 = st["page_seconds_p99"]
+        return (f", daemon: {st['queued_pages']} queued / {st['inflight_pages']} in flight, "
+                f"adopted {c.adopted_pages}, discarded {c.discarded_pages}, backpressure seals "
+                f"{c.sync_seals_backpressure}, fallback seals {c.sync_seals_fallback}, restarts "
+                f"{c.restarts}, page p99 {'-' if p99 is None else f'{p99 * 1e3:.0f} ms'}")
+
+    def stats(self) -> dict:
+        lat = sorted(self.latencies)
+
+        def q(p):
+            return lat[min(len(lat) - 1, int(p * len(lat)))] if lat else None
+
+        return {
+            "workers": len(self.workers), "broken": self.broken,
+            "queued_pages": sum(len(j.pages) for j in self.waiting),
+            "inflight_pages": sum(len(j.pages) for j in list(self.copying) +
+                                  list(self.inflight.values())),
+            "ready_pages": sum(len(j.pages) for j in self.open.values() if j.ready),
+            "free_slots": len(self.free_slots), "slots": self.channel.spec.slots,
+            "page_seconds_p50": q(0.5), "page_seconds_p99": q(0.99),
+            **self.counters.__dict__,
+        }
+
+
+def _shutdown(workers: list[_Worker], channel: Channel) -> None:
+    for w in workers:
+        try:
+            w.jobs_conn.send(None)
+        except OSError:
+            pass
+    for w in workers:
+        try:
+            w.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+        w.jobs_conn.close()
+        w.results_conn.close()
+    channel.close(unlink=True)
+
+
+def _record(device: torch.device):
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _done(event) -> bool:
+    return event is None or event.query()

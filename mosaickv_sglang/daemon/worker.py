@@ -1,0 +1,95 @@
+"""The recompression worker: a bare process (torch + the codec, no SGLang) that seals pages.
+
+Started by `client.DaemonClient` as ``python -m mosaickv_sglang.daemon.worker '<json>'`` so it
+never shares the scheduler's GIL and starts without importing SGLang. It reads jobs (slot ids and
+positions; the page K/V and, for reuse jobs, the bases are in the shared-memory slots), runs the
+same `codec.seal` code the synchronous path runs, writes each sealed page into its slot's result
+region and sends back only offsets. It beats a heartbeat in shared memory between pages and
+exits when its parent scheduler is gone or the job pipe closes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+
+from ..codec.layer import Candidates
+from ..codec.seal import BasisPair, fit_bases, seal_page
+from ..codec.strategies import parse_strategy
+from ..config import MosaicConfig
+from .channel import Channel, ChannelSpec, dump
+
+POLL_S = 0.5  # how often an idle worker beats and checks its parent
+
+
+class Worker:
+    def __init__(self, args: dict):
+        self.index = args["worker"]
+        self.parent = args["parent"]
+        self.channel = Channel.attach(ChannelSpec(**args["channel"]))
+        self.cfg = MosaicConfig.from_dict(args["config"])
+        self.cands = Candidates.from_config(self.cfg)
+        self.dense = parse_strategy(args["dense"])
+        self.jobs = Connection(args["fd_in"], writable=False)
+        self.results = Connection(args["fd_out"], readable=False)
+
+    def beat(self) -> None:
+        self.channel.heartbeats[self.index] = time.monotonic()
+
+    def serve(self) -> int:
+        while True:
+            self.beat()
+            if os.getppid() != self.parent:
+                return 0
+            if not self.jobs.poll(POLL_S):
+                continue
+            try:
+                job = self.jobs.recv()
+            except EOFError:
+                return 0
+            if job is None:
+                return 0
+            try:
+                self.run(job)
+            except Exception:  # noqa: BLE001 - reported; the scheduler seals the job itself
+                self.results.send({"id": job["id"], "error": traceback.format_exc()})
+
+    def run(self, job: dict) -> None:
+        """Seal the job's pages; one result message per page, as soon as it is done."""
+        slots, layers = job["slots"], self.channel.spec.layers
+
+        def read(i: int, local: int):
+            kv = self.channel.kv(slots[i])
+            return kv[local, 0].float(), kv[local, 1].float()
+
+        t0 = time.perf_counter()
+        if job["fit"]:
+            bases = fit_bases(read, len(slots), layers)
+        else:
+            b = self.channel.bases(slots[0])
+            bases = BasisPair([b[i, 0] for i in range(layers)], [b[i, 1] for i in range(layers)])
+        for i, position in enumerate(job["positions"]):
+            page = seal_page(read, i, position, bases, layers, self.cfg, self.cands, self.dense)
+            # the bases travel once (first page of a fit job); elsewhere the scheduler has them
+            refs = {} if job["fit"] and i == 0 else {id(bases): "bases"}
+            offset, length = dump(page, self.channel.result(slots[i]), refs)
+            t1 = time.perf_counter()
+            self.results.send({"id": job["id"], "index": i, "offset": offset, "length": length,
+                               "seconds": t1 - t0})
+            t0 = t1
+            self.beat()
+
+
+def main(argv: list[str]) -> int:
+    args = json.loads(argv[0])
+    torch.set_num_threads(args["threads"])
+    return Worker(args).serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

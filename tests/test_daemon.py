@@ -1,0 +1,240 @@
+"""The recompression daemon without a server: shared-memory results, worker seals identical to
+the synchronous path, the swap (hot until adopted, then exactly the final segments), frees while
+in flight, a killed or hung worker, backpressure, and the TP agreement over gloo."""
+import contextlib
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from mosaickv_sglang.codec.attention import decode_attention
+from mosaickv_sglang.config import MosaicConfig
+from mosaickv_sglang.daemon.adopt import agree
+from mosaickv_sglang.daemon.channel import ResultTooLarge, dump, load
+from mosaickv_sglang.pool import MosaicKVPool
+
+PS, H, D, LAYERS = 128, 2, 64, 2
+BLOCK = 4 * PS  # 4 pages per basis block: a request of 6 pages spans two blocks
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Workers run 1 intra-op thread; the same here makes sync and daemon seals bitwise equal
+    (GEMM reduction order depends on the thread count)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_pool(daemon="process", pages=24, **cfg) -> MosaicKVPool:
+    config = MosaicConfig(hot_tokens=0, basis_block_tokens=BLOCK, daemon=daemon, daemon_workers=1,
+                          daemon_queue_segments=8, **{"hot_buffer_fraction": 1.0, **cfg})
+    pool = MosaicKVPool(pages * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
+                        mosaic_config=config)
+    return pool
+
+
+@pytest.fixture
+def pools():
+    made = []
+
+    def factory(*args, **kwargs):
+        made.append(make_pool(*args, **kwargs))
+        return made[-1]
+
+    yield factory
+    for p in made:
+        if p.daemon is not None:
+            p.daemon.close()
+
+
+def write(pool, slots, seed):
+    g = torch.Generator().manual_seed(seed)
+    for layer_id in range(LAYERS):
+        k = torch.randn(len(slots), H, D, generator=g)
+        v = torch.randn(len(slots), H, D, generator=g)
+        pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots, k, v)
+
+
+def settle(pool, timeout=120.0):
+    """Adopt until nothing is pending (what the scheduler loop does every iteration)."""
+    deadline = time.time() + timeout
+    while pool.pending or pool.daemon.open_jobs():
+        pool.adopt()
+        assert time.time() < deadline, pool.daemon.stats()
+        time.sleep(0.02)
+
+
+def same_pages(a: MosaicKVPool, b: MosaicKVPool):
+    assert a.sealed.keys() == b.sealed.keys()
+    for page in a.sealed:
+        pa, pb = a.sealed[page], b.sealed[page]
+        assert pa.position == pb.position and pa.nbytes == pb.nbytes
+        for x, y in zip(pa.bases.k + pa.bases.v, pb.bases.k + pb.bases.v):
+            assert torch.equal(x, y), page
+        for sa, sb in zip(pa.segments, pb.segments):
+            for ca, cb in ((sa.k, sb.k), (sa.v, sb.v)):
+                assert ca.strategy.spec == cb.strategy.spec
+                assert ca.encoded.tensors.keys() == cb.encoded.tensors.keys()
+                for name in ca.encoded.tensors:
+                    assert torch.equal(ca.encoded.tensors[name], cb.encoded.tensors[name]), name
+            assert torch.equal(sa.header, sb.header)
+    assert a.arena_bytes == b.arena_bytes
+
+
+def attend(pool, slots, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2 * H, D, generator=g)
+    cfg = pool.cfg
+    return [decode_attention(q, pool.layer_view(layer, slots), torch.tensor([len(slots) - 1]),
+                             cfg.select, cfg.page_tokens, sm_scale=D ** -0.5)[0]
+            for layer in range(LAYERS)]
+
+
+# --------------------------------------------------------------------------- channel
+
+def test_result_round_trip_through_shared_memory(seed):
+    from mosaickv_sglang.codec.seal import BasisPair, SealedPage
+
+    region = torch.zeros(1 << 16, dtype=torch.uint8)
+    bases = BasisPair([torch.randn(2, 4, 4).bfloat16()], [torch.randn(2, 4, 4).bfloat16()])
+    obj = {"page": SealedPage(128, [], bases, 7), "t": torch.randn(3, 5),
+           "b": torch.rand(7) > 0.5, "i": torch.arange(6, dtype=torch.int32).reshape(2, 3)[:, 1:]}
+    off, n = dump(obj, region, {id(bases): "bases"})
+    mine = BasisPair([], [])
+    back = load(region, off, n, {"bases": mine})
+    assert back["page"].bases is mine and back["page"].nbytes == 7
+    for key in ("t", "b", "i"):
+        assert back[key].dtype == obj[key].dtype and torch.equal(back[key], obj[key]), key
+    with pytest.raises(ResultTooLarge):
+        dump(torch.zeros(1 << 15), torch.zeros(1 << 16, dtype=torch.uint8)[:1024])
+
+
+# --------------------------------------------------------------------------- swap
+
+def test_daemon_seals_equal_sync_seals_and_reads_switch_atomically(pools):
+    a, b = pools("process"), pools("off")
+    slots = torch.arange(PS, 8 * PS + 40)  # pages 1..7 full: two basis blocks; a partial page 8
+    for p in (a, b):
+        write(p, slots, seed=0)
+    hot_out = attend(a, slots, seed=1)
+    b.seal_request(slots[:3 * PS], 3 * PS)  # the same two seal points, synchronously
+    assert b.seal_request(slots, len(slots)) == 4 and len(b.sealed) == 7
+    assert a.seal_request(slots[:3 * PS], 3 * PS) == 3  # block 0's first group: bases fitted
+    assert a.seal_request(slots, len(slots)) == 4  # rest of block 0 waits for those bases
+    assert a.deferred and not a.sealed
+    # until adoption every read is the hot (dense) data, bit for bit
+    assert all(torch.equal(x, y) for x, y in zip(hot_out, attend(a, slots, seed=1)))
+    settle(a)
+    same_pages(a, b)  # deferred pages reused the daemon-fitted bases, like the sync path
+    # after the swap, decode reads exactly the final compressed segments
+    assert all(torch.equal(x, y) for x, y in zip(attend(a, slots, 1), attend(b, slots, 1)))
+    st = a.stats()["daemon"]
+    assert st["adopted_pages"] == 7 and st["submitted_pages"] == 7 and st["free_slots"] == 8
+    assert st["sync_seals_backpressure"] == st["discarded_pages"] == st["restarts"] == 0
+
+
+def test_freed_page_result_is_discarded_not_installed(pools):
+    a = pools("process")
+    slots = torch.arange(PS, 3 * PS)  # pages 1, 2
+    write(a, slots, seed=2)
+    a.seal_request(slots, len(slots))
+    a.release_pages([2])  # request aborted while page 2 is in flight
+    write(a, torch.arange(2 * PS, 3 * PS), seed=3)  # logical page 2 reused by another request
+    settle(a)
+    assert 1 in a.sealed and 2 not in a.sealed  # the stale result never entered the reused page
+    assert a.daemon.counters.discarded_pages == 1 and a.hot_page_of[2] >= 0
+    a.release_pages([1, 2])
+    assert a.arena_bytes == 0 and len(a.free_hot_pages) == a.num_hot_pages
+
+
+def test_killed_worker_is_restarted_and_nothing_is_lost(pools):
+    a, b = pools("process"), pools("off")
+    slots = torch.arange(PS, 9 * PS)  # 8 pages, two blocks
+    for p in (a, b):
+        write(p, slots, seed=4)
+        p.seal_request(slots, len(slots))
+    settle_deadline = time.time() + 60
+    while not a.daemon.inflight and time.time() < settle_deadline:  # sent to the worker
+        a.adopt()
+    os.kill(a.daemon.workers[0].proc.pid, signal.SIGKILL)
+    settle(a)
+    same_pages(a, b)
+    st = a.daemon.stats()
+    assert st["restarts"] == 1 and st["resubmitted_pages"] >= 1 and not st["broken"]
+
+
+def test_hung_worker_is_detected_by_heartbeat(pools):
+    a, b = pools("process", daemon_timeout_s=1.0), pools("off")
+    slots = torch.arange(PS, 3 * PS)
+    deadline = time.time() + 120
+    while float(a.daemon.channel.heartbeats[0]) <= a.daemon.workers[0].spawned_at:
+        assert time.time() < deadline  # wait until the worker is up (it beats)
+        time.sleep(0.1)
+    pid = a.daemon.workers[0].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for p in (a, b):
+            write(p, slots, seed=5)
+            p.seal_request(slots, len(slots))
+        settle(a)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # normally already killed by the client
+            os.kill(pid, signal.SIGKILL)
+    same_pages(a, b)
+    assert a.daemon.counters.restarts == 1
+
+
+def test_backpressure_seals_oldest_pages_inline_when_hot_buffer_runs_low(pools):
+    # 8 hot pages, a watermark of half of them, and the only worker stopped (daemon saturated)
+    a = pools("process", pages=32, hot_buffer_fraction=0.25, daemon_hot_watermark=0.5)
+    pid = a.daemon.workers[0].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        slots = torch.arange(PS, 7 * PS)  # 6 pages (jobs of 4 + 2): 2 hot pages left
+        write(a, slots, seed=6)
+        a.seal_request(slots, len(slots))
+        assert a.adopt() == 0  # nothing came back, but the oldest job was sealed here
+        assert len(a.sealed) == a.daemon.counters.sync_seals_backpressure == 4
+        assert len(a.free_hot_pages) == 6
+        # a forward's first-layer write that finds no free hot page seals the next job inline
+        # (before any attention of that forward) instead of failing the batch
+        more = torch.arange(7 * PS, 14 * PS)  # 7 new pages, 6 free
+        write(a, more, seed=7)
+        assert len(a.sealed) == a.daemon.counters.sync_seals_backpressure == 6
+        a.release_pages(list(range(7, 14)))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    deadline = time.time() + 120
+    while a.daemon.inflight:  # the stopped worker's late results come back and are dropped
+        a.adopt()
+        assert time.time() < deadline
+        time.sleep(0.02)
+    assert a.daemon.counters.discarded_pages == 6 and a.daemon.counters.adopted_pages == 0
+    kept = sum(n for k, n in a.stats()["bytes"].items() if k != "hot_buffer_capacity")
+    assert kept == a.arena_bytes and len(a.free_hot_pages) == 8
+
+
+# --------------------------------------------------------------------------- TP agreement
+
+def _agree_rank(rank, init, ready, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    out[rank] = agree(ready[rank], dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_ready_set(tmp_path):
+    ready = [[True, True, False, True], [True, False, False, True]]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_agree_rank, args=(f"file://{tmp_path}/rdv", ready, out), nprocs=2)
+        assert out[0] == out[1] == [True, False, False, True]
+    assert agree([True, False]) == [True, False]  # no group: the local decision
