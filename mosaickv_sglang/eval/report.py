@@ -1,0 +1,137 @@
+"""Scores per system and task-length, losses against dense where dense is competent, tables, plot.
+
+A 135M model is at the floor on several RULER tasks at long lengths, where compressed and dense
+both score ~0 and a "no loss" says nothing. Every accuracy claim is therefore made over the
+task-lengths where dense scores >= COMPETENT points, and those are named in the output.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .ruler_gen import Prompt
+
+COMPETENT = 50.0
+
+
+def cell(p: Prompt) -> str:
+    return f"{p.task}@{p.length}"
+
+
+def summarize(prompts: list[Prompt], systems: list, store, fingerprints: dict[str, str]) -> dict:
+    """The JSON summary of a run (see module docstring); `store` is a runner.ResultStore."""
+    cells = list(dict.fromkeys(cell(p) for p in prompts))
+    out = {"competent_threshold": COMPETENT, "cells": cells, "systems": {}}
+    for s in systems:
+        fp = fingerprints[s.name]
+        entry = {"description": s.description, "family": s.family, "server_args": s.server_args()}
+        record = store.system_record(s.name, fp)
+        if record and record["kind"] == "unsupported":
+            entry.update(status="unsupported", reason=record["reason"])
+            out["systems"][s.name] = entry
+            continue
+        scores, missing, mismatched = {}, 0, 0
+        for c in cells:
+            recs = [store.done(s.name, p, fp) for p in prompts if cell(p) == c]
+            got = [r for r in recs if r is not None]
+            missing += len(recs) - len(got)
+            mismatched += sum(r["prompt_tokens"] != r["expected_prompt_tokens"] for r in got)
+            scores[c] = {"score": sum(r["score"] for r in got) / len(got) if got else None,
+                         "n": len(got), "missing": len(recs) - len(got)}
+        stats = (record or {}).get("mosaickv")
+        ratio, source = s.nominal_ratio, "nominal (bf16 bytes / bytes per element)"
+        if stats and stats.get("sealed_ratio"):
+            ratio, source = stats["sealed_ratio"], "measured (server sealed_ratio)"
+        entry.update(status="ok" if missing == 0 else "incomplete", missing_samples=missing,
+                     prompt_token_mismatches=mismatched, scores=scores,
+                     ratio=ratio, ratio_source=source,
+                     stats=stats, wall_s=(record or {}).get("wall_s"),
+                     average=_mean([v["score"] for v in scores.values()]))
+        out["systems"][s.name] = entry
+    dense = out["systems"].get("dense")
+    if dense and dense["status"] != "unsupported":
+        competent = [c for c in cells if (dense["scores"][c]["score"] or 0) >= COMPETENT]
+        out["competent_cells"] = competent
+        out["floor_cells"] = [c for c in cells if c not in competent]
+        for name, entry in out["systems"].items():
+            if entry["status"] == "unsupported":
+                continue
+            losses = {c: dense["scores"][c]["score"] - entry["scores"][c]["score"]
+                      for c in competent if entry["scores"][c]["score"] is not None}
+            worst = max(losses, key=losses.get) if losses else None
+            entry["competent_average"] = _mean([entry["scores"][c]["score"] for c in competent])
+            entry["loss"] = {"average": _mean(list(losses.values())),
+                             "worst": losses[worst] if worst else None, "worst_at": worst,
+                             "per_cell": losses}
+    return out
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(v, digits=1):
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def markdown(summary: dict) -> str:
+    """Scores per task-length (rows) and system (columns), then averages, losses and ratios."""
+    names = list(summary["systems"])
+    sysd = summary["systems"]
+    lines = ["| task@length | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    competent = set(summary.get("competent_cells", []))
+    for c in summary["cells"]:
+        mark = "" if c in competent else " (dense < 50)"
+        row = [_fmt(sysd[n]["scores"][c]["score"]) if sysd[n]["status"] != "unsupported" else "n/a"
+               for n in names]
+        lines.append(f"| {c}{mark} | " + " | ".join(row) + " |")
+
+    def summary_row(label, fn):
+        vals = [fn(sysd[n]) if sysd[n]["status"] != "unsupported" else "n/a" for n in names]
+        lines.append(f"| **{label}** | " + " | ".join(vals) + " |")
+
+    summary_row("average, all", lambda e: _fmt(e["average"]))
+    if "competent_cells" in summary:
+        summary_row(f"average, dense >= {COMPETENT:.0f}", lambda e: _fmt(e["competent_average"]))
+        summary_row("avg loss vs dense", lambda e: _fmt(e["loss"]["average"], 2))
+        summary_row("worst loss vs dense", lambda e: f"{_fmt(e['loss']['worst'], 1)} "
+                    f"({e['loss']['worst_at'] or '-'})")
+    summary_row("physical ratio vs bf16", lambda e: f"{_fmt(e['ratio'], 2)}"
+                + ("" if e["ratio_source"].startswith("measured") else " (nominal)"))
+    summary_row("status", lambda e: e["status"])
+    unsupported = [f"* `{n}`: unsupported: {e['reason']}" for n, e in sysd.items()
+                   if e["status"] == "unsupported"]
+    notes = []
+    if "competent_cells" in summary:
+        notes.append(f"Task-lengths where dense >= {COMPETENT:.0f} (the claims): "
+                     f"{', '.join(summary['competent_cells']) or 'none'}.")
+        notes.append(f"Dense below {COMPETENT:.0f} (floor, not used for claims): "
+                     f"{', '.join(summary['floor_cells']) or 'none'}.")
+    return "\n".join(lines + [""] + notes + unsupported) + "\n"
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Accuracy over the competent task-lengths vs physical compression ratio, one point per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    key = "competent_average" if "competent_cells" in summary else "average"
+    for name, e in summary["systems"].items():
+        if e["status"] == "unsupported" or e.get(key) is None or e.get("ratio") is None:
+            continue
+        marker = "s" if e["ratio_source"].startswith("nominal") else "o"
+        ax.scatter(e["ratio"], e[key], marker=marker)
+        ax.annotate(name, (e["ratio"], e[key]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8)
+    label = f"RULER score over task-lengths with dense >= {COMPETENT:.0f}" \
+        if key == "competent_average" else "RULER score (all task-lengths)"
+    ax.set_xlabel("physical compression ratio vs bf16 (squares: nominal)")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

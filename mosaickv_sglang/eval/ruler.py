@@ -1,0 +1,196 @@
+"""RULER accuracy of named KV-cache systems, each served by a real SGLang server this command starts.
+
+For each system (``--systems``, see eval/systems.py) a server is started on the model, the same
+RULER prompts are run through ``/generate`` (greedy, concurrent, retried), the server's physical
+MosaicKV stats are recorded, and the server is stopped; then per-task scores, the average and
+worst loss against dense over the task-lengths where dense >= 50 (named), and the physical
+compression ratios are printed as a table and written as JSON. Results are appended to a JSONL
+file as they come, so a rerun of the same command resumes.
+
+CPU (generates the prompts with the pinned RULER package, runs fp32 servers):
+
+    python -m mosaickv_sglang.eval.ruler --tasks niah_single_1 --length 4096 --samples 4 \\
+        --json OUT.json
+
+GPU (no PyPI there: prompts from a file exported by ``python -m mosaickv_sglang.eval.ruler_gen``):
+
+    python -m mosaickv_sglang.eval.ruler --prompts ruler_prompts.jsonl.xz --systems all \\
+        --concurrency 32 --json OUT.json --report OUTDIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from ..assets.smollm2 import DEFAULT_OUT as SMOLLM2
+from ..launch import mosaickv_stats, running_server
+from . import dsl_fidelity, report, ruler_gen, systems
+from .runner import ResultStore, fingerprint, run_prompts
+
+_ERROR_LINE = re.compile(r"(Error|error:|Exception|not supported|unsupported|refuse)", re.I)
+
+
+def platform_args(concurrency: int) -> list[str]:
+    """bf16 on a GPU; fp32 on a CPU (SGLang's bf16 CPU matmuls are several times slower; ratios
+    are reported against bf16 either way) with a pool for `concurrency` 8K requests."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ["--dtype", "bfloat16"]
+    return ["--dtype", "float32", "--max-total-tokens", str(max(32768, 8192 * concurrency))]
+
+
+def failure_reason(log: Path) -> str:
+    """The last error-looking line of a server log (else its last line): why a system cannot run."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] \
+        if log.is_file() else []
+    errors = [ln for ln in lines if _ERROR_LINE.search(ln)]
+    return (errors or lines or ["server exited without output"])[-1][:500]
+
+
+def run_system(system, prompts, questions, store: ResultStore, fp: str, args,
+               server_args: list[str], log_dir: Path) -> None:
+    """Start the system's server, run what is not done yet (RULER prompts, then the DSL
+    questions), record its stats, or record why it cannot run."""
+    pending = [p for p in prompts if store.done(system.name, p, fp) is None]
+    record = store.system_record(system.name, fp)
+    qkeys = [q.key for q in questions]
+    dsl_pending = bool(questions) and store.dsl_answers(system.name, fp, qkeys) is None
+    if not pending and not dsl_pending and record and record["kind"] == "stats":
+        print(f"[ruler] {system.name}: all {len(prompts)} samples already in {store.path}", flush=True)
+        return
+    log = log_dir / f"{system.name}.log"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[ruler] {system.name}: starting server ({' '.join(server_args)}); log {log}", flush=True)
+    t0 = time.time()
+    try:
+        server = running_server(args.model, log, *server_args, startup_s=args.startup_s)
+        srv = server.__enter__()
+    except RuntimeError:
+        reason = failure_reason(log)
+        store.add({"kind": "unsupported", "system": system.name, "system_fp": fp, "reason": reason})
+        print(f"[ruler] {system.name}: unsupported: {reason}", flush=True)
+        return
+    try:
+        print(f"[ruler] {system.name}: up in {time.time() - t0:.0f}s, {len(pending)} prompts to run",
+              flush=True)
+        counts = run_prompts(srv.url, system.name, fp, prompts, store, args.concurrency,
+                             args.retries, args.timeout, progress=not args.no_progress)
+        stats = mosaickv_stats(srv.url) if system.kv_backend == "mosaickv" else None
+        if not counts["run"] and record and record["kind"] == "stats":
+            stats = record["mosaickv"]  # this server ran no prompt: keep the run's own stats
+        if dsl_pending:
+            print(f"[ruler] {system.name}: {len(questions)} DSL questions", flush=True)
+            answers = dsl_fidelity.answer_all(srv.url, questions, args.concurrency)
+            store.add({"kind": "dsl", "system": system.name, "system_fp": fp,
+                       "questions": qkeys, "answers": answers})
+        store.add({"kind": "stats", "system": system.name, "system_fp": fp, "mosaickv": stats,
+                   "counts": counts, "wall_s": round(time.time() - t0, 1)})
+    finally:
+        server.__exit__(None, None, None)
+
+
+def load_prompts(args) -> tuple[list, list, dict]:
+    """(RULER prompts, DSL questions, where they came from)."""
+    if args.prompts:
+        meta, everything = ruler_gen.load(args.prompts)
+        prompts = ruler_gen.select(everything, args.tasks, args.length, args.samples)
+        dsl_source = ruler_gen.select(everything, [dsl_fidelity.TASK], [args.dsl_length]) \
+            if args.dsl else []
+        return prompts, dsl_fidelity.questions_from(dsl_source, args.dsl), \
+            {**meta, "file": str(args.prompts)}
+    prompts = ruler_gen.generate_all(args.tasks or ruler_gen.TASKS, args.length or [4096],
+                                     args.samples or 4, args.seed, args.model, args.gen_jobs)
+    dsl_source = ruler_gen.generate(dsl_fidelity.TASK, args.dsl_length, args.dsl, args.seed,
+                                    args.model) if args.dsl else []
+    return prompts, dsl_fidelity.questions_from(dsl_source, args.dsl), \
+        ruler_gen.header(args.model, args.seed)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", nargs="+", help=f"RULER tasks (default: all 13: {', '.join(ruler_gen.TASKS)})")
+    ap.add_argument("--length", nargs="+", type=int, action="extend",
+                    help="RULER lengths, repeatable (default: 4096, or every length in --prompts)")
+    ap.add_argument("--samples", type=int, help="samples per task-length (default: 4, or all in --prompts)")
+    ap.add_argument("--systems", nargs="+", default=list(systems.DEFAULT_SYSTEMS),
+                    help=f"'all' or names from {list(systems.SYSTEMS)} (default: dense mosaickv)")
+    ap.add_argument("--json", type=Path, required=True, help="summary JSON to write")
+    ap.add_argument("--results", type=Path, help="per-sample JSONL, resumable (default: next to --json)")
+    ap.add_argument("--report", type=Path, help="also write ruler.md and ruler.png into this folder")
+    ap.add_argument("--prompts", type=Path, help="an exported prompts file instead of generating")
+    ap.add_argument("--model", type=Path, default=SMOLLM2)
+    ap.add_argument("--seed", type=int, default=ruler_gen.SEED)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--retries", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    ap.add_argument("--startup-s", type=float, default=600.0, help="seconds for a server to get healthy")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for every server, repeatable; quote flags with values: "
+                         "--server-arg=--attention-backend --server-arg=triton")
+    ap.add_argument("--dsl", type=int, default=0, metavar="N",
+                    help="also answer N multiple-choice questions with sgl.select and a fork "
+                         "program on every system (eval/dsl_fidelity.py)")
+    ap.add_argument("--dsl-length", type=int, default=2048, help="RULER length of the DSL contexts")
+    ap.add_argument("--gen-jobs", type=int, default=2, help="RULER generators run at a time")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.systems == ["all"]:
+        args.systems = list(systems.FULL_SYSTEMS)
+    if "dense" not in args.systems:
+        ap.error("--systems must include 'dense': every loss is measured against it")
+    args.systems = [s.name for s in systems.get(args.systems)]
+    if args.samples is not None and args.samples < 1:
+        ap.error(f"--samples {args.samples}: must be >= 1")
+    if not (args.model / "config.json").is_file():
+        ap.error(f"--model {args.model}: no config.json (build SmolLM2 with bash scripts/setup.sh)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prompts, questions, source = load_prompts(args)
+    results = args.results or args.json.with_suffix(".samples.jsonl")
+    store = ResultStore(results)
+    extra = platform_args(args.concurrency) + args.server_arg
+    chosen = systems.get(args.systems)
+    fps = {s.name: fingerprint([s.server_args(), extra, str(args.model)]) for s in chosen}
+    print(f"[ruler] {len(prompts)} prompts ({len({(p.task, p.length) for p in prompts})} "
+          f"task-lengths) x {len(chosen)} systems; samples -> {results}", flush=True)
+    for system in chosen:
+        systems.validate(system)
+        run_system(system, prompts, questions, store, fps[system.name], args,
+                   system.server_args() + extra, results.with_suffix(".logs"))
+    summary = report.summarize(prompts, chosen, store, fps)
+    summary.update(command=sys.argv, prompts=source, server_args_common=extra,
+                   results_file=str(results))
+    dense = summary["systems"]["dense"]
+    if dense["status"] == "unsupported":
+        raise SystemExit(f"the dense reference could not run: {dense['reason']}")
+    table = report.markdown(summary)
+    if questions:
+        answers = {s.name: a for s in chosen
+                   if (a := store.dsl_answers(s.name, fps[s.name], [q.key for q in questions]))}
+        summary["dsl"] = dsl_fidelity.summarize(questions, answers)
+        table += "\n" + dsl_fidelity.markdown(summary["dsl"])
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    if args.report:
+        args.report.mkdir(parents=True, exist_ok=True)
+        (args.report / "ruler.md").write_text(table)
+        report.plot(summary, args.report / "ruler.png")
+    print("\n" + table)
+    print(f"[ruler] wrote {args.json}")
+    incomplete = [n for n, e in summary["systems"].items() if e["status"] == "incomplete"]
+    if incomplete:
+        print(f"[ruler] incomplete (failed samples, rerun the same command to retry): {incomplete}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""Send prompts to a live SGLang server: concurrent, greedy, retried, resumable.
+
+Each prompt goes to ``/generate`` as text (it ends in RULER's answer prefix, so the model
+continues the answer rather than restating the question) with temperature 0 and the task's
+generation length. Every finished sample is appended at once to a JSONL results file keyed by
+(system, task, length, index); a rerun skips what is there, so a killed run resumes. A record
+also carries the system's server-argument fingerprint and the prompt's hash: results of a
+changed system or prompt are not reused (they are reported and re-run).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import urllib.error
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from ..launch import request
+from .ruler_gen import Prompt
+from .scoring import score
+
+
+def fingerprint(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prompt_hash(p: Prompt) -> str:
+    return fingerprint([p.input, p.outputs, p.max_new_tokens])
+
+
+class ResultStore:
+    """Append-only JSONL of sample results and per-system records; thread-safe appends."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lock = threading.Lock()
+        self.samples: dict[tuple, dict] = {}  # (system, task, length, index) -> latest record
+        self.system_records: dict[str, dict] = {}  # system -> latest "stats"/"unsupported" record
+        self.dsl: dict[str, dict] = {}  # system -> latest "dsl" record (frontend DSL answers)
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    self._index(json.loads(line))
+
+    def _index(self, rec: dict) -> None:
+        if rec["kind"] == "sample":
+            self.samples[(rec["system"], rec["task"], rec["length"], rec["index"])] = rec
+        elif rec["kind"] == "dsl":
+            self.dsl[rec["system"]] = rec
+        else:
+            self.system_records[rec["system"]] = rec
+
+    def add(self, rec: dict) -> None:
+        with self.lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            self._index(rec)
+
+    def done(self, system: str, p: Prompt, system_fp: str) -> dict | None:
+        """The finished (scored, error-free) record of this sample under this exact system/prompt."""
+        rec = self.samples.get((system, p.task, p.length, p.index))
+        if rec and rec.get("error") is None and rec["system_fp"] == system_fp \
+                and rec["prompt_hash"] == prompt_hash(p):
+            return rec
+        return None
+
+    def dsl_answers(self, system: str, system_fp: str, question_keys: list[str]) -> dict | None:
+        """The DSL answers of this system to exactly these questions, if recorded."""
+        rec = self.dsl.get(system)
+        if rec and rec["system_fp"] == system_fp and rec["questions"] == question_keys:
+            return rec["answers"]
+        return None
+
+    def system_record(self, system: str, system_fp: str) -> dict | None:
+        """The latest per-system record ("stats" after a finished run, or "unsupported")."""
+        rec = self.system_records.get(system)
+        return rec if rec and rec["system_fp"] == system_fp else None
+
+
+def generate_once(url: str, p: Prompt, timeout: float) -> dict:
+    status, body = request(f"{url}/generate", {
+        "text": p.input,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": p.max_new_tokens}},
+        timeout=timeout)
+    if status != 200 or not isinstance(body, dict) or "text" not in body:
+        raise RuntimeError(f"/generate answered {status}: {str(body)[:300]}")
+    return body
+
+
+def run_sample(url: str, system: str, system_fp: str, p: Prompt, retries: int,
+               timeout: float) -> dict:
+    """One sample, retried on transport errors and 5xx; the record says what happened."""
+    rec = {"kind": "sample", "system": system, "system_fp": system_fp, "task": p.task,
+           "length": p.length, "index": p.index, "prompt_hash": prompt_hash(p), "error": None}
+    last = None
+    for attempt in range(retries + 1):
+        t0 = time.time()
+        try:
+            body = generate_once(url, p, timeout)
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}: {exc.read()[:300]!r}"
+            if exc.code < 500:
+                break  # a request the server refuses will be refused again
+        except (urllib.error.URLError, ConnectionError, TimeoutError, RuntimeError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        else:
+            meta = body.get("meta_info", {})
+            rec.update(prediction=body["text"], score=score(p.metric, body["text"], p.outputs),
+                       prompt_tokens=meta.get("prompt_tokens"),
+                       expected_prompt_tokens=p.prompt_tokens,
+                       completion_tokens=meta.get("completion_tokens"),
+                       cached_tokens=meta.get("cached_tokens"),
+                       latency_s=round(time.time() - t0, 3), attempts=attempt + 1)
+            return rec
+        time.sleep(min(30.0, 2.0 ** attempt))
+    rec.update(error=last, attempts=attempt + 1)
+    return rec
+
+
+def run_prompts(url: str, system: str, system_fp: str, prompts: list[Prompt], store: ResultStore,
+                concurrency: int = 4, retries: int = 3, timeout: float = 1800.0,
+                progress: bool = True) -> dict:
+    """Run every prompt not already done; return counts (done before, run now, errors)."""
+    from tqdm import tqdm
+
+    todo = [p for p in prompts if store.done(system, p, system_fp) is None]
+    counts = {"resumed": len(prompts) - len(todo), "run": len(todo), "errors": 0}
+    if not todo:
+        return counts
+    bar = tqdm(total=len(todo), desc=system, unit="prompt", disable=not progress, smoothing=0.1)
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        futures = [pool.submit(run_sample, url, system, system_fp, p, retries, timeout)
+                   for p in todo]
+        for fut in as_completed(futures):
+            rec = fut.result()
+            store.add(rec)
+            if rec["error"] is not None:
+                counts["errors"] += 1
+                bar.write(f"[{system}] {rec['task']}@{rec['length']}#{rec['index']} failed after "
+                          f"{rec['attempts']} attempts: {rec['error']}")
+            bar.update(1)
+    bar.close()
+    return counts

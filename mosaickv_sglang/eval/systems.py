@@ -1,0 +1,132 @@
+"""The named systems an accuracy run compares, each as SGLang server arguments.
+
+Every MosaicKV variant differs from the default in one thing, so a score difference is what that
+thing buys:
+
+* ``dense``: ``--kv-backend default`` (the reference every loss is measured against);
+* ``fp8``: SGLang's own FP8 KV cache (``--kv-cache-dtype fp8_e4m3``), 2x below bf16 by construction;
+* ``mosaickv``: the default config (rotated banded quantization chosen per segment, page selection
+  with a 4096-token budget);
+* ``no_rotation``: the default's candidates in the raw basis (no SVD rotation), same budgets;
+* ``global_mask``: a ThinK-like shared channel mask, r chosen so its bytes match the default's
+  middle band candidate, taken for every segment;
+* ``channel_only``: the default without page selection (every page read);
+* ``selection_only``: dense bf16 values, page selection with a 1024-token budget;
+* ``mosaickv_sel1k``: the default with the same 1024-token selection budget;
+* ``mosaickv_hi`` / ``mosaickv_lo`` / ``mosaickv_xlo``: fixed band layouts at ~5.5 / 3.5 / 2.9
+  bits per scalar (every segment takes it), points of the accuracy/memory curve.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..config import MosaicConfig, check_fits
+
+ACCEPT_ALL = 1e9  # an error budget every segment meets: the (single) candidate is always taken
+SELECTION_BUDGET = 1024  # tokens read per decode step by the selection ablations
+MASK_MATCH = "band:b8=4,b4=60,b2=0,group=128"  # the default's middle candidate (4.5 bits/scalar)
+SMOLLM2_HEAD_DIM = 64
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    description: str
+    kv_backend: str = "mosaickv"  # or "default"
+    config: dict | None = None  # MosaicConfig fields that differ from the defaults
+    extra_args: tuple[str, ...] = ()
+    nominal_ratio: float | None = None  # bf16 bytes / bytes kept, for systems without stats
+    family: str = "mosaickv"  # reference | baseline | mosaickv | ablation | budget
+
+    def server_args(self) -> list[str]:
+        args = ["--kv-backend", self.kv_backend]
+        if self.config:
+            args += ["--mosaickv-config", json.dumps(self.config, sort_keys=True)]
+        return args + list(self.extra_args)
+
+    def mosaic_config(self) -> MosaicConfig | None:
+        """The validated config the server will run (None for the dense backend)."""
+        if self.kv_backend != "mosaickv":
+            return None
+        return MosaicConfig.parse(json.dumps(self.config)) if self.config else MosaicConfig()
+
+
+def _segment_bytes(spec: str, head_dim: int) -> int:
+    import torch
+
+    from ..codec.strategies import Encoded, parse_strategy
+
+    shape = (1, MosaicConfig().segment_tokens, head_dim)
+    return Encoded("k", shape, parse_strategy(spec).encode(torch.zeros(shape), "k")).nbytes()
+
+
+def matched_mask_r(target_spec: str = MASK_MATCH, head_dim: int = SMOLLM2_HEAD_DIM) -> int:
+    """The mask width r whose bytes per segment are nearest those of `target_spec`."""
+    target = _segment_bytes(target_spec, head_dim)
+    return min(range(1, head_dim + 1),
+               key=lambda r: abs(_segment_bytes(f"mask:r={r}", head_dim) - target))
+
+
+def _fixed(spec_k: str, spec_v: str) -> dict:
+    return {"k_candidates": [spec_k], "v_candidates": [spec_v],
+            "k_error_budget": ACCEPT_ALL, "v_error_budget": ACCEPT_ALL}
+
+
+def build_systems() -> dict[str, System]:
+    d = MosaicConfig()
+    no_select = {"select": {"enabled": False}}
+    sel_budget = {"select": {"enabled": True, "budget_tokens": SELECTION_BUDGET}}
+    r = matched_mask_r()
+    systems = [
+        System("dense", "SGLang's dense KV cache (--kv-backend default)", kv_backend="default",
+               nominal_ratio=1.0, family="reference"),
+        System("fp8", "SGLang FP8 KV cache (--kv-cache-dtype fp8_e4m3)", kv_backend="default",
+               extra_args=("--kv-cache-dtype", "fp8_e4m3"), nominal_ratio=2.0, family="baseline"),
+        System("mosaickv", "MosaicKV default config", family="mosaickv"),
+        System("no_rotation", "default candidates without the SVD rotation (rot=0), same budgets",
+               config={"k_candidates": [s + ",rot=0" for s in d.k_candidates],
+                       "v_candidates": [s + ",rot=0" for s in d.v_candidates]},
+               family="ablation"),
+        System("global_mask", f"ThinK-like global channel mask mask:r={r} (bytes of {MASK_MATCH}) "
+               "for every segment", config=_fixed(f"mask:r={r}", f"mask:r={r}"), family="ablation"),
+        System("channel_only", "default without page selection (channel/value compression only)",
+               config=no_select, family="ablation"),
+        System("selection_only", f"dense bf16 values, page selection reading {SELECTION_BUDGET} "
+               "tokens per step (sequence dimension only)",
+               config={"k_candidates": ["dense"], "v_candidates": ["dense"],
+                       "sink_candidates": [], **sel_budget}, family="ablation"),
+        System("mosaickv_sel1k", f"default with a {SELECTION_BUDGET}-token selection budget",
+               config=sel_budget, family="budget"),
+        System("mosaickv_hi", "fixed band b8=16,b4=48 (5.5 bits/scalar)",
+               config=_fixed("band:b8=16,b4=48,b2=0,group=64", "band:b8=16,b4=48,b2=0,group=64"),
+               family="budget"),
+        System("mosaickv_lo", "fixed band b8=4,b4=28,b2=32 (3.5 bits/scalar)",
+               config=_fixed("band:b8=4,b4=28,b2=32,group=128", "band:b8=4,b4=28,b2=32,group=128"),
+               family="budget"),
+        System("mosaickv_xlo", "fixed band b8=4,b4=8,b2=52 (2.9 bits/scalar)",
+               config=_fixed("band:b8=4,b4=8,b2=52,group=128", "band:b8=4,b4=8,b2=52,group=128"),
+               family="budget"),
+    ]
+    return {s.name: s for s in systems}
+
+
+SYSTEMS = build_systems()
+DEFAULT_SYSTEMS = ("dense", "mosaickv")
+FULL_SYSTEMS = tuple(SYSTEMS)
+
+
+def get(names) -> list[System]:
+    """Systems by name, in the order given; an unknown name is an error listing the known ones."""
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; known: {list(SYSTEMS)}")
+    return [SYSTEMS[n] for n in names]
+
+
+def validate(system: System, head_dim: int = SMOLLM2_HEAD_DIM) -> None:
+    """What the server checks at start-up, without a server: the config parses and fits head_dim."""
+    cfg = system.mosaic_config()
+    if cfg is not None:
+        check_fits(cfg, head_dim)
+

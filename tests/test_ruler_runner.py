@@ -1,0 +1,127 @@
+"""Runner and report against a fake /generate server on loopback: retries, resumability (keyed by
+system/task/length/sample, invalidated by a changed system or prompt), losses over the cells
+where dense >= 50."""
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from mosaickv_sglang.eval import report
+from mosaickv_sglang.eval.ruler_gen import Prompt
+from mosaickv_sglang.eval.runner import ResultStore, run_prompts
+from mosaickv_sglang.eval.systems import SYSTEMS
+
+
+class FakeServer:
+    """Answers the reference when the prompt contains 'good', else 'no idea'; the first
+    `fail_first` requests get a 503; records every request."""
+
+    def __init__(self, fail_first=0):
+        self.requests, self.fail_left = [], fail_first
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                if outer.fail_left > 0:
+                    outer.fail_left -= 1
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                text = body["text"]
+                answer = " " + text.split("ref=")[1].split()[0] if "good" in text else " no idea"
+                out = json.dumps({"text": answer, "meta_info": {
+                    "prompt_tokens": len(text.split()), "completion_tokens": 3}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+@pytest.fixture
+def server():
+    srv = FakeServer(fail_first=2)
+    yield srv
+    srv.close()
+
+
+def _prompts(quality):
+    return [Prompt(task, 2048, i, f"{quality[task]} ref=V{i} is", [f"V{i}"], 8, 3, "string_match_all")
+            for task in quality for i in range(3)]
+
+
+def test_retries_resume_and_invalidation(server, tmp_path, monkeypatch):
+    monkeypatch.setattr("time.sleep", lambda s: None)  # no backoff waits in the test
+    prompts = _prompts({"niah_single_1": "good", "vt": "bad"})
+    store = ResultStore(tmp_path / "r.jsonl")
+    counts = run_prompts(server.url, "dense", "fp1", prompts, store, concurrency=3, retries=3,
+                         progress=False)
+    assert counts == {"resumed": 0, "run": 6, "errors": 0}
+    assert len(server.requests) == 8  # two 503s retried
+    assert all(r["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 8}
+               for r in server.requests)
+    # a new store on the same file resumes: nothing is sent again
+    store = ResultStore(tmp_path / "r.jsonl")
+    assert run_prompts(server.url, "dense", "fp1", prompts, store, progress=False)["run"] == 0
+    assert len(server.requests) == 8
+    # a changed system fingerprint or prompt text is not reused
+    assert run_prompts(server.url, "dense", "fp2", prompts[:1], store, progress=False)["run"] == 1
+    changed = [Prompt(**{**prompts[1].__dict__, "input": prompts[1].input + " "})]
+    assert run_prompts(server.url, "dense", "fp2", changed, store, progress=False)["run"] == 1
+
+
+def test_failures_are_recorded_then_retried(tmp_path, monkeypatch):
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    srv = FakeServer(fail_first=100)
+    try:
+        prompts = _prompts({"vt": "good"})[:1]
+        store = ResultStore(tmp_path / "r.jsonl")
+        counts = run_prompts(srv.url, "dense", "fp", prompts, store, retries=1, progress=False)
+        assert counts["errors"] == 1 and "HTTP 503" in store.samples[("dense", "vt", 2048, 0)]["error"]
+        srv.fail_left = 0
+        assert run_prompts(srv.url, "dense", "fp", prompts, ResultStore(tmp_path / "r.jsonl"),
+                           progress=False) == {"resumed": 0, "run": 1, "errors": 0}
+    finally:
+        srv.close()
+
+
+def test_summary_losses_over_competent_cells(server, tmp_path, monkeypatch):
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    store = ResultStore(tmp_path / "r.jsonl")
+    dense_p = _prompts({"niah_single_1": "good", "vt": "bad", "qa_1": "good"})
+    run_prompts(server.url, "dense", "fd", dense_p, store, progress=False)
+    # mosaickv: dense's records, except that it misses qa_1 samples 1 and 2
+    for p in dense_p:
+        rec = dict(store.done("dense", p, "fd"))
+        if p.task == "qa_1":
+            rec.update(score=0.0 if p.index else 100.0)
+        store.add({**rec, "system": "mosaickv", "system_fp": "fm"})
+    store.add({"kind": "stats", "system": "mosaickv", "system_fp": "fm",
+               "mosaickv": {"sealed_ratio": 3.2}})
+    store.add({"kind": "unsupported", "system": "fp8", "system_fp": "f8", "reason": "boom: no fp8"})
+    chosen = [SYSTEMS["dense"], SYSTEMS["mosaickv"], SYSTEMS["fp8"]]
+    s = report.summarize(dense_p, chosen, store, {"dense": "fd", "mosaickv": "fm", "fp8": "f8"})
+    assert s["competent_cells"] == ["niah_single_1@2048", "qa_1@2048"]
+    assert s["floor_cells"] == ["vt@2048"]
+    loss = s["systems"]["mosaickv"]["loss"]
+    assert loss["worst_at"] == "qa_1@2048" and loss["worst"] == pytest.approx(200 / 3)
+    assert loss["average"] == pytest.approx(100 / 3)
+    assert s["systems"]["mosaickv"]["ratio"] == 3.2
+    assert s["systems"]["fp8"] == {**s["systems"]["fp8"], "status": "unsupported",
+                                   "reason": "boom: no fp8"}
+    md = report.markdown(s)
+    assert "vt@2048 (dense < 50)" in md and "`fp8`: unsupported: boom: no fp8" in md
+    report.plot(s, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
