@@ -27,8 +27,9 @@ if "--dry-run" in sys.argv:
 import torch  # noqa: E402
 
 from mosaickv_kernels.band_decode import BandDecodeWrapper  # noqa: E402
-from mosaickv_sglang.codec.arena import (ALIGN, HEADER_WIDTH, BlockLayout,  # noqa: E402
-                                         PackedArena, pack_layer)
+from mosaickv_kernels.page_select import PackedPageMeta, pack_page_meta  # noqa: E402
+from mosaickv_sglang.codec.arena import (ALIGN, HDR, HEADER_WIDTH, PLAN_FIELDS,  # noqa: E402
+                                         BlockLayout, PackedArena, pack_layer)
 from mosaickv_sglang.codec.attention import decode_attention  # noqa: E402
 from mosaickv_sglang.codec.layer import compress_layer  # noqa: E402
 from mosaickv_sglang.codec.strategies import parse_strategy  # noqa: E402
@@ -69,9 +70,16 @@ def parse_args(argv=None):
     ap.add_argument("--block-tokens", type=int, default=None,
                     help="tokens per stage-1 iteration without selection (32/64/128; default: "
                          "the wrapper's choice by head_dim)")
-    ap.add_argument("--sglang-src", default=None,
+    ap.add_argument("--sglang-src", default=os.environ.get("MOSAICKV_SGLANG_SRC"),
                     help="folder holding SGLang's decode_attention.py and score_mod.py (from "
-                         "sglang/kernels/ops/attention/), used when sglang is not importable")
+                         "sglang/kernels/ops/attention/), used when sglang is not importable; "
+                         "default $MOSAICKV_SGLANG_SRC (scripts/device_env.sh sets it)")
+    ap.add_argument("--meta-channels", type=int, default=8,
+                    help="page metadata channels (config select.meta_channels)")
+    ap.add_argument("--sink-tokens", type=int, default=64)
+    ap.add_argument("--recent-tokens", type=int, default=256)
+    ap.add_argument("--check-requests", type=int, default=2,
+                    help="requests per shape checked against the torch arena reference")
     ap.add_argument("--json", default=None, help="write all rows here")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU + Triton interpreter, tiny shapes, one rep (plumbing check)")
@@ -141,6 +149,77 @@ def synth_arena(batch: int, ctx: int, h: int, d: int, layouts, device) -> Packed
         segment_tokens=SEGMENT, page_tokens=PAGE,
         payload={"codes": codes_total, "scales": scales_total},
         min_group=min(min(kb.group, vb.group) for kb, vb in bands))
+
+
+def synth_page_meta(arena: PackedArena, m: int) -> PackedPageMeta:
+    """Page metadata of the arena's shape (random bounds: the scoring cost does not depend on
+    the values; the selection pipeline's correctness is checked on real metadata)."""
+    s, h, dev = arena.headers.shape[0], arena.num_kv_heads, arena.device
+    pps = arena.segment_tokens // arena.page_tokens
+    chans = torch.rand(s, h, arena.head_dim, device=dev).topk(m, -1).indices.sort(-1).values
+    lo = -torch.rand(s, h, pps, m, device=dev)
+    return PackedPageMeta(chans.to(torch.int32), lo.half(), (lo + 2).half(),
+                          torch.rand(s, h, pps, device=dev).half())
+
+
+def arena_reference(q, arena: PackedArena, b: int, sm_scale: float, keep=None) -> torch.Tensor:
+    """Torch oracle for request b straight from the arena bytes through the layout plans
+    (independent of the kernel's header-driven band tiles): decode every segment's K/V codes in
+    the rotated bases, attend over them (pages outside `keep` [H, P] masked) and the hot
+    buffer, rotate back. float32, on the arena's device. -> [Hq, D]"""
+    h, d = arena.num_kv_heads, arena.head_dim
+    lo, hi = arena.seg_indptr[b:b + 2].tolist()
+    ids = arena.seg_ids[lo:hi].long()
+    hdr = arena.headers[ids].long()  # [S, W]
+    t = arena.segment_tokens
+    hq = q.shape[0]
+    g = hq // h
+    qs = (q.float() * sm_scale).view(h, g, d)
+    f16 = arena.data.view(torch.float16)
+    parts = []
+    for kind in range(2):
+        plan = arena.plans[hdr[:, HDR["layout"]], kind].long()  # [S, PLAN_W, D]
+        pf = {name: plan[:, i][:, None, None, :] for i, name in enumerate(PLAN_FIELDS)}
+        base = (hdr[:, HDR["base16"]] * 16)[:, None, None, None] + \
+            torch.arange(h, device=q.device)[None, :, None, None] * \
+            hdr[:, HDR["head_stride"]][:, None, None, None]  # [S, H, 1, 1]
+        tok = torch.arange(t, device=q.device)[None, None, :, None]
+        raw = arena.data[base + pf["code"] + tok * pf["row"]].long()
+        codes = (raw >> pf["shift"]) & pf["mask"]  # [S, H, T, D]
+        group = hdr[:, HDR["k_group" if kind == 0 else "v_group"]][:, None, None, None]
+        goff = (tok // group) * pf["group_bytes"]
+        scale = f16[(base + pf["scale"] + goff) // 2].float()
+        zero = f16[(base + pf["zero"] + goff) // 2].float()
+        x = torch.where(pf["mask"] > 0, codes * scale + zero, 0.0)
+        parts.append(x.permute(1, 0, 2, 3).reshape(h, -1, d))  # [H, S*T, D]
+    k_rot, v_rot = parts
+    s_c = torch.einsum("hgd,htd->hgt", qs @ arena.k_basis[b], k_rot)
+    if keep is not None:
+        tok_keep = keep[:, :s_c.shape[2] // arena.page_tokens].repeat_interleave(
+            arena.page_tokens, -1)
+        s_c = s_c.masked_fill(~tok_keep[:, None, :], float("-inf"))
+    n_hot = int(arena.hot_lens[b])
+    s_h = torch.einsum("hgd,htd->hgt", qs, arena.hot_k[b, :, :n_hot].float())
+    p = torch.cat([s_c, s_h], -1).softmax(-1)
+    n_c = s_c.shape[2]
+    o_rot = torch.einsum("hgt,htd->hgd", p[..., :n_c], v_rot)
+    out = o_rot @ arena.v_basis[b].transpose(1, 2) + \
+        torch.einsum("hgt,htd->hgd", p[..., n_c:], arena.hot_v[b, :, :n_hot].float())
+    return out.reshape(hq, d)
+
+
+def check_shape(q, arena, out, sm_scale, n_requests, keep=None) -> dict:
+    """rel error of `out` [B, Hq, D] vs arena_reference on the first and last requests."""
+    reqs = sorted({0, q.shape[0] - 1} if n_requests >= 2 else {0})
+    errs = []
+    for b in reqs:
+        ref = arena_reference(q[b], arena, b, sm_scale, None if keep is None else keep[b])
+        o = out[b].float()
+        if not bool(torch.isfinite(o).all()):
+            return {"rel_err": float("nan"), "finite": False, "ok": False, "requests": reqs}
+        errs.append(float((o - ref).norm() / ref.norm()))
+    err = max(errs)
+    return {"rel_err": err, "finite": True, "ok": err < 2e-3, "requests": reqs}
 
 
 def page_list(batch: int, h: int, pages: int, budget_pages: int, device):
@@ -302,7 +381,8 @@ def flashinfer_dense(q, k_buf, v_buf, batch, ctx, sm_scale, timer):
 
 def check_correctness(hq, h, d, layouts, device) -> dict:
     """Full pipeline at a small shape: compress_layer (band sink + chooser over `layouts`, page
-    metadata), pack_layer, kernel with the reference's own page selection vs decode_attention."""
+    metadata), pack_layer + pack_page_meta, GPU page selection (must pick the reference
+    selector's pages) and the kernel vs decode_attention."""
     torch.manual_seed(0)
     cfg = MosaicConfig(
         sink_candidates=["band:b8=64,b4=0,b2=0,group=32"],
@@ -323,15 +403,28 @@ def check_correctness(hq, h, d, layouts, device) -> dict:
     for b, kp in enumerate(keeps):
         keep[b, :, :kp.shape[1]] = kp
     arena = pack_layer(layers).to(device)
+    meta = pack_page_meta([s.pages for layer in layers for s in layer.segments]).to(device)
     wrapper = BandDecodeWrapper()
     wrapper.plan(arena, hq, num_kv_splits=3)
-    out = wrapper.run(q.to(device), arena, page_keep=keep.to(device), out_dtype=torch.float32)
+    sel = cfg.select
+    ids, counts = wrapper.select(q.to(device), arena, meta,
+                                 budget_pages=sel.budget_tokens // PAGE,
+                                 sink_pages=-(-sel.sink_tokens // PAGE),
+                                 recent_pages=-(-sel.recent_tokens // PAGE))
+    got_keep = torch.zeros_like(keep)
+    for b in range(2):
+        for hh in range(h):
+            got_keep[b, hh, ids[b, hh, :int(counts[b, hh])].long().cpu()] = True
+    out = wrapper.run(q.to(device), arena, page_ids=ids, page_counts=counts,
+                      out_dtype=torch.float32)
     ref = torch.stack(refs)
     out = out.cpu().double()
     finite = bool(torch.isfinite(out).all())
     err = float((out - ref.double()).norm() / ref.double().norm()) if finite else float("nan")
+    same = bool(torch.equal(got_keep, keep))
     return {"shape": f"B=2 Hq={hq} H={h} D={d} ctx~{5 * 128 + 70}", "rel_err": err,
-            "finite": finite, "ok": finite and err < 2e-3}
+            "finite": finite, "same_pages_as_reference": same,
+            "ok": finite and err < 2e-3 and same}
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -376,7 +469,7 @@ def main(argv=None) -> int:
     print_table(rows, args.peak_tbs)
     bad = [c["config"] for c in checks if not c["ok"]] + \
         [f"{r['config']} B={r['batch']} ctx={r['context']} {r['mode']}"
-         for r in rows if not r.get("finite", True)]
+         for r in rows if "check" in r and not r["check"]["ok"]]
     if bad:
         print(f"FAILED (mismatch vs reference or non-finite output): {bad}")
     return 1 if bad else 0
@@ -402,53 +495,89 @@ def run_combo(base, batch, ctx, hq, h, d, layouts, device, timer, peak, args) ->
 
     # Dense baselines on the same context, bf16 [tokens, H, D] (SGLang's layout).
     dense_bytes = 2 * batch * ctx * h * d * 2 + batch * ctx * 4
+    k_buf = torch.randn(batch * ctx, h, d, device=device, dtype=torch.bfloat16)
+    v_buf = torch.randn_like(k_buf)
     if batch * ctx * h * d >= 2**31:  # kv_loc * stride is int32 in SGLang's stage 1
         sg = (None, "SGLang's decode kernel computes KV offsets in int32: B*ctx*H*D >= 2^31 "
                     "overflows (illegal address)")
-        fi = (None, "skipped with SGLang (same buffer size)")
     else:
-        k_buf = torch.randn(batch * ctx, h, d, device=device).to(torch.bfloat16)
-        v_buf = torch.randn_like(k_buf)
         sg = sglang_dense(q, k_buf, v_buf, batch, ctx, sm_scale, timer,
                           SGLANG_SPLITS[:1] if args.dry_run else SGLANG_SPLITS, args.sglang_src)
-        fi = flashinfer_dense(q, k_buf, v_buf, batch, ctx, sm_scale, timer)
-        del k_buf, v_buf
+    fi = flashinfer_dense(q, k_buf, v_buf, batch, ctx, sm_scale, timer)
+    del k_buf, v_buf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
-    modes = [("all", None)]
     budget_pages = args.select_budget // PAGE
-    if args.select_budget and budget_pages < pages:
-        modes.append((f"sel{args.select_budget}", page_list(batch, h, pages, budget_pages, device)))
-    for mode, sel in modes:
-        kw = {} if sel is None else {"page_ids": sel[1], "page_counts": sel[2]}
+    modes = ["all"] + ([f"sel{args.select_budget}"] if args.select_budget and
+                       budget_pages < pages else [])
+    meta = synth_page_meta(arena, args.meta_channels) if len(modes) > 1 else None
+    sink, recent = -(-args.sink_tokens // PAGE), -(-args.recent_tokens // PAGE)
+    for mode in modes:
         best = None
         for splits in args.our_splits or [None]:
             wrapper = BandDecodeWrapper()
             wrapper.plan(arena, hq, sm_scale=sm_scale, num_kv_splits=splits,
-                         max_selected_pages=None if sel is None else budget_pages,
+                         max_selected_pages=None if mode == "all" else budget_pages,
                          block_tokens=args.block_tokens)
-            res = wrapper.run(q, arena, **kw)
-            finite = bool(torch.isfinite(res).all())
-            ms = timer(lambda: wrapper.run(q, arena, **kw))
+            if mode == "all":
+                def step(w=wrapper):
+                    return w.run(q, arena)
+            else:
+                def step(w=wrapper):
+                    ids, counts = w.select(q, arena, meta, budget_pages=budget_pages,
+                                           sink_pages=sink, recent_pages=recent)
+                    return w.run(q, arena, page_ids=ids, page_counts=counts)
+            ms = timer(step)
             if best is None or ms < best[0]:
-                best = (ms, wrapper, finite)
-        ms, wrapper, finite = best
-        nbytes = wrapper.bytes_read(arena, None if sel is None else sel[0])
-        row = {**base, "mode": mode, "ms": ms, "splits": wrapper.num_splits, "finite": finite,
-               "bytes": nbytes, "bw_frac": nbytes["total"] / (ms * 1e-3) / peak,
-               "arena_bytes": arena.nbytes(), "dense_bytes": dense_bytes}
+                best = (ms, wrapper, step)
+        ms, wrapper, step = best
+        row = {**base, "mode": mode, "ms": ms, "splits": wrapper.num_splits,
+               "width_classes": len(wrapper.widths), "arena_bytes": arena.nbytes(),
+               "dense_bytes": dense_bytes}
+        keep = None
+        if mode == "all":
+            res = wrapper.run(q, arena, out_dtype=torch.float32)  # checked before bf16 rounding
+        else:
+            ids, counts = wrapper.select(q, arena, meta, budget_pages=budget_pages,
+                                         sink_pages=sink, recent_pages=recent)
+            keep = torch.zeros(batch, h, pages + 1, dtype=torch.bool, device=device)
+            rank = torch.arange(ids.shape[2], device=device)
+            keep.scatter_(2, torch.where(rank < counts[..., None], ids, pages).long(), True)
+            keep = keep[:, :, :pages]
+            res = wrapper.run(q, arena, page_ids=ids, page_counts=counts, out_dtype=torch.float32)
+            row["select_ms"] = timer(lambda: wrapper.select(q, arena, meta,
+                                                            budget_pages=budget_pages,
+                                                            sink_pages=sink,
+                                                            recent_pages=recent))
+            row["decode_ms"] = timer(lambda: wrapper.run(q, arena, page_ids=ids,
+                                                         page_counts=counts))
+            row["pages_read"] = int(counts.sum())
+        nbytes = wrapper.bytes_read(arena, None if keep is None else keep.cpu())
+        if meta is not None and mode != "all":
+            nbytes["page_meta"] = meta.nbytes()  # every page scored
+            nbytes["bounds"] = 2 * batch * h * wrapper.max_pages * 4  # written, read by top-k
+            nbytes["total"] = sum(v for k, v in nbytes.items() if k != "total")
+        row.update(bytes=nbytes, bw_frac=nbytes["total"] / (ms * 1e-3) / peak)
+        chk = check_shape(q, arena, res, sm_scale, args.check_requests, keep)
+        row.update(check=chk, finite=chk["finite"])
         if sg[0] is not None:
             row.update(sglang_ms=sg[0], sglang_splits=sg[1], speedup_vs_sglang=sg[0] / ms,
                        sglang_bw_frac=dense_bytes / (sg[0] * 1e-3) / peak)
         else:
             row["sglang_skipped"] = sg[1]
         if fi[0] is not None:
-            row.update(flashinfer_ms=fi[0], speedup_vs_flashinfer=fi[0] / ms)
+            row.update(flashinfer_ms=fi[0], speedup_vs_flashinfer=fi[0] / ms,
+                       flashinfer_bw_frac=dense_bytes / (fi[0] * 1e-3) / peak)
         else:
             row["flashinfer_skipped"] = fi[1]
         print(f"[run] {base['config']} B={batch} ctx={ctx} {mode}: {ms:.3f} ms "
-              f"(splits {wrapper.num_splits}) "
-              f"({row['bw_frac']:.0%} of peak), sglang "
-              f"{'%.3f ms' % sg[0] if sg[0] is not None else 'n/a'}", flush=True)
+              f"(splits {wrapper.num_splits}) ({row['bw_frac']:.0%} of peak), sglang "
+              f"{'%.3f ms' % sg[0] if sg[0] is not None else 'n/a'}, flashinfer "
+              f"{'%.3f ms' % fi[0] if fi[0] is not None else 'n/a'}; check "
+              f"{chk['rel_err']:.1e} {'ok' if chk['ok'] else 'FAIL'}"
+              + (f"; select {row['select_ms']:.3f} + decode {row['decode_ms']:.3f} ms"
+                 if "select_ms" in row else ""), flush=True)
         out.append(row)
     return out
 
