@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mosaickv_kernels.page_select import (page_bounds, page_bounds_reference, pack_page_meta,
-                                          select_page_list)
+                                          select_page_list, select_page_list_reference)
 from mosaickv_sglang.codec.pages import build_page_meta, select_pages
 
 from conftest import assert_finite, assert_rel_close, repro
@@ -57,6 +57,20 @@ def test_page_list_matches_select_pages(seed):
             got = ids[b, hh, :c]
             assert torch.equal(got, want[hh].nonzero()[:, 0].to(torch.int32)), repro(seed)
             assert bool((ids[b, hh, c:] == p).all()), repro(seed)
+
+
+@pytest.mark.parametrize("p,budget,sink,recent", [(300, 40, 2, 8), (64, 64, 2, 8), (5, 1, 4, 4)])
+def test_top_pages_kernel_matches_torch_topk(p, budget, sink, recent, seed):
+    torch.manual_seed(seed)
+    bsz, h = 4, 3
+    num = torch.randint(0, p + 1, (bsz,))
+    num[0] = p
+    bounds = torch.randn(bsz, h, p) * 10
+    bounds = bounds.masked_fill(torch.arange(p) >= num[:, None, None], float("-inf"))
+    ids, counts = select_page_list(bounds.to(DEVICE), num, budget, sink, recent)
+    ref_ids, ref_counts = select_page_list_reference(bounds, num, budget, sink, recent)
+    assert torch.equal(counts.cpu(), ref_counts), repro(seed)
+    assert torch.equal(ids.cpu(), ref_ids), repro(seed)
 
 
 def test_selection_feeds_the_decode_kernel_shape(seed):

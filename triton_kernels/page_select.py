@@ -6,8 +6,9 @@ segment's K basis plus a norm bound for the rest), then keep the best pages per 
 
 Stage 1 (`page_bounds`, Triton): one program per (request, KV head, block of pages), max of the
 bound over the G query heads of the group (they read the same pages, as in `select_pages`).
-Stage 2 (`select_page_list`, torch): sink and recent pages forced, `torch.topk` to the budget,
-ascending page ids: the `(page_ids, page_counts)` list `BandDecodeWrapper.run` consumes.
+Stage 2 (`select_page_list`, Triton): sink and recent pages forced, a radix select of the
+budget's threshold and a prefix-sum compaction (one program per row, no sort): ascending page
+ids, the `(page_ids, page_counts)` list `BandDecodeWrapper.run` consumes.
 
     meta = pack_page_meta([seg.pages for seg in segments_in_arena_order]).to("cuda")
     bounds = page_bounds(q_rot, meta, arena.seg_indptr, arena.seg_ids, max_pages)
@@ -154,19 +155,85 @@ def page_bounds_reference(q_rot: torch.Tensor, meta: PackedPageMeta, seg_indptr:
     return out
 
 
+MAX_SELECT_PAGES = 32768  # pages per request the one-program-per-row top-k holds (1M tokens)
+
+
+@triton.jit
+def _select_top_pages(
+    BOUNDS,  # fp32 [B, H, P]
+    NUM_PAGES,  # int32 [B]
+    IDS, COUNTS,  # int32 [B, H, K] (ascending, then P), [B, H]
+    H, P, K, BUDGET, SINK, RECENT,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program per (request, KV head): force sink/recent pages, find the count-th largest
+    bound by a 32-step radix select on order-preserving uint32 keys, then compact the kept page
+    ids in ascending order with a prefix sum (no sort). Ties at the threshold: lowest ids."""
+    b = tl.program_id(0).to(tl.int64)
+    row = b * H + tl.program_id(1)
+    offs = tl.arange(0, BLOCK_P)
+    n = tl.load(NUM_PAGES + b)
+    x = tl.load(BOUNDS + row * P + offs, mask=offs < P, other=float("-inf"))
+    valid = offs < n
+    forced = valid & ((offs < SINK) | (offs >= n - RECENT))
+    x = tl.where(forced, float("inf"), tl.where(valid, x, float("-inf")))
+    take = tl.minimum(n, tl.maximum(tl.sum(forced.to(tl.int32), 0), BUDGET))
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    one = tl.full((), 1, tl.uint32)
+    prefix = tl.full((), 0, tl.uint32)
+    for bit in tl.static_range(31, -1, -1):
+        cand = prefix | (one << bit)
+        prefix = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= take, cand, prefix)
+    gt = key > prefix
+    eq = key == prefix
+    need = take - tl.sum(gt.to(tl.int32), 0)
+    sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
+    pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(IDS + row * K + pos, offs, mask=sel)
+    offs_k = tl.arange(0, BLOCK_K)
+    tl.store(IDS + row * K + offs_k, tl.full([BLOCK_K], 0, tl.int32) + P,
+             mask=(offs_k >= take) & (offs_k < K))
+    tl.store(COUNTS + row, take)
+
+
 def select_page_list(bounds: torch.Tensor, num_pages: torch.Tensor, budget_pages: int,
                      sink_pages: int, recent_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
     """bounds [B, H, P] (-inf past each request's pages), num_pages int [B] (pages per request)
-    -> (page_ids int32 [B, H, K] ascending, page_counts int32 [B, H]), K = min(P, budget + forced).
+    -> (page_ids int32 [B, H, K] ascending then P, page_counts int32 [B, H]),
+    K = min(P, budget + sink + recent).
 
     Like `codec.pages.select_pages`: the first `sink_pages` and last `recent_pages` pages are
     always kept and count toward `budget_pages`; the rest go by largest bound; a request with no
-    more pages than the budget keeps all of them. All on the device, no host sync."""
+    more pages than the budget keeps all of them. One launch, no host sync."""
+    _check_select_args(bounds, budget_pages)
+    bsz, h, p = bounds.shape
+    if p > MAX_SELECT_PAGES:
+        raise ValueError(f"select_page_list: {p} pages per request > {MAX_SELECT_PAGES} "
+                         f"(the top-k holds a request's bounds in one program)")
+    k = min(p, budget_pages + sink_pages + recent_pages)
+    ids = torch.empty(bsz, h, k, dtype=torch.int32, device=bounds.device)
+    counts = torch.empty(bsz, h, dtype=torch.int32, device=bounds.device)
+    block = triton.next_power_of_2(p)
+    _select_top_pages[(bsz, h)](bounds.contiguous(), num_pages.to(bounds.device, torch.int32),
+                                ids, counts, h, p, k, budget_pages, sink_pages, recent_pages,
+                                BLOCK_P=block, BLOCK_K=triton.next_power_of_2(k),
+                                num_warps=4 if block <= 4096 else 16)
+    return ids, counts
+
+
+def _check_select_args(bounds: torch.Tensor, budget_pages: int) -> None:
     if bounds.dim() != 3 or bounds.dtype != torch.float32:
         raise ValueError(f"select_page_list: bounds must be float32 [B, H, P], got "
                          f"{bounds.dtype} {tuple(bounds.shape)}")
     if budget_pages < 1:
         raise ValueError(f"select_page_list: budget_pages={budget_pages} must be >= 1")
+
+
+def select_page_list_reference(bounds: torch.Tensor, num_pages: torch.Tensor, budget_pages: int,
+                               sink_pages: int, recent_pages: int):
+    """Torch oracle of `select_page_list` (topk + sort); same outputs up to ties."""
+    _check_select_args(bounds, budget_pages)
     bsz, h, p = bounds.shape
     idx = torch.arange(p, device=bounds.device)
     n = num_pages.to(bounds.device).long()[:, None, None]  # [B, 1, 1]
