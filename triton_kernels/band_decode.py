@@ -70,28 +70,46 @@ def _band_scales(F16, off, grp, NB: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _score_band(q_band, U8, F16, hdr, tok, grp, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr,
-                ZERO_COL: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
-                EMULATE: tl.constexpr):
-    """q . k over one K band for the tokens `tok`: (q * scale) . codes + q . zero -> [G, N]."""
-    codes = _band_codes(U8 + tl.multiple_of(tl.load(hdr + CODES_COL), 16), tok, BITS,
-                        NB * BITS // 8, W * BITS // 8)
-    sc = _band_scales(F16, tl.load(hdr + SCALE_COL), grp, NB, W)
-    zr = _band_scales(F16, tl.load(hdr + ZERO_COL), grp, NB, W)
+def _band_load(U8, F16, hdr, tok, grp, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr,
+               ZERO_COL: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr):
+    """codes [N, W] (int32), scale [W], zero [W] (float32) of one band of one unit (zeros for
+    an empty band); the byte offsets of its parts come from the segment header row `hdr`."""
+    if NB > 0:
+        codes = _band_codes(U8 + tl.multiple_of(tl.load(hdr + CODES_COL), 16), tok, BITS,
+                            NB * BITS // 8, W * BITS // 8)
+        sc = _band_scales(F16, tl.load(hdr + SCALE_COL), grp, NB, W)
+        zr = _band_scales(F16, tl.load(hdr + ZERO_COL), grp, NB, W)
+    else:
+        codes = tl.zeros([tok.shape[0], W], tl.int32)
+        sc = tl.zeros([W], tl.float32)
+        zr = tl.zeros([W], tl.float32)
+    return codes, sc, zr
+
+
+@triton.jit
+def _score_band(q_band, codes, sc, zr, EMULATE: tl.constexpr):
+    """q . k over one K band: (q * scale) . codes + q . zero -> [G, N]."""
     s = dot_exact(q_band * sc[None, :], tl.trans(codes), EMULATE)
     return s + tl.sum(q_band * zr[None, :], 1)[:, None]
 
 
 @triton.jit
-def _pv_band(p, U8, F16, hdr, tok, grp, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr,
-             ZERO_COL: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
-             EMULATE: tl.constexpr):
+def _pv_band(p, codes, sc, zr, EMULATE: tl.constexpr):
     """p . v over one V band: (p . codes) * scale + sum(p) * zero -> [G, W]."""
-    codes = _band_codes(U8 + tl.multiple_of(tl.load(hdr + CODES_COL), 16), tok, BITS,
-                        NB * BITS // 8, W * BITS // 8)
-    sc = _band_scales(F16, tl.load(hdr + SCALE_COL), grp, NB, W)
-    zr = _band_scales(F16, tl.load(hdr + ZERO_COL), grp, NB, W)
     return dot_exact(p, codes, EMULATE) * sc[None, :] + tl.sum(p, 1)[:, None] * zr[None, :]
+
+
+@triton.jit
+def _unit(PAGE_IDS, SEG_IDS, HEADERS, row_sel, seg0, i, ok, units_per_seg,
+          BLOCK_N: tl.constexpr, HDR_W: tl.constexpr, HAS_SELECT: tl.constexpr):
+    """(header row pointer, first token) of the i-th unit; nothing is read unless `ok`."""
+    if HAS_SELECT:
+        unit = tl.load(PAGE_IDS + row_sel + i, mask=ok, other=0)
+    else:
+        unit = i
+    seg_local = unit // units_per_seg
+    hdr = HEADERS + tl.load(SEG_IDS + seg0 + seg_local, mask=ok, other=0).to(tl.int64) * HDR_W
+    return hdr, (unit - seg_local * units_per_seg) * BLOCK_N
 
 
 @triton.jit
@@ -158,14 +176,14 @@ def _band_decode_stage1(
     acc8 = tl.zeros([BLOCK_G, WV8], tl.float32)
     acc4 = tl.zeros([BLOCK_G, WV4], tl.float32)
     acc2 = tl.zeros([BLOCK_G, WV2], tl.float32)
+    # The next unit's header is located one iteration ahead (two dependent loads off the
+    # critical path); its K and V tiles are all loaded before the first product.
+    hdr_n, tok0_n = _unit(PAGE_IDS, SEG_IDS, HEADERS, bh * max_sel, seg0, start, start < end,
+                          units_per_seg, BLOCK_N, HDR_W, HAS_SELECT)
     for i in range(start, end):
-        if HAS_SELECT:
-            unit = tl.load(PAGE_IDS + bh * max_sel + i)
-        else:
-            unit = i
-        seg_local = unit // units_per_seg
-        tok = (unit - seg_local * units_per_seg) * BLOCK_N + offs_n
-        hdr = HEADERS + tl.load(SEG_IDS + seg0 + seg_local).to(tl.int64) * HDR_W
+        hdr, tok0 = hdr_n, tok0_n
+        hdr_n, tok0_n = _unit(PAGE_IDS, SEG_IDS, HEADERS, bh * max_sel, seg0, i + 1, i + 1 < end,
+                              units_per_seg, BLOCK_N, HDR_W, HAS_SELECT)
         mine = (tl.load(hdr + KC) == K8) & (tl.load(hdr + KC + 1) == K4) & \
             (tl.load(hdr + KC + 2) == K2) & (tl.load(hdr + VC) == V8) & \
             (tl.load(hdr + VC + 1) == V4) & (tl.load(hdr + VC + 2) == V2)
@@ -174,32 +192,36 @@ def _band_decode_stage1(
                                   h * tl.load(hdr + STRIDE_COL), 16)
             u8 = ARENA_U8 + base
             f16 = ARENA_F16 + base // 2
-            tok0 = (unit - seg_local * units_per_seg) * BLOCK_N
+            tok = tok0 + offs_n
             kgrp = tok0 // tl.load(hdr + KC + 3)
             vgrp = tok0 // tl.load(hdr + VC + 3)
+            kc8, ks8, kz8 = _band_load(u8, f16, hdr, tok, kgrp, KC + 4, KC + 7, KC + 8, K8, 8, WK8)
+            kc4, ks4, kz4 = _band_load(u8, f16, hdr, tok, kgrp, KC + 5, KC + 9, KC + 10, K4, 4,
+                                       WK4)
+            kc2, ks2, kz2 = _band_load(u8, f16, hdr, tok, kgrp, KC + 6, KC + 11, KC + 12, K2, 2,
+                                       WK2)
+            vc8, vs8, vz8 = _band_load(u8, f16, hdr, tok, vgrp, VC + 4, VC + 7, VC + 8, V8, 8, WV8)
+            vc4, vs4, vz4 = _band_load(u8, f16, hdr, tok, vgrp, VC + 5, VC + 9, VC + 10, V4, 4,
+                                       WV4)
+            vc2, vs2, vz2 = _band_load(u8, f16, hdr, tok, vgrp, VC + 6, VC + 11, VC + 12, V2, 2,
+                                       WV2)
             s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
             if K8 > 0:
-                s += _score_band(q8, u8, f16, hdr, tok, kgrp, KC + 4, KC + 7, KC + 8, K8, 8,
-                                 WK8, EMULATE)
+                s += _score_band(q8, kc8, ks8, kz8, EMULATE)
             if K4 > 0:
-                s += _score_band(q4, u8, f16, hdr, tok, kgrp, KC + 5, KC + 9, KC + 10, K4, 4,
-                                 WK4, EMULATE)
+                s += _score_band(q4, kc4, ks4, kz4, EMULATE)
             if K2 > 0:
-                s += _score_band(q2, u8, f16, hdr, tok, kgrp, KC + 6, KC + 11, KC + 12, K2, 2,
-                                 WK2, EMULATE)
+                s += _score_band(q2, kc2, ks2, kz2, EMULATE)
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
             if V8 > 0:
-                acc8 = acc8 * alpha[:, None] + _pv_band(p, u8, f16, hdr, tok, vgrp, VC + 4,
-                                                        VC + 7, VC + 8, V8, 8, WV8, EMULATE)
+                acc8 = acc8 * alpha[:, None] + _pv_band(p, vc8, vs8, vz8, EMULATE)
             if V4 > 0:
-                acc4 = acc4 * alpha[:, None] + _pv_band(p, u8, f16, hdr, tok, vgrp, VC + 5,
-                                                        VC + 9, VC + 10, V4, 4, WV4, EMULATE)
+                acc4 = acc4 * alpha[:, None] + _pv_band(p, vc4, vs4, vz4, EMULATE)
             if V2 > 0:
-                acc2 = acc2 * alpha[:, None] + _pv_band(p, u8, f16, hdr, tok, vgrp, VC + 6,
-                                                        VC + 11, VC + 12, V2, 2, WV2, EMULATE)
+                acc2 = acc2 * alpha[:, None] + _pv_band(p, vc2, vs2, vz2, EMULATE)
             m = m_new
 
     rows = (bh * num_parts + part0 + split) * G + offs_g
