@@ -195,8 +195,9 @@ def test_pack_rejects_what_the_kernel_cannot_read(seed):
 
 # ---- kernel vs reference ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("selection", ["none", "mask", "list"])
-def test_kernel_matches_reference(selection, seed, monkeypatch):
+@pytest.mark.parametrize("selection,exact", [("none", True), ("mask", True), ("list", True),
+                                             ("none", False), ("list", False)])
+def test_kernel_matches_reference(selection, exact, seed, monkeypatch):
     h, g, d = 2, 2, 64
     layers = [make_layer(h, d, 3, 40), make_layer(h, d, 4, 70, first=1)]
     arena = pack_layer(layers).to(DEVICE)
@@ -205,7 +206,7 @@ def test_kernel_matches_reference(selection, seed, monkeypatch):
     expected = reference(q, layers, keep, monkeypatch)
 
     wrapper = BandDecodeWrapper()
-    wrapper.plan(arena, h * g, num_kv_splits=2)
+    wrapper.plan(arena, h * g, num_kv_splits=2, exact=exact)
     kwargs = {}
     if selection == "mask":
         kwargs["page_keep"] = keep.to(DEVICE)
@@ -215,7 +216,9 @@ def test_kernel_matches_reference(selection, seed, monkeypatch):
                       page_counts=counts.to(DEVICE))
     out = wrapper.run(q.to(DEVICE), arena, **kwargs)
     assert out.dtype == torch.float32
-    assert_rel_close(out.cpu(), expected, REL, f"band decode ({selection})", seed)
+    # exact: ~1e-5; fp16 products: ~2^-11 per product
+    assert_rel_close(out.cpu(), expected, 1e-4 if exact else REL, f"band decode ({selection})",
+                     seed)
 
     read = wrapper.bytes_read(arena, keep)
     if keep is not None:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from mosaickv_sglang.codec.arena import HDR, HEADER_WIDTH, KIND_FIELDS, PLAN_FIELDS, PackedArena
 
-from .common import dot_exact, interpreting
+from .common import dot_codes, interpreting
 from .dense_decode import dense_decode_partial
 from .page_select import PackedPageMeta, page_bounds, select_page_list
 
@@ -87,16 +87,17 @@ def _band_load(U8, F16, hdr, tok, grp, CODES_COL: tl.constexpr, SCALE_COL: tl.co
 
 
 @triton.jit
-def _score_band(q_band, codes, sc, zr, EMULATE: tl.constexpr):
+def _score_band(q_band, codes, sc, zr, EXACT: tl.constexpr, EMULATE: tl.constexpr):
     """q . k over one K band: (q * scale) . codes + q . zero -> [G, N]."""
-    s = dot_exact(q_band * sc[None, :], tl.trans(codes), EMULATE)
+    s = dot_codes(q_band * sc[None, :], tl.trans(codes), EXACT, EMULATE)
     return s + tl.sum(q_band * zr[None, :], 1)[:, None]
 
 
 @triton.jit
-def _pv_band(p, codes, sc, zr, EMULATE: tl.constexpr):
+def _pv_band(p, codes, sc, zr, EXACT: tl.constexpr, EMULATE: tl.constexpr):
     """p . v over one V band: (p . codes) * scale + sum(p) * zero -> [G, W]."""
-    return dot_exact(p, codes, EMULATE) * sc[None, :] + tl.sum(p, 1)[:, None] * zr[None, :]
+    return dot_codes(p, codes, EXACT, EMULATE) * sc[None, :] + \
+        tl.sum(p, 1)[:, None] * zr[None, :]
 
 
 @triton.jit
@@ -134,7 +135,7 @@ def _band_decode_stage1(
     K8: tl.constexpr, K4: tl.constexpr, K2: tl.constexpr,  # band widths (channels) this launch
     V8: tl.constexpr, V4: tl.constexpr, V2: tl.constexpr,  # reads; other segments are skipped
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SELECT: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EXACT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """One program per (request, KV head, split): the split's units (BLOCK_N-token blocks, or
     selected 32-token pages) of the segments whose band widths are this launch's (K8..V2, all
@@ -207,21 +208,21 @@ def _band_decode_stage1(
                                        WV2)
             s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
             if K8 > 0:
-                s += _score_band(q8, kc8, ks8, kz8, EMULATE)
+                s += _score_band(q8, kc8, ks8, kz8, EXACT, EMULATE)
             if K4 > 0:
-                s += _score_band(q4, kc4, ks4, kz4, EMULATE)
+                s += _score_band(q4, kc4, ks4, kz4, EXACT, EMULATE)
             if K2 > 0:
-                s += _score_band(q2, kc2, ks2, kz2, EMULATE)
+                s += _score_band(q2, kc2, ks2, kz2, EXACT, EMULATE)
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
             if V8 > 0:
-                acc8 = acc8 * alpha[:, None] + _pv_band(p, vc8, vs8, vz8, EMULATE)
+                acc8 = acc8 * alpha[:, None] + _pv_band(p, vc8, vs8, vz8, EXACT, EMULATE)
             if V4 > 0:
-                acc4 = acc4 * alpha[:, None] + _pv_band(p, vc4, vs4, vz4, EMULATE)
+                acc4 = acc4 * alpha[:, None] + _pv_band(p, vc4, vs4, vz4, EXACT, EMULATE)
             if V2 > 0:
-                acc2 = acc2 * alpha[:, None] + _pv_band(p, vc2, vs2, vz2, EMULATE)
+                acc2 = acc2 * alpha[:, None] + _pv_band(p, vc2, vs2, vz2, EXACT, EMULATE)
             m = m_new
 
     rows = (bh * num_parts + part0 + split) * G + offs_g
@@ -318,12 +319,15 @@ class BandDecodeWrapper:
 
     def plan(self, arena: PackedArena, num_qo_heads: int, *, sm_scale: float | None = None,
              num_kv_splits: int | None = None, max_selected_pages: int | None = None,
-             block_tokens: int | None = None, num_warps: int = 4, num_stages: int = 2) -> None:
+             block_tokens: int | None = None, num_warps: int = 4, num_stages: int = 2,
+             exact: bool = True) -> None:
         """Read the batch structure of `arena` (any layer of the batch: they share it).
 
         Without selection stage 1 reads blocks of up to `block_tokens` tokens (default 128 for
         head_dim <= 64, else 64: the fastest on an H200; the largest of 128/64/32 dividing the
-        segment and every token group is used); with selection, 32-token pages.
+        segment and every token group is used); with selection, 32-token pages. `exact`:
+        products as two bf16 MMAs (float32-accurate scores, ~1e-5 vs the reference); False:
+        one fp16 MMA each (~2^-11 per product, half the tensor-core work).
         """
         if not isinstance(arena, PackedArena):
             raise TypeError(f"plan: arena must be a PackedArena, got {type(arena).__name__}")
@@ -356,7 +360,7 @@ class BandDecodeWrapper:
         self.valid_pages = (torch.arange(max(self.max_pages, 1))[None, :] <
                             torch.tensor(pages)[:, None]).to(dev)  # [B, P_max]
         self.pages_per_seg = arena.segment_tokens // arena.page_tokens
-        self.num_warps, self.num_stages = num_warps, num_stages
+        self.num_warps, self.num_stages, self.exact = num_warps, num_stages, bool(exact)
         block_tokens = block_tokens or (128 if d <= 64 else 64)
         self.block_n = next(n for n in (128, 64, 32) if n <= max(block_tokens, 32) and
                             arena.segment_tokens % n == 0 and arena.min_group % n == 0)
@@ -460,7 +464,8 @@ class BandDecodeWrapper:
                 KC=HDR["k_b8"], VC=HDR["v_b8"], K8=k8, K4=k4, K2=k2, V8=v8, V4=v4, V2=v2,
                 BLOCK_G=max(16, triton.next_power_of_2(g)),
                 BLOCK_D=max(16, triton.next_power_of_2(d)), HAS_SELECT=sel is not None,
-                EMULATE=emulate, num_warps=self.num_warps, num_stages=self.num_stages)
+                EXACT=self.exact, EMULATE=emulate, num_warps=self.num_warps,
+                num_stages=self.num_stages)
         _band_decode_stage2[(bsz * h,)](
             self.part_m, self.part_l, self.part_acc, *hot, self.o_rot, self.o_hot, self.lse,
             parts, G=g, D=d, BLOCK_G=triton.next_power_of_2(g),
