@@ -125,3 +125,18 @@ def test_summary_losses_over_competent_cells(server, tmp_path, monkeypatch):
     assert "vt@2048 (dense < 50)" in md and "`fp8`: unsupported: boom: no fp8" in md
     report.plot(s, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_generation_is_cut_to_the_context(server, tmp_path, monkeypatch):
+    """SGLang refuses prompt + max_new_tokens > context: the budget is cut (and counted), and a
+    prompt that leaves no room is an error, not a request."""
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    prompts = _prompts({"fwe": "good"})[:2]  # prompt_tokens 3, max_new_tokens 8
+    store = ResultStore(tmp_path / "r.jsonl")
+    run_prompts(server.url, "dense", "f", prompts[:1], store, progress=False, context_len=7)
+    assert server.requests[-1]["sampling_params"]["max_new_tokens"] == 4
+    counts = run_prompts(server.url, "dense", "f", prompts[1:], store, progress=False, context_len=3)
+    assert counts["errors"] == 1 and "leaves no room" in store.samples[("dense", "fwe", 2048, 1)]["error"]
+    s = report.summarize(prompts, [SYSTEMS["dense"]], store, {"dense": "f"})
+    assert s["systems"]["dense"]["generation_cut_to_context"] == 1
+    assert s["systems"]["dense"]["status"] == "incomplete"

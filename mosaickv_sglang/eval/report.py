@@ -29,20 +29,22 @@ def summarize(prompts: list[Prompt], systems: list, store, fingerprints: dict[st
             entry.update(status="unsupported", reason=record["reason"])
             out["systems"][s.name] = entry
             continue
-        scores, missing, mismatched = {}, 0, 0
+        scores, missing, mismatched, clamped = {}, 0, 0, 0
         for c in cells:
-            recs = [store.done(s.name, p, fp) for p in prompts if cell(p) == c]
-            got = [r for r in recs if r is not None]
-            missing += len(recs) - len(got)
-            mismatched += sum(r["prompt_tokens"] != r["expected_prompt_tokens"] for r in got)
-            scores[c] = {"score": sum(r["score"] for r in got) / len(got) if got else None,
-                         "n": len(got), "missing": len(recs) - len(got)}
+            pairs = [(p, store.done(s.name, p, fp)) for p in prompts if cell(p) == c]
+            got = [(p, r) for p, r in pairs if r is not None]
+            missing += len(pairs) - len(got)
+            mismatched += sum(r["prompt_tokens"] != r["expected_prompt_tokens"] for _, r in got)
+            clamped += sum(r["max_new_tokens"] < p.max_new_tokens for p, r in got)
+            scores[c] = {"score": _mean([r["score"] for _, r in got]), "n": len(got),
+                         "missing": len(pairs) - len(got)}
         stats = (record or {}).get("mosaickv")
         ratio, source = s.nominal_ratio, "nominal (bf16 bytes / bytes per element)"
         if stats and stats.get("sealed_ratio"):
             ratio, source = stats["sealed_ratio"], "measured (server sealed_ratio)"
         entry.update(status="ok" if missing == 0 else "incomplete", missing_samples=missing,
-                     prompt_token_mismatches=mismatched, scores=scores,
+                     prompt_token_mismatches=mismatched, generation_cut_to_context=clamped,
+                     scores=scores,
                      ratio=ratio, ratio_source=source,
                      stats=stats, wall_s=(record or {}).get("wall_s"),
                      average=_mean([v["score"] for v in scores.values()]))

@@ -44,6 +44,14 @@ def platform_args(concurrency: int) -> list[str]:
     return ["--dtype", "float32", "--max-total-tokens", str(max(32768, 8192 * concurrency))]
 
 
+def context_length(model: Path, server_args: list[str]) -> int:
+    """The context the server enforces (prompt + generation must fit): --context-length if
+    given, else the model's."""
+    if "--context-length" in server_args:
+        return int(server_args[server_args.index("--context-length") + 1])
+    return json.loads((model / "config.json").read_text())["max_position_embeddings"]
+
+
 def failure_reason(log: Path) -> str:
     """The last error-looking line of a server log (else its last line): why a system cannot run."""
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] \
@@ -79,7 +87,8 @@ def run_system(system, prompts, questions, store: ResultStore, fp: str, args,
         print(f"[ruler] {system.name}: up in {time.time() - t0:.0f}s, {len(pending)} prompts to run",
               flush=True)
         counts = run_prompts(srv.url, system.name, fp, prompts, store, args.concurrency,
-                             args.retries, args.timeout, progress=not args.no_progress)
+                             args.retries, args.timeout, progress=not args.no_progress,
+                             context_len=context_length(args.model, server_args))
         stats = mosaickv_stats(srv.url) if system.kv_backend == "mosaickv" else None
         if not counts["run"] and record and record["kind"] == "stats":
             stats = record["mosaickv"]  # this server ran no prompt: keep the run's own stats

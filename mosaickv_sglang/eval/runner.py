@@ -80,10 +80,18 @@ class ResultStore:
         return rec if rec and rec["system_fp"] == system_fp else None
 
 
-def generate_once(url: str, p: Prompt, timeout: float) -> dict:
+def generation_budget(p: Prompt, context_len: int | None) -> int:
+    """The task's generation length, cut to what fits the context (SGLang refuses a request whose
+    prompt + max_new_tokens exceeds it; RULER's fwe prompts can fill up to the nominal length)."""
+    if context_len is None:
+        return p.max_new_tokens
+    return min(p.max_new_tokens, context_len - p.prompt_tokens)
+
+
+def generate_once(url: str, p: Prompt, max_new_tokens: int, timeout: float) -> dict:
     status, body = request(f"{url}/generate", {
         "text": p.input,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": p.max_new_tokens}},
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}},
         timeout=timeout)
     if status != 200 or not isinstance(body, dict) or "text" not in body:
         raise RuntimeError(f"/generate answered {status}: {str(body)[:300]}")
@@ -91,15 +99,20 @@ def generate_once(url: str, p: Prompt, timeout: float) -> dict:
 
 
 def run_sample(url: str, system: str, system_fp: str, p: Prompt, retries: int,
-               timeout: float) -> dict:
+               timeout: float, context_len: int | None = None) -> dict:
     """One sample, retried on transport errors and 5xx; the record says what happened."""
+    budget = generation_budget(p, context_len)
     rec = {"kind": "sample", "system": system, "system_fp": system_fp, "task": p.task,
-           "length": p.length, "index": p.index, "prompt_hash": prompt_hash(p), "error": None}
+           "length": p.length, "index": p.index, "prompt_hash": prompt_hash(p), "error": None,
+           "max_new_tokens": budget}
+    if budget < 1:
+        return {**rec, "error": f"prompt of {p.prompt_tokens} tokens leaves no room to generate "
+                                f"in a {context_len}-token context", "attempts": 0}
     last = None
     for attempt in range(retries + 1):
         t0 = time.time()
         try:
-            body = generate_once(url, p, timeout)
+            body = generate_once(url, p, budget, timeout)
         except urllib.error.HTTPError as exc:
             last = f"HTTP {exc.code}: {exc.read()[:300]!r}"
             if exc.code < 500:
@@ -122,7 +135,7 @@ def run_sample(url: str, system: str, system_fp: str, p: Prompt, retries: int,
 
 def run_prompts(url: str, system: str, system_fp: str, prompts: list[Prompt], store: ResultStore,
                 concurrency: int = 4, retries: int = 3, timeout: float = 1800.0,
-                progress: bool = True) -> dict:
+                progress: bool = True, context_len: int | None = None) -> dict:
     """Run every prompt not already done; return counts (done before, run now, errors)."""
     from tqdm import tqdm
 
@@ -132,8 +145,8 @@ def run_prompts(url: str, system: str, system_fp: str, prompts: list[Prompt], st
         return counts
     bar = tqdm(total=len(todo), desc=system, unit="prompt", disable=not progress, smoothing=0.1)
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
-        futures = [pool.submit(run_sample, url, system, system_fp, p, retries, timeout)
-                   for p in todo]
+        futures = [pool.submit(run_sample, url, system, system_fp, p, retries, timeout,
+                               context_len) for p in todo]
         for fut in as_completed(futures):
             rec = fut.result()
             store.add(rec)

@@ -1,0 +1,46 @@
+"""The RULER CLI end to end on the real SmolLM2: it starts a dense and a MosaicKV SGLang server
+itself, runs RULER niah_single_1 at 2K (2 samples) and two DSL multiple-choice questions on each,
+and writes per-task scores, losses, the measured compression ratio and the DSL agreement; a rerun
+resumes from the results file without starting any server."""
+import json
+
+import pytest
+
+from mosaickv_sglang.assets.smollm2 import DEFAULT_OUT as SMOLLM2
+from mosaickv_sglang.eval import ruler
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(),
+                                 reason="SmolLM2 assets not built: run bash scripts/setup.sh")]
+
+
+def test_ruler_cli_dense_vs_mosaickv_with_dsl(tmp_path, monkeypatch):
+    out = tmp_path / "ruler.json"
+    argv = ["--tasks", "niah_single_1", "--length", "2048", "--samples", "2",
+            "--systems", "dense", "mosaickv", "--dsl", "2", "--concurrency", "2",
+            "--json", str(out), "--report", str(tmp_path / "report"), "--no-progress"]
+    assert ruler.main(argv) == 0
+    s = json.loads(out.read_text())
+    dense, mosaic = s["systems"]["dense"], s["systems"]["mosaickv"]
+    cell = "niah_single_1@2048"
+    assert dense["status"] == mosaic["status"] == "ok"
+    assert dense["scores"][cell]["n"] == mosaic["scores"][cell]["n"] == 2
+    assert dense["scores"][cell]["score"] >= 50  # SmolLM2 finds a 2K needle (measured: 100)
+    assert dense["prompt_token_mismatches"] == 0  # the server tokenized what was generated
+    assert s["competent_cells"] == [cell]
+    assert mosaic["loss"]["average"] == dense["scores"][cell]["score"] - mosaic["scores"][cell]["score"]
+    assert mosaic["ratio_source"].startswith("measured") and mosaic["ratio"] >= 2.5
+    assert mosaic["stats"]["sealed_pages"] > 0
+    dsl = s["dsl"]["systems"]
+    assert set(dsl) == {"dense", "mosaickv"} and s["dsl"]["questions"] == 2
+    assert dsl["dense"]["select"]["agreement_with_dense"] == 100.0
+    for program in ("select", "fork"):
+        assert dsl["mosaickv"][program]["agreement_with_dense"] is not None
+    assert (tmp_path / "report" / "ruler.png").stat().st_size > 1000
+    assert "| niah_single_1@2048 |" in (tmp_path / "report" / "ruler.md").read_text()
+
+    def no_server(*a, **k):
+        raise AssertionError("a resumed run must not start a server")
+    monkeypatch.setattr(ruler, "running_server", no_server)
+    assert ruler.main(argv) == 0
+    assert json.loads(out.read_text())["systems"]["mosaickv"]["scores"] == mosaic["scores"]
