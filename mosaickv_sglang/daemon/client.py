@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 STARTUP_S = 300.0  # a new worker may take this long to import torch before it first beats
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
 LATENCY_SAMPLES = 4096
+# Finished pages read per worker per step boundary: reading one costs the scheduler thread a copy
+# and an unpickle (~16 ms at the Llama-8B shape on the 2-core CPU box), so a burst is spread over
+# steps; well above one page per step, what batch-128 decode produces.
+LOADS_PER_STEP = 4
 
 
 @dataclass
@@ -254,7 +258,9 @@ class DaemonClient:
 
     def _drain(self, w: _Worker) -> str | None:
         try:
-            while w.results_conn.poll(0):
+            for _ in range(LOADS_PER_STEP):
+                if not w.results_conn.poll(0):
+                    break
                 self._handle(w, w.results_conn.recv())
         except (EOFError, OSError) as exc:
             return f"result pipe closed ({type(exc).__name__})"

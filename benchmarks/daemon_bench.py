@@ -1,0 +1,238 @@
+"""Recompression daemon: does a decode step slow down or wait when the daemon is saturated, and
+how many pages per second does the daemon seal, against what batch-128 decode produces?
+
+Pool-level, without SGLang (runs where only torch is installed): a hot buffer of random K/V pages
+on --device, the real `DaemonClient` (worker processes, shared-memory slots, the same codec) and
+a simulated scheduler loop. One step = fixed device work calibrated to --step-ms (a GEMM loop on
+the scheduler's thread) + the step boundary the server runs (`collect()`, retire ready jobs, copy
+new pages into slots). Phases:
+
+* idle: the workers exist but get nothing;
+* saturated: --pages-per-step new full pages every step (one page per step is batch 128 at
+  128-token segments), more than the workers can seal; pages beyond --max-pending are dropped
+  from the queue and counted (in the server that is the backpressure seal, whose cost per page
+  is measured separately as `inline_seal_ms`).
+
+Reported: step time p50/p99/max idle vs saturated, the step-boundary time (where a wait on the
+daemon would show; there is no blocking call there by construction), daemon throughput
+(pages/s, per worker core), worker page latency, and the production rate of batch-128 decode at
+the Llama-3.1-8B shape for a *stated* step time (--production-step-ms, not measured here).
+
+    python benchmarks/daemon_bench.py --shape small --json out.json
+    python benchmarks/daemon_bench.py --shape llama8b --workers 8 --device cuda --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from mosaickv_sglang.codec.layer import Candidates
+from mosaickv_sglang.codec.seal import seal_group
+from mosaickv_sglang.codec.strategies import parse_strategy
+from mosaickv_sglang.config import MosaicConfig
+from mosaickv_sglang.daemon.client import DaemonClient
+
+SHAPES = {"small": (4, 2, 64), "llama8b": (32, 8, 128)}  # layers, KV heads, head_dim
+
+
+def quantiles(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    pick = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
+    return {"p50": pick(0.5), "p99": pick(0.99), "max": xs[-1], "mean": statistics.fmean(xs)}
+
+
+class Work:
+    """Fixed device work standing in for a forward: `reps` GEMMs, calibrated to step_ms."""
+
+    def __init__(self, device: torch.device, step_ms: float):
+        self.device = device
+        n = 2048 if device.type == "cuda" else 256
+        self.a = torch.randn(n, n, device=device)
+        self.reps = 1
+        t = self.time(8) / 8
+        self.reps = max(1, round(step_ms / 1e3 / t))
+
+    def run(self):
+        for _ in range(self.reps):
+            self.a = (self.a @ self.a).clamp_(-1, 1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def time(self, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.run()
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--step-ms", type=float, default=30.0)
+    ap.add_argument("--pages-per-step", type=float, default=1.0)
+    ap.add_argument("--max-pending", type=int, default=128, help="hot-buffer bound (pages)")
+    ap.add_argument("--fit-every", type=int, default=32, help="one basis fit per this many pages")
+    ap.add_argument("--production-step-ms", type=float, nargs="+", default=[20.0, 30.0, 60.0],
+                    help="stated batch-128 Llama-8B decode step times for the production rate")
+    ap.add_argument("--isolate", action="store_true",
+                    help="pin this (scheduler) process to core 0 and the workers to the others")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)  # the scheduler thread; workers take the other cores
+    device = torch.device(args.device)
+    layers, heads, head_dim = SHAPES[args.shape]
+    cfg = MosaicConfig(daemon="process", daemon_workers=args.workers,
+                       daemon_threads=args.threads, daemon_queue_segments=args.slots)
+    tokens = cfg.segment_tokens
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    # a few distinct hot pages, channel energies spread like real K (a few strong channels)
+    scale = torch.logspace(0.5, -1, head_dim)
+    hot = [(torch.randn(layers, 2, heads, tokens, head_dim, generator=g) * scale).to(dtype)
+           .to(device) for _ in range(4)]
+
+    def copy_page(page: int, dst: torch.Tensor) -> None:
+        dst.copy_(hot[page % len(hot)], non_blocking=True)
+
+    dense = parse_strategy("dense")
+    from mosaickv_sglang.codec.seal import worst_page_bytes
+
+    result_bytes = layers * (worst_page_bytes(cfg, heads, head_dim, dense) + 16384) + \
+        layers * 2 * heads * head_dim * head_dim * 2 + 65536
+    t0 = time.perf_counter()
+    client = DaemonClient(cfg, layers, heads, head_dim, dtype, device, dense.spec, result_bytes,
+                          copy_page)
+    while any(float(client.channel.heartbeats[w.index]) <= w.spawned_at for w in client.workers):
+        time.sleep(0.05)
+    startup_s = time.perf_counter() - t0
+    if args.isolate:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, cores[:1])
+        for w in client.workers:
+            os.sched_setaffinity(w.proc.pid, cores[1:] or cores)
+
+    # backpressure cost: one page sealed on this thread (what a backpressure seal costs a step)
+    read = lambda i, local: (hot[0][local, 0].float(), hot[0][local, 1].float())  # noqa: E731
+    cands = Candidates.from_config(cfg)
+    t0 = time.perf_counter()
+    seal_group(read, [tokens * 5], None, layers, cfg, cands, dense)
+    inline_fit_ms = (time.perf_counter() - t0) * 1e3
+
+    work = Work(device, args.step_ms)
+    bases = None
+    state = {"page": 0, "credit": 0.0, "dropped": 0, "done": 0}
+
+    def boundary(produce: bool) -> tuple[float, float]:
+        """The scheduler's step boundary: collect + retire ready, then submit new pages.
+        Returns (collect seconds, submit seconds)."""
+        nonlocal bases
+        t = time.perf_counter()
+        client.collect()
+        for job in client.open_jobs():
+            if job.ready:
+                client.retire(job)
+                state["done"] += len(job.pages)
+                if not job.bases_given and job.error is None:
+                    bases = job.bases  # later pages of the block reuse them
+        t_submit = time.perf_counter()
+        if produce:
+            state["credit"] += args.pages_per_step
+            while state["credit"] >= 1:
+                state["credit"] -= 1
+                page = state["page"]
+                state["page"] += 1
+                pending = sum(len(j.pages) for j in client.open_jobs())
+                if pending >= args.max_pending:
+                    state["dropped"] += 1  # the server would seal the oldest inline here
+                    continue
+                fit = bases is None or page % args.fit_every == 0
+                client.submit([page], [0], [tokens * (1 + page % 30)], page,
+                              None if fit else bases)
+        return t_submit - t, time.perf_counter() - t_submit
+
+    def phase(produce: bool) -> dict:
+        steps, bounds, collects, submits = [], [], [], []
+        done0, busy0 = state["done"], client.counters.worker_seconds
+        t_start = time.perf_counter()
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            work.run()
+            c, sub = boundary(produce)
+            steps.append(time.perf_counter() - t)
+            bounds.append(c + sub)
+            collects.append(c)
+            submits.append(sub)
+        wall = time.perf_counter() - t_start
+        return {"step_ms": {k: v * 1e3 for k, v in quantiles(steps).items()},
+                "boundary_ms": {k: v * 1e3 for k, v in quantiles(bounds).items()},
+                "collect_ms": {k: v * 1e3 for k, v in quantiles(collects).items()},
+                "submit_ms": {k: v * 1e3 for k, v in quantiles(submits).items()},
+                "wall_s": wall, "pages_done": state["done"] - done0,
+                "worker_busy_fraction": (client.counters.worker_seconds - busy0)
+                / (wall * args.workers)}
+
+    phase(False)  # warm-up
+    idle = phase(False)
+    saturated = phase(True)
+    client.close()
+
+    cores = args.workers * args.threads
+    thr = saturated["pages_done"] / saturated["wall_s"]
+    lat = sorted(client.latencies)
+    page_bytes = layers * 2 * heads * tokens * head_dim * 2
+    out = {
+        "machine": platform.node(), "cpu_count": os.cpu_count(), "device": str(device),
+        "torch": torch.__version__, "args": vars(args),
+        "shape": {"layers": layers, "kv_heads": heads, "head_dim": head_dim, "tokens": tokens,
+                  "page_bytes_bf16": page_bytes},
+        "worker_startup_s": startup_s, "inline_seal_ms_with_fit": inline_fit_ms,
+        "idle": idle, "saturated": saturated,
+        "step_p50_ratio": saturated["step_ms"]["p50"] / idle["step_ms"]["p50"],
+        "step_p99_ratio": saturated["step_ms"]["p99"] / idle["step_ms"]["p99"],
+        "waits_on_daemon": 0,  # no blocking call at the boundary: see boundary_ms for its cost
+        "daemon_pages_per_s": thr, "daemon_pages_per_s_per_core": thr / cores,
+        "worker_page_ms": {"p50": lat[len(lat) // 2] * 1e3, "p99": lat[int(0.99 * (len(lat) - 1))]
+                           * 1e3} if lat else None,
+        "dropped_pages_backpressure": state["dropped"],
+        "production_pages_per_s_batch128": {str(ms): 128 / tokens / (ms / 1e3)
+                                            for ms in args.production_step_ms},
+    }
+    rows = [("phase", "step p50 ms", "step p99 ms", "step max ms", "collect p50/p99/max ms",
+             "submit p50/p99/max ms", "pages sealed", "worker busy")]
+    for name in ("idle", "saturated"):
+        r = out[name]
+        rows.append((name, *(f"{r['step_ms'][q]:.2f}" for q in ("p50", "p99", "max")),
+                     *("/".join(f"{r[k][q]:.2f}" for q in ("p50", "p99", "max"))
+                       for k in ("collect_ms", "submit_ms")),
+                     str(r["pages_done"]), f"{r['worker_busy_fraction']:.2f}"))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+    print(f"shape {args.shape} {layers}x{heads}x{head_dim}, {tokens}-token pages "
+          f"({page_bytes / 1e6:.1f} MB bf16), device {device}, {args.workers} workers x "
+          f"{args.threads} threads, step work {args.step_ms} ms, {args.pages_per_step} pages/step")
+    print(f"saturated/idle step time: p50 {out['step_p50_ratio']:.3f}, "
+          f"p99 {out['step_p99_ratio']:.3f}; steps that waited on the daemon: 0")
+    print(f"daemon: {thr:.2f} pages/s ({thr / cores:.2f} per worker core), worker page latency "
+          f"{out['worker_page_ms']}, inline seal (with basis fit) {inline_fit_ms:.0f} ms/page, "
+          f"{state['dropped']} pages over the pending bound")
+    print("batch-128 production at stated step times: " + ", ".join(
+        f"{ms} ms -> {v:.1f} pages/s" for ms, v in out["production_pages_per_s_batch128"].items()))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
