@@ -18,7 +18,9 @@ import io
 import json
 import logging
 import mmap
+import os
 import pickle
+import shutil
 from dataclasses import asdict, dataclass
 from multiprocessing import shared_memory
 
@@ -100,6 +102,12 @@ class Channel:
 
     @classmethod
     def create(cls, spec: ChannelSpec) -> "Channel":
+        free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+        if free is not None and free < spec.total_bytes():
+            raise RuntimeError(
+                f"MosaicKV daemon: {spec.slots} slots need {spec.total_bytes() / 1e9:.2f} GB of "
+                f"shared memory, /dev/shm has {free / 1e9:.2f} GB free: lower "
+                f"daemon_queue_segments or enlarge /dev/shm (docker --shm-size)")
         shm = shared_memory.SharedMemory(create=True, size=spec.total_bytes())
         spec.name = shm.name
         return cls(spec, shm.buf, shm)
