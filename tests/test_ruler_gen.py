@@ -78,3 +78,11 @@ def test_export_roundtrip_and_select(tmp_path):
     bad.write_text('{"task": "vt"}\n')
     with pytest.raises(ValueError, match="not a RULER prompts file"):
         ruler_gen.load(bad)
+
+
+def test_select_skips_cells_the_file_excludes():
+    prompts = [_prompt("vt", 2048, 0), _prompt("qa_2", 4096, 0), _prompt("vt", 4096, 0)]
+    got = ruler_gen.select(prompts, ["vt", "qa_2"], None, None, excluded=["qa_2@2048"])
+    assert [p.key for p in got] == ["vt/2048/0", "qa_2/4096/0", "vt/4096/0"]  # file order
+    with pytest.raises(ValueError, match=r"no samples for \['qa_2@2048'\]"):
+        ruler_gen.select(prompts, ["vt", "qa_2"])

@@ -107,7 +107,10 @@ def load_prompts(args) -> tuple[list, list, dict]:
     """(RULER prompts, DSL questions, where they came from)."""
     if args.prompts:
         meta, everything = ruler_gen.load(args.prompts)
-        prompts = ruler_gen.select(everything, args.tasks, args.length, args.samples)
+        if meta.get("excluded"):
+            print(f"[ruler] {args.prompts} excludes {meta['excluded']} (not generated)", flush=True)
+        prompts = ruler_gen.select(everything, args.tasks, args.length, args.samples,
+                                   meta.get("excluded", ()))
         dsl_source = ruler_gen.select(everything, [dsl_fidelity.TASK], [args.dsl_length]) \
             if args.dsl else []
         return prompts, dsl_fidelity.questions_from(dsl_source, args.dsl), \
