@@ -29,7 +29,7 @@ import triton.language as tl
 
 from mosaickv_sglang.codec.arena import HDR, HEADER_WIDTH, KIND_FIELDS, PLAN_FIELDS, PackedArena
 
-from .common import dot_codes, interpreting
+from .common import dot_exact, dot_fp16, interpreting
 from .dense_decode import dense_decode_partial
 from .page_select import PackedPageMeta, page_bounds, select_page_list
 
@@ -49,8 +49,9 @@ def _band_codes(U8, tok, BITS: tl.constexpr, ROW: tl.constexpr, RB: tl.constexpr
     and unpacked in channel order (code j of a row sits in byte j*BITS//8 at shift
     (j % (8//BITS))*BITS, as quant.pack_codes writes it)."""
     offs_b = tl.arange(0, RB)
-    raw = tl.load(U8 + tok[:, None] * ROW + offs_b[None, :], mask=offs_b[None, :] < ROW,
-                  other=0).to(tl.int32)
+    VEC: tl.constexpr = min(ROW & -ROW, 16)  # the mask is constant over VEC-byte vectors
+    raw = tl.load(U8 + tok[:, None] * ROW + offs_b[None, :],
+                  mask=(offs_b // VEC * VEC)[None, :] < ROW, other=0).to(tl.int32)
     if BITS == 8:
         codes = raw
     elif BITS == 4:
@@ -71,16 +72,20 @@ def _band_scales(F16, off, grp, NB: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def _band_load(U8, F16, hdr, tok, grp, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr,
-               ZERO_COL: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr):
-    """codes [N, W] (int32), scale [W], zero [W] (float32) of one band of one unit (zeros for
-    an empty band); the byte offsets of its parts come from the segment header row `hdr`."""
+               ZERO_COL: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
+               EXACT: tl.constexpr):
+    """Codes [N, W] of one band of one unit (int32 if EXACT, else dequantized to fp16), and its
+    scale [W], zero [W] (float32); zeros for an empty band. The byte offsets of its parts come
+    from the segment header row `hdr`."""
     if NB > 0:
         codes = _band_codes(U8 + tl.multiple_of(tl.load(hdr + CODES_COL), 16), tok, BITS,
                             NB * BITS // 8, W * BITS // 8)
         sc = _band_scales(F16, tl.load(hdr + SCALE_COL), grp, NB, W)
         zr = _band_scales(F16, tl.load(hdr + ZERO_COL), grp, NB, W)
+        if not EXACT:  # dequantized here, in the tile's own layout: no scale vectors later
+            codes = (codes.to(tl.float32) * sc[None, :] + zr[None, :]).to(tl.float16)
     else:
-        codes = tl.zeros([tok.shape[0], W], tl.int32)
+        codes = tl.zeros([tok.shape[0], W], tl.int32 if EXACT else tl.float16)
         sc = tl.zeros([W], tl.float32)
         zr = tl.zeros([W], tl.float32)
     return codes, sc, zr
@@ -88,16 +93,25 @@ def _band_load(U8, F16, hdr, tok, grp, CODES_COL: tl.constexpr, SCALE_COL: tl.co
 
 @triton.jit
 def _score_band(q_band, codes, sc, zr, EXACT: tl.constexpr, EMULATE: tl.constexpr):
-    """q . k over one K band: (q * scale) . codes + q . zero -> [G, N]."""
-    s = dot_codes(q_band * sc[None, :], tl.trans(codes), EXACT, EMULATE)
-    return s + tl.sum(q_band * zr[None, :], 1)[:, None]
+    """q . k over one K band -> [G, N]: exact, (q * scale) . codes + q . zero on the integer
+    codes; else one fp16 MMA on the dequantized tile (`_band_load`)."""
+    if EXACT:
+        s = dot_exact(q_band * sc[None, :], tl.trans(codes), EMULATE)
+        s += tl.sum(q_band * zr[None, :], 1)[:, None]
+    else:
+        s = dot_fp16(q_band, tl.trans(codes), EMULATE)
+    return s
 
 
 @triton.jit
 def _pv_band(p, codes, sc, zr, EXACT: tl.constexpr, EMULATE: tl.constexpr):
-    """p . v over one V band: (p . codes) * scale + sum(p) * zero -> [G, W]."""
-    return dot_codes(p, codes, EXACT, EMULATE) * sc[None, :] + \
-        tl.sum(p, 1)[:, None] * zr[None, :]
+    """p . v over one V band -> [G, W]: exact, (p . codes) * scale + sum(p) * zero; else one
+    fp16 MMA on the dequantized tile."""
+    if EXACT:
+        out = dot_exact(p, codes, EMULATE) * sc[None, :] + tl.sum(p, 1)[:, None] * zr[None, :]
+    else:
+        out = dot_fp16(p, codes, EMULATE)
+    return out
 
 
 @triton.jit
@@ -162,6 +176,8 @@ def _band_decode_stage1(
                  mask=mask_g[:, None] & (tl.arange(0, WK4)[None, :] < K4), other=0.0)
     q2 = tl.load(q_rows + K8 + K4 + tl.arange(0, WK2)[None, :],
                  mask=mask_g[:, None] & (tl.arange(0, WK2)[None, :] < K2), other=0.0)
+    if not EXACT:  # rounded once, not per unit
+        q8, q4, q2 = q8.to(tl.float16), q4.to(tl.float16), q2.to(tl.float16)
 
     seg0 = tl.load(SEG_INDPTR + b)
     if HAS_SELECT:
@@ -196,16 +212,16 @@ def _band_decode_stage1(
             tok = tok0 + offs_n
             kgrp = tok0 // tl.load(hdr + KC + 3)
             vgrp = tok0 // tl.load(hdr + VC + 3)
-            kc8, ks8, kz8 = _band_load(u8, f16, hdr, tok, kgrp, KC + 4, KC + 7, KC + 8, K8, 8, WK8)
+            kc8, ks8, kz8 = _band_load(u8, f16, hdr, tok, kgrp, KC + 4, KC + 7, KC + 8, K8, 8, WK8, EXACT)
             kc4, ks4, kz4 = _band_load(u8, f16, hdr, tok, kgrp, KC + 5, KC + 9, KC + 10, K4, 4,
-                                       WK4)
+                                       WK4, EXACT)
             kc2, ks2, kz2 = _band_load(u8, f16, hdr, tok, kgrp, KC + 6, KC + 11, KC + 12, K2, 2,
-                                       WK2)
-            vc8, vs8, vz8 = _band_load(u8, f16, hdr, tok, vgrp, VC + 4, VC + 7, VC + 8, V8, 8, WV8)
+                                       WK2, EXACT)
+            vc8, vs8, vz8 = _band_load(u8, f16, hdr, tok, vgrp, VC + 4, VC + 7, VC + 8, V8, 8, WV8, EXACT)
             vc4, vs4, vz4 = _band_load(u8, f16, hdr, tok, vgrp, VC + 5, VC + 9, VC + 10, V4, 4,
-                                       WV4)
+                                       WV4, EXACT)
             vc2, vs2, vz2 = _band_load(u8, f16, hdr, tok, vgrp, VC + 6, VC + 11, VC + 12, V2, 2,
-                                       WV2)
+                                       WV2, EXACT)
             s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
             if K8 > 0:
                 s += _score_band(q8, kc8, ks8, kz8, EXACT, EMULATE)

@@ -43,21 +43,12 @@ def dot_exact(a, b, EMULATE: tl.constexpr):
 
 @triton.jit
 def dot_fp16(a, b, EMULATE: tl.constexpr):
-    """a @ b as one fp16 MMA with float32 accumulation: `b` holds integer codes <= 255 (exact in
-    fp16), `a` (float32, |a| < 65504) is rounded to fp16 (2^-11 relative per product), half the
-    tensor-core work of `dot_exact`. EMULATE rounds `a` the same way and multiplies in float32."""
+    """a @ b as one fp16 MMA with float32 accumulation; `a` (float32, |a| < 65504) is rounded to
+    fp16 (2^-11 relative), `b` is fp16. EMULATE rounds `a` the same way and multiplies in
+    float32 (the interpreter's half-precision dots are not trusted, see `dot_exact`)."""
     if EMULATE:
         out = tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float32))
     else:
         out = tl.dot(a.to(tl.float16), b.to(tl.float16))
     return out
 
-
-@triton.jit
-def dot_codes(a, b, EXACT: tl.constexpr, EMULATE: tl.constexpr):
-    """`dot_exact` when EXACT, else `dot_fp16`."""
-    if EXACT:
-        out = dot_exact(a, b, EMULATE)
-    else:
-        out = dot_fp16(a, b, EMULATE)
-    return out
