@@ -8,7 +8,7 @@ each archive's wheels with `pip install --no-deps --target`, trims what the serv
 imports, and writes one `tar.xz` per archive under `.device/` (gitignored, never committed):
 
     python scripts/device_bundle.py --profile kernel   # .device/kernel/kernel.tar.xz
-    python scripts/device_bundle.py --profile server   # .device/server/server-{base,flashinfer}.tar.xz
+    python scripts/device_bundle.py --profile server   # .device/server/server-*.tar.xz
 
 An archive larger than the transfer limit minus the margin left for the project tree is refused
 (exit 1, named). Carry `.device/<profile>` (not `.device`: it holds the wheels too); on the device:
@@ -94,7 +94,7 @@ class Archive:
 PROFILES: dict[str, tuple[Archive, ...]] = {
     "kernel": (Archive("kernel", tuple(FLASHINFER) + tuple(TVM_FFI), ("flashinfer", "tvm_ffi"),
                        sglang_sources=True,
-                       note="kernel benchmark: FlashInfer decode + SGLang's Triton decode source"),),
+                       note="kernel bench: FlashInfer decode + SGLang's Triton decode source"),),
     # xz of everything is ~63 MB (device-runtime.md): over the limit with any project tree, so
     # FlashInfer (only for --attention-backend flashinfer) is its own archive.
     "server": (
@@ -125,7 +125,8 @@ def normalize(name: str) -> str:
 
 
 def wheel_project(filename: str) -> tuple[str, str]:
-    """'flashinfer_python-0.6.15.post1-py3-none-any.whl' -> ('flashinfer-python', '0.6.15.post1')."""
+    """'flashinfer_python-0.6.15.post1-py3-none-any.whl' -> ('flashinfer-python',
+    '0.6.15.post1')."""
     if not filename.endswith(".whl") or filename.count("-") < 4:
         raise ValueError(f"not a wheel file name: {filename!r}")
     name, version = filename.split("-")[:2]

@@ -9,10 +9,12 @@ building a dense K or V tile. Band widths are compile-time constants of a launch
 distinct (K, V) width set of the arena's layouts (`band_width_classes`), each skipping the
 segments of other widths, so every band of a unit is one contiguous [tokens, row bytes] tile
 (vector loads) unpacked in registers; offsets and token groups come from the segment header.
-Products run on bf16 tensor cores with q*scale and p split in two bf16 halves
-(`common.dot_exact`), so scores match the float32 reference to ~1e-5.
-Stage 2, one program per (request, KV head): log-sum-exp merge of all launches' splits and of the dense
-hot-buffer partial; it writes the two normalized parts (rotated, raw), and the wrapper's
+With plan(exact=True) products run on bf16 tensor cores with q*scale and p split in two bf16
+halves (`common.dot_exact`): scores match the float32 reference to ~1e-5. With exact=False each
+tile is dequantized to fp16 in its load layout and each product is one fp16 MMA (~1e-3 vs the
+reference, fewer registers: 147 vs 255+spills per thread for a 32-token page, ptxas sm_90).
+Stage 2, one program per (request, KV head): log-sum-exp merge of all launches' splits and of
+the dense hot-buffer partial; it writes the two normalized parts (rotated, raw), and the wrapper's
 out = o_hot + o_rot @ V_basis^T puts them in one basis. q's rotation into the K basis is one
 batched matmul in the wrapper. This version supports one basis block per request.
 
@@ -194,7 +196,8 @@ def _band_decode_stage1(
     acc4 = tl.zeros([BLOCK_G, WV4], tl.float32)
     acc2 = tl.zeros([BLOCK_G, WV2], tl.float32)
     # The next unit's header is located one iteration ahead (two dependent loads off the
-    # critical path); its K and V tiles are all loaded before the first product.
+    # critical path). Where V's tiles are loaded (before the scores or after p) is set by
+    # register use (ptxas, sm_90): early for 32-token pages, late for larger blocks.
     hdr_n, tok0_n = _unit(PAGE_IDS, SEG_IDS, HEADERS, bh * max_sel, seg0, start, start < end,
                           units_per_seg, BLOCK_N, HDR_W, HAS_SELECT)
     for i in range(start, end):
@@ -212,16 +215,19 @@ def _band_decode_stage1(
             tok = tok0 + offs_n
             kgrp = tok0 // tl.load(hdr + KC + 3)
             vgrp = tok0 // tl.load(hdr + VC + 3)
-            kc8, ks8, kz8 = _band_load(u8, f16, hdr, tok, kgrp, KC + 4, KC + 7, KC + 8, K8, 8, WK8, EXACT)
+            kc8, ks8, kz8 = _band_load(u8, f16, hdr, tok, kgrp, KC + 4, KC + 7, KC + 8, K8, 8,
+                                       WK8, EXACT)
             kc4, ks4, kz4 = _band_load(u8, f16, hdr, tok, kgrp, KC + 5, KC + 9, KC + 10, K4, 4,
                                        WK4, EXACT)
             kc2, ks2, kz2 = _band_load(u8, f16, hdr, tok, kgrp, KC + 6, KC + 11, KC + 12, K2, 2,
                                        WK2, EXACT)
-            vc8, vs8, vz8 = _band_load(u8, f16, hdr, tok, vgrp, VC + 4, VC + 7, VC + 8, V8, 8, WV8, EXACT)
-            vc4, vs4, vz4 = _band_load(u8, f16, hdr, tok, vgrp, VC + 5, VC + 9, VC + 10, V4, 4,
-                                       WV4, EXACT)
-            vc2, vs2, vz2 = _band_load(u8, f16, hdr, tok, vgrp, VC + 6, VC + 11, VC + 12, V2, 2,
-                                       WV2, EXACT)
+            if HAS_SELECT:  # V tiles in flight during the scores (fewer registers here)
+                vc8, vs8, vz8 = _band_load(u8, f16, hdr, tok, vgrp, VC + 4, VC + 7, VC + 8, V8,
+                                           8, WV8, EXACT)
+                vc4, vs4, vz4 = _band_load(u8, f16, hdr, tok, vgrp, VC + 5, VC + 9, VC + 10, V4,
+                                           4, WV4, EXACT)
+                vc2, vs2, vz2 = _band_load(u8, f16, hdr, tok, vgrp, VC + 6, VC + 11, VC + 12, V2,
+                                           2, WV2, EXACT)
             s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
             if K8 > 0:
                 s += _score_band(q8, kc8, ks8, kz8, EXACT, EMULATE)
@@ -233,6 +239,13 @@ def _band_decode_stage1(
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
+            if not HAS_SELECT:  # blocks of 64/128 tokens: V after p (fewer registers)
+                vc8, vs8, vz8 = _band_load(u8, f16, hdr, tok, vgrp, VC + 4, VC + 7, VC + 8, V8,
+                                           8, WV8, EXACT)
+                vc4, vs4, vz4 = _band_load(u8, f16, hdr, tok, vgrp, VC + 5, VC + 9, VC + 10, V4,
+                                           4, WV4, EXACT)
+                vc2, vs2, vz2 = _band_load(u8, f16, hdr, tok, vgrp, VC + 6, VC + 11, VC + 12, V2,
+                                           2, WV2, EXACT)
             if V8 > 0:
                 acc8 = acc8 * alpha[:, None] + _pv_band(p, vc8, vs8, vz8, EXACT, EMULATE)
             if V4 > 0:
@@ -245,7 +258,8 @@ def _band_decode_stage1(
     tl.store(PART_M + rows, m, mask=mask_g)
     tl.store(PART_L + rows, l, mask=mask_g)
     offs_d = tl.arange(0, BLOCK_D)
-    tl.store(PART_ACC + rows[:, None] * D + offs_d[None, :], tl.zeros([BLOCK_G, BLOCK_D], tl.float32),
+    tl.store(PART_ACC + rows[:, None] * D + offs_d[None, :],
+             tl.zeros([BLOCK_G, BLOCK_D], tl.float32),
              mask=mask_g[:, None] & (offs_d[None, :] >= V8 + V4 + V2) & (offs_d[None, :] < D))
     _store_band(PART_ACC, rows, mask_g, acc8, 0, V8, WV8, D)
     _store_band(PART_ACC, rows, mask_g, acc4, V8, V4, WV4, D)
