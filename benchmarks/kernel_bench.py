@@ -61,7 +61,10 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--mem-cap-gb", type=float, default=100.0,
                     help="skip combos whose buffers would exceed this (GiB)")
-    ap.add_argument("--peak-tbs", type=float, default=4.8, help="HBM bandwidth, TB/s")
+    ap.add_argument("--peak-tbs", type=float, default=4.8, help="HBM bandwidth, TB/s (spec)")
+    ap.add_argument("--read-tbs", type=float, default=4.4,
+                    help="measured read bandwidth, TB/s (device-runtime.md: FlashInfer 4.39); "
+                         "the run also measures a 4 GiB torch.sum")
     ap.add_argument("--no-flush", action="store_true", help="do not flush L2 between reps")
     ap.add_argument("--no-graph", action="store_true",
                     help="time eager launches instead of CUDA graph replays (adds host overhead)")
@@ -452,6 +455,13 @@ def main(argv=None) -> int:
         print("no CUDA device: run on a GPU, or pass --dry-run for the CPU plumbing check")
         return 2
     timer = Timer(device, args.reps, args.warmup, not args.no_flush, not args.no_graph)
+    if device.type == "cuda":  # a plain streaming read, the ceiling our bytes are held to
+        x = torch.randn(1 << 30, device=device)  # 4 GiB fp32
+        ms = timer(lambda: x.sum())
+        args.measured_read_tbs = x.numel() * 4 / (ms * 1e-3) / 1e12
+        print(f"[bw] torch.sum over 4 GiB: {ms:.3f} ms = {args.measured_read_tbs:.2f} TB/s",
+              flush=True)
+        del x
     peak = args.peak_tbs * 1e12
     cap = args.mem_cap_gb * 2**30
     rows, checks = [], []
@@ -582,7 +592,8 @@ def run_combo(base, batch, ctx, hq, h, d, layouts, device, timer, peak, args) ->
             nbytes["page_meta"] = meta.nbytes()  # every page scored
             nbytes["bounds"] = 2 * batch * h * wrapper.max_pages * 4  # written, read by top-k
             nbytes["total"] = sum(v for k, v in nbytes.items() if k != "total")
-        row.update(bytes=nbytes, bw_frac=nbytes["total"] / (ms * 1e-3) / peak)
+        row.update(bytes=nbytes, bw_frac=nbytes["total"] / (ms * 1e-3) / peak,
+                   bw_frac_read=nbytes["total"] / (ms * 1e-3) / (args.read_tbs * 1e12))
         chk = check_shape(q, arena, res, sm_scale, args.check_requests, keep,
                           5e-4 if wrapper.exact else 2e-3)  # fp32 sums over 128K tokens: ~1e-4
         row.update(check=chk, finite=chk["finite"])
@@ -612,7 +623,7 @@ def run_combo(base, batch, ctx, hq, h, d, layouts, device, timer, peak, args) ->
 def print_table(rows, peak_tbs):
     head = (f"{'config':<13} {'B':>4} {'ctx':>7} {'mode':<9} {'ours ms':>9} {'MB read':>9} "
             f"{'%peak':>6} {'sglang ms':>10} {'(splits)':>8} {'x sgl':>6} {'fi ms':>8} "
-            f"{'x fi':>6} {'sel+dec ms':>11} {'check':>8}")
+            f"{'x fi':>6} {'sel+dec ms':>11} {'%4.4':>6} {'check':>8}")
     print(f"\nband decode vs dense bf16 (peak {peak_tbs} TB/s)")
     print(head)
     print("-" * len(head))
@@ -629,7 +640,7 @@ def print_table(rows, peak_tbs):
         status = "NaN!" if not r["finite"] else ("ok" if chk.get("ok", True) else "FAIL")
         print(f"{r['config']:<13} {r['batch']:>4} {r['context']:>7} {r['mode']:<9} "
               f"{r['ms']:>9.3f} {r['bytes']['total'] / 1e6:>9.1f} {r['bw_frac']:>6.1%} "
-              f"{sg} {fi} {parts:>11} {status:>8}")
+              f"{sg} {fi} {parts:>11} {r.get('bw_frac_read', 0):>6.1%} {status:>8}")
     if not rows:
         print("(no rows)")
 

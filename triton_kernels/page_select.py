@@ -218,7 +218,7 @@ def select_page_list(bounds: torch.Tensor, num_pages: torch.Tensor, budget_pages
     _select_top_pages[(bsz, h)](bounds.contiguous(), num_pages.to(bounds.device, torch.int32),
                                 ids, counts, h, p, k, budget_pages, sink_pages, recent_pages,
                                 BLOCK_P=block, BLOCK_K=triton.next_power_of_2(k),
-                                num_warps=4 if block <= 4096 else 16)
+                                num_warps=4 if block <= 4096 else 16 if block <= 16384 else 32)
     return ids, counts
 
 
