@@ -542,7 +542,7 @@ def run_combo(base, batch, ctx, hq, h, d, layouts, device, timer, peak, args) ->
     meta = synth_page_meta(arena, args.meta_channels) if len(modes) > 1 else None
     sink, recent = -(-args.sink_tokens // PAGE), -(-args.recent_tokens // PAGE)
     for mode in modes:
-        best = None
+        best, timings = None, {}
         variants = [(s, w, p, bt) for s in args.our_splits or [None] for w in args.num_warps
                     for p in args.precision
                     for bt in (args.block_tokens if mode == "all" else [None])]
@@ -560,13 +560,15 @@ def run_combo(base, batch, ctx, hq, h, d, layouts, device, timer, peak, args) ->
                                            sink_pages=sink, recent_pages=recent)
                     return w.run(q, arena, page_ids=ids, page_counts=counts)
             ms = timer(step)
+            timings[f"{precision}/w{warps}/b{wrapper.block_n if mode == 'all' else PAGE}"
+                    f"/s{wrapper.num_splits}"] = ms
             if best is None or ms < best[0]:
                 best = (ms, wrapper, step)
         ms, wrapper, step = best
         row = {**base, "mode": mode, "ms": ms, "splits": wrapper.num_splits,
                "num_warps": wrapper.num_warps, "exact": wrapper.exact,
                "block_tokens": wrapper.block_n if mode == "all" else PAGE,
-               "variants_tried": len(variants),
+               "variant_ms": timings,
                "width_classes": len(wrapper.widths), "arena_bytes": arena.nbytes(),
                "dense_bytes": dense_bytes}
         keep = None
