@@ -648,11 +648,13 @@ def print_table(rows, peak_tbs):
 
 
 def plot(rows, path: str, peak_tbs: float) -> None:
-    """Speedup over FlashInfer and SGLang vs context, one line per (config, batch, mode)."""
+    """Speedup over FlashInfer and SGLang vs context, one line per (config, batch, mode):
+    color = batch, solid = every page read, dashed = with selection, o = D128, ^ = D64."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     done = [r for r in rows if "ms" in r]
+    colors = {1: "tab:blue", 8: "tab:red", 32: "tab:green", 128: "tab:purple"}  # by batch
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for ax, (key, name) in zip(axes, (("speedup_vs_flashinfer", "FlashInfer decode"),
                                       ("speedup_vs_sglang", "SGLang Triton decode"))):
@@ -661,7 +663,8 @@ def plot(rows, path: str, peak_tbs: float) -> None:
             pts = sorted((r["context"], r[key]) for r in done
                          if (r["config"], r["batch"], r["mode"]) == (cfg, b, mode) and key in r)
             ax.plot([c // 1024 for c, _ in pts], [v for _, v in pts],
-                    "-o" if mode == "all" else "--s", label=f"{cfg} B={b} {mode}")
+                    ("-" if mode == "all" else "--") + ("o" if "d128" in cfg else "^"),
+                    color=colors.get(b), label=f"{cfg} B={b} {mode}")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)

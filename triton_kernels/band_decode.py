@@ -353,11 +353,12 @@ class BandDecodeWrapper:
              exact: bool = True) -> None:
         """Read the batch structure of `arena` (any layer of the batch: they share it).
 
-        Without selection stage 1 reads blocks of up to `block_tokens` tokens (default 128 for
-        head_dim <= 64, else 64: the fastest on an H200; the largest of 128/64/32 dividing the
+        Without selection stage 1 reads blocks of up to `block_tokens` tokens (default 128, the
+        fastest on an H200 for head_dim 64 and 128; the largest of 128/64/32 dividing the
         segment and every token group is used); with selection, 32-token pages. `exact`:
         products as two bf16 MMAs (float32-accurate scores, ~1e-5 vs the reference); False:
-        one fp16 MMA each (~2^-11 per product, half the tensor-core work).
+        tiles dequantized to fp16, one fp16 MMA per product (~5e-4 vs the reference) and
+        1.0-2.2x faster on an H200 (benchmarks/RESULTS.md). 4 warps beat 8 everywhere there.
         """
         if not isinstance(arena, PackedArena):
             raise TypeError(f"plan: arena must be a PackedArena, got {type(arena).__name__}")
@@ -391,7 +392,7 @@ class BandDecodeWrapper:
                             torch.tensor(pages)[:, None]).to(dev)  # [B, P_max]
         self.pages_per_seg = arena.segment_tokens // arena.page_tokens
         self.num_warps, self.num_stages, self.exact = num_warps, num_stages, bool(exact)
-        block_tokens = block_tokens or (128 if d <= 64 else 64)
+        block_tokens = block_tokens or 128
         self.block_n = next(n for n in (128, 64, 32) if n <= max(block_tokens, 32) and
                             arena.segment_tokens % n == 0 and arena.min_group % n == 0)
         self.sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
