@@ -27,9 +27,10 @@ if "--dry-run" in sys.argv:
 import torch  # noqa: E402
 
 from mosaickv_kernels.band_decode import BandDecodeWrapper  # noqa: E402
+from mosaickv_kernels.band_unpack import decode_rotated_reference  # noqa: E402
 from mosaickv_kernels.page_select import PackedPageMeta, pack_page_meta  # noqa: E402
-from mosaickv_sglang.codec.arena import (ALIGN, HDR, HEADER_WIDTH, PLAN_FIELDS,  # noqa: E402
-                                         BlockLayout, PackedArena, pack_layer)
+from mosaickv_sglang.codec.arena import (ALIGN, HEADER_WIDTH, BlockLayout,  # noqa: E402
+                                         PackedArena, pack_layer)
 from mosaickv_sglang.codec.attention import decode_attention  # noqa: E402
 from mosaickv_sglang.codec.layer import compress_layer  # noqa: E402
 from mosaickv_sglang.codec.strategies import parse_strategy  # noqa: E402
@@ -175,35 +176,16 @@ def synth_page_meta(arena: PackedArena, m: int) -> PackedPageMeta:
 
 def arena_reference(q, arena: PackedArena, b: int, sm_scale: float, keep=None) -> torch.Tensor:
     """Torch oracle for request b straight from the arena bytes through the layout plans
-    (independent of the kernel's header-driven band tiles): decode every segment's K/V codes in
-    the rotated bases, attend over them (pages outside `keep` [H, P] masked) and the hot
-    buffer, rotate back. float32, on the arena's device. -> [Hq, D]"""
+    (`band_unpack.decode_rotated_reference`, independent of the kernel's header-driven band
+    tiles): attend over the decoded K/V in the rotated bases (pages outside `keep` [H, P]
+    masked) and the hot buffer, rotate back. float32, on the arena's device. -> [Hq, D]"""
     h, d = arena.num_kv_heads, arena.head_dim
     lo, hi = arena.seg_indptr[b:b + 2].tolist()
-    ids = arena.seg_ids[lo:hi].long()
-    hdr = arena.headers[ids].long()  # [S, W]
-    t = arena.segment_tokens
     hq = q.shape[0]
     g = hq // h
     qs = (q.float() * sm_scale).view(h, g, d)
-    f16 = arena.data.view(torch.float16)
-    parts = []
-    for kind in range(2):
-        plan = arena.plans[hdr[:, HDR["layout"]], kind].long()  # [S, PLAN_W, D]
-        pf = {name: plan[:, i][:, None, None, :] for i, name in enumerate(PLAN_FIELDS)}
-        base = (hdr[:, HDR["base16"]] * 16)[:, None, None, None] + \
-            torch.arange(h, device=q.device)[None, :, None, None] * \
-            hdr[:, HDR["head_stride"]][:, None, None, None]  # [S, H, 1, 1]
-        tok = torch.arange(t, device=q.device)[None, None, :, None]
-        raw = arena.data[base + pf["code"] + tok * pf["row"]].long()
-        codes = (raw >> pf["shift"]) & pf["mask"]  # [S, H, T, D]
-        group = hdr[:, HDR["k_group" if kind == 0 else "v_group"]][:, None, None, None]
-        goff = (tok // group) * pf["group_bytes"]
-        scale = f16[(base + pf["scale"] + goff) // 2].float()
-        zero = f16[(base + pf["zero"] + goff) // 2].float()
-        x = torch.where(pf["mask"] > 0, codes * scale + zero, 0.0)
-        parts.append(x.permute(1, 0, 2, 3).reshape(h, -1, d))  # [H, S*T, D]
-    k_rot, v_rot = parts
+    k_rot, v_rot = (x.permute(1, 0, 2, 3).reshape(h, -1, d) for x in  # [H, S*T, D]
+                    decode_rotated_reference(arena, arena.seg_ids[lo:hi]))
     s_c = torch.einsum("hgd,htd->hgt", qs @ arena.k_basis[b], k_rot)
     if keep is not None:
         tok_keep = keep[:, :s_c.shape[2] // arena.page_tokens].repeat_interleave(
