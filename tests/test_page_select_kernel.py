@@ -126,3 +126,56 @@ def test_wrapper_select_matches_reference_pipeline(seed):
             assert torch.equal(got, kp[hh].nonzero()[:, 0]), repro(seed)
     out = wrapper.run(q.to(DEVICE), arena, page_ids=ids, page_counts=counts)
     assert_rel_close(out.cpu(), torch.stack(refs), 2e-3, "select + decode", seed)
+
+
+def test_row_selection_budget_spans_rows(seed):
+    """Rows of one request share its budget: same pages as select_pages over the request's
+    concatenated rows."""
+    from mosaickv_kernels.page_select import RowSelection
+    torch.manual_seed(seed)
+    row_req, row_pages = [0, 0, 0, 1, 2, 2], [16, 16, 7, 5, 16, 12]
+    h, g, pmax = 2, 3, 16
+    bounds = torch.randn(len(row_req), h, g, pmax)
+    budget, sink, recent = 9, 1, 2
+    rs = RowSelection(row_req, row_pages, DEVICE)
+    flat = bounds.amax(2)
+    ids, counts = rs.select(flat.to(DEVICE), budget, sink, recent)
+    ids, counts = ids.cpu(), counts.cpu()
+    for b in range(3):
+        rows = [r for r, x in enumerate(row_req) if x == b]
+        cat = torch.cat([bounds[r, :, :, :row_pages[r]] for r in rows], -1)  # [H, G, P_req]
+        want = select_pages(cat, 1, budget, sink, recent)  # [H, P_req]
+        off = 0
+        for r in rows:
+            for hh in range(h):
+                got = ids[r, hh, :int(counts[r, hh])]
+                exp = want[hh, off:off + row_pages[r]].nonzero()[:, 0].to(torch.int32)
+                assert torch.equal(got, exp), repro(seed)
+            off += row_pages[r]
+    with pytest.raises(ValueError, match="sorted"):
+        RowSelection([1, 0], [3, 3], DEVICE)
+
+
+def test_wrapper_select_over_rows_matches_row_selection(seed):
+    """wrapper.select(rows=...) = page_bounds over the arena rows + RowSelection."""
+    from mosaickv_kernels.band_decode import BandDecodeWrapper
+    from mosaickv_kernels.page_select import RowSelection
+    from mosaickv_sglang.codec.arena import pack_layer
+    from test_band_decode_kernel import make_layer
+    torch.manual_seed(seed)
+    h, g, d = 2, 2, 64
+    layers = [make_layer(h, d, 3, 10), make_layer(h, d, 2, 10, first=1), make_layer(h, d, 2, 4)]
+    arena = pack_layer(layers).to(DEVICE)  # rows 0 and 1: one request; row 2: another
+    meta = random_meta(7, h, d)
+    meta = meta.to(DEVICE)
+    q = torch.randn(3, h * g, d, device=DEVICE)
+    wrapper = BandDecodeWrapper()
+    wrapper.plan(arena, h * g)
+    rows = RowSelection([0, 0, 1], [12, 8, 8], DEVICE)
+    ids, counts = wrapper.select(q, arena, meta, budget_pages=6, sink_pages=1, recent_pages=1,
+                                 rows=rows)
+    q_rot = torch.matmul((q.float() * d ** -0.5).view(3, h, g, d), arena.k_basis).contiguous()
+    bounds = page_bounds(q_rot, meta, arena.seg_indptr, arena.seg_ids, 12)
+    want_ids, want_counts = rows.select(bounds, 6, 1, 1)
+    assert torch.equal(counts, want_counts) and torch.equal(ids, want_ids), repro(seed)
+    assert int(counts[0].sum() + counts[1].sum()) == 6 * h  # the budget spans rows 0 and 1

@@ -33,7 +33,7 @@ from mosaickv_sglang.codec.arena import HDR, HEADER_WIDTH, KIND_FIELDS, PLAN_FIE
 
 from .common import dot_exact, dot_fp16, interpreting
 from .dense_decode import dense_decode_partial
-from .page_select import PackedPageMeta, page_bounds, select_page_list
+from .page_select import PackedPageMeta, RowSelection, page_bounds, select_page_list
 
 PAGE_TOKENS = 32
 MIN_PAGES_PER_SPLIT = 4
@@ -507,10 +507,12 @@ class BandDecodeWrapper:
         return out.view(bsz, self.num_qo_heads, d).to(out_dtype or q.dtype)
 
     def select(self, q: torch.Tensor, arena: PackedArena, meta: PackedPageMeta, *,
-               budget_pages: int, sink_pages: int, recent_pages: int):
+               budget_pages: int, sink_pages: int, recent_pages: int,
+               rows: RowSelection | None = None):
         """Query-aware page list on the device (`page_select`): bounds of every compressed page
         from `meta` (the arena's segments' page metadata, by segment id), then the top pages per
-        (request, KV head) -> (page_ids, page_counts) for `run`. No host sync."""
+        (arena row, KV head) -> (page_ids, page_counts) for `run`. When a request spans several
+        rows (basis blocks), pass `rows` so its budget covers all of them. No host sync."""
         if not self._planned:
             raise RuntimeError("select: call plan() first")
         self._check_arena(arena)
@@ -522,6 +524,8 @@ class BandDecodeWrapper:
         qs = (q.float() * self.sm_scale).view(bsz, h, g, d)
         q_rot = torch.matmul(qs, arena.k_basis).contiguous()
         bounds = page_bounds(q_rot, meta, arena.seg_indptr, arena.seg_ids, self.max_pages)
+        if rows is not None:
+            return rows.select(bounds, budget_pages, sink_pages, recent_pages)
         num_pages = (arena.seg_indptr[1:] - arena.seg_indptr[:-1]) * self.pages_per_seg
         return select_page_list(bounds, num_pages, budget_pages, sink_pages, recent_pages)
 

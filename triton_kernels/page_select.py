@@ -247,3 +247,59 @@ def select_page_list_reference(bounds: torch.Tensor, num_pages: torch.Tensor, bu
     keep = (rank < take) & (top > float("-inf"))  # [B, H, K]
     ids = torch.where(keep, ids, p).sort(-1).values  # dropped entries sort last
     return ids.to(torch.int32), keep.sum(-1, dtype=torch.int32)
+
+
+class RowSelection:
+    """Selection over requests whose pages span several arena rows (one row per basis block,
+    as the serving pool packs a long request): the budget is per request, so the rows' bounds
+    are gathered into one line per request, `select_page_list` runs once, and the kept pages go
+    back to per-row lists for `BandDecodeWrapper.run`. Built on the host once per step (the
+    rows' layout); `select` is device-only.
+
+        rs = RowSelection(row_req=[0, 0, 1], row_pages=[128, 40, 90], device="cuda")
+        ids, counts = rs.select(bounds, budget_pages=128, sink_pages=2, recent_pages=8)
+    """
+
+    def __init__(self, row_req: list[int], row_pages: list[int], device):
+        if len(row_req) != len(row_pages) or any(b < a for a, b in zip(row_req, row_req[1:])):
+            raise ValueError(f"RowSelection: row_req must be sorted and match row_pages, got "
+                             f"{row_req} / {row_pages}")
+        n_req = (row_req[-1] + 1) if row_req else 0
+        offset, req_pages = [], [0] * n_req
+        for b, n in zip(row_req, row_pages):
+            offset.append(req_pages[b])
+            req_pages[b] += n
+        self.rows, self.row_pmax = len(row_req), max(row_pages + [1])
+        p_req = max(req_pages + [1])
+        # Source of each (request, page) in the flattened [R * row_pmax + 1] bounds (last: -inf).
+        src = torch.full((n_req, p_req), self.rows * self.row_pmax, dtype=torch.long)
+        for r, (b, n) in enumerate(zip(row_req, row_pages)):
+            src[b, offset[r]:offset[r] + n] = r * self.row_pmax + torch.arange(n)
+        self.src = src.to(device)
+        self.req_pages = torch.tensor(req_pages, dtype=torch.int32, device=device)
+        self.row_req = torch.tensor(row_req, dtype=torch.long, device=device)
+        self.lo = torch.tensor(offset, dtype=torch.int32, device=device)
+        self.hi = self.lo + torch.tensor(row_pages, dtype=torch.int32, device=device)
+
+    def select(self, bounds: torch.Tensor, budget_pages: int, sink_pages: int,
+               recent_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """bounds [R, H, >= max row pages] (`page_bounds` over the rows) -> per-row
+        (page_ids int32 [R, H, K] ascending, page_counts int32 [R, H])."""
+        r, h = bounds.shape[:2]
+        if r != self.rows or bounds.shape[2] < self.row_pmax:
+            raise ValueError(f"RowSelection.select: bounds {tuple(bounds.shape)} do not cover "
+                             f"{self.rows} rows of up to {self.row_pmax} pages")
+        flat = bounds[:, :, :self.row_pmax].permute(1, 0, 2).reshape(h, -1)
+        flat = torch.cat([flat, flat.new_full((h, 1), float("-inf"))], 1)
+        req_bounds = flat[:, self.src].permute(1, 0, 2).contiguous()  # [B, H, P_req]
+        ids, _ = select_page_list(req_bounds, self.req_pages, budget_pages, sink_pages,
+                                  recent_pages)  # ascending, padded with P_req
+        mine = ids[self.row_req]  # [R, H, K]: the row's request's kept pages
+        start = torch.searchsorted(mine, self.lo[:, None, None].expand(-1, h, 1).contiguous())
+        end = torch.searchsorted(mine, self.hi[:, None, None].expand(-1, h, 1).contiguous())
+        k = min(mine.shape[2], self.row_pmax)
+        pos = (start + torch.arange(k, device=ids.device)).clamp_max(mine.shape[2] - 1)
+        local = torch.gather(mine, 2, pos) - self.lo[:, None, None]
+        counts = (end - start)[..., 0].to(torch.int32)
+        keep = torch.arange(k, device=ids.device) < counts[..., None]
+        return torch.where(keep, local, 0).to(torch.int32).contiguous(), counts
