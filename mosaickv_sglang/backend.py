@@ -59,13 +59,14 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             n_new = int(forward_batch.extend_seq_lens[i])
             keys, values = self.pool.dense_kv(layer.layer_id, req_to_token[rid, :seq_len])
             qi = q_[start:start + n_new].transpose(0, 1)  # [Hq, n_new, D]
-            # causal with an offset: new token j sits at position seq_len - n_new + j
-            pos_q = torch.arange(seq_len - n_new, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q
+            mask = None  # a fresh prompt: plain causal (lets SDPA pick its flash kernel)
+            if n_new != seq_len:  # causal with an offset: new token j is at seq_len - n_new + j
+                pos_q = torch.arange(seq_len - n_new, seq_len, device=q.device)[:, None]
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q
             out = scaled_dot_product_attention(
                 qi.unsqueeze(0), keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
                 values.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask,
-                scale=layer.scaling, enable_gqa=hq != hk)
+                is_causal=mask is None, scale=layer.scaling, enable_gqa=hq != hk)
             o_[start:start + n_new] = out.squeeze(0).transpose(0, 1)
             start += n_new
         self._maybe_seal(layer, forward_batch)

@@ -27,8 +27,9 @@ DEFAULT_V_CANDIDATES = (
     "band:b8=4,b4=60,b2=0,group=128",
     "band:b8=16,b4=48,b2=0,group=64",
 )
-# The attention-sink segment: 8-bit if that is within sink_error_budget, else dense bf16.
-DEFAULT_SINK_CANDIDATES = ("lowbit:bits=8,group=32",)
+# The attention-sink segment: 8 bits on every rotated channel (per channel per 32 tokens, as the
+# packed kernel reads it) if that is within sink_error_budget, else dense bf16.
+DEFAULT_SINK_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 
 
 DECODE_KERNELS = ("auto", "triton", "reference")

@@ -11,6 +11,7 @@ read the same pages. A request whose sealed pages include a segment the kernel c
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,13 @@ class StepPlan:
 
 class PackedDecode:
     def __init__(self, pool):
+        if pool.dtype != torch.bfloat16:
+            raise ValueError(f"mosaickv decode_kernel 'triton' reads a bf16 hot buffer, but the KV "
+                             f"cache is {pool.dtype}: serve with --dtype bfloat16 or set "
+                             f"decode_kernel 'reference' in --mosaickv-config")
+        if torch.device(pool.device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("mosaickv decode_kernel 'triton' on a CPU runs through Triton's "
+                             "interpreter: set TRITON_INTERPRET=1, or use decode_kernel 'auto'")
         self.pool = pool
         self.cfg = pool.cfg
         self.wrapper = BandDecodeWrapper()

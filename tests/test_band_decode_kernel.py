@@ -177,8 +177,9 @@ def test_pack_rejects_what_the_kernel_cannot_read(seed):
     h, d = 2, 64
     k = torch.randn(h, 3 * 128 + 64, d).to(torch.bfloat16)
     v = torch.randn_like(k)
-    # Default config: the sink segment is lowbit in the raw basis.
-    cfg = MosaicConfig(k_error_budget=10.0, v_error_budget=10.0, sink_error_budget=10.0)
+    # A sink segment stored lowbit in the raw basis.
+    cfg = MosaicConfig(k_error_budget=10.0, v_error_budget=10.0, sink_error_budget=10.0,
+                       sink_candidates=["lowbit:bits=8,group=32"])
     with pytest.raises(ValueError, match=r"segment 0 .*lowbit.*sink_candidates=\['band:b8=64"):
         pack_layer([compress_layer(k, v, cfg)])
     # Two basis blocks in one request.

@@ -28,10 +28,10 @@ class AttentionInfo:
 class _Merger:
     """Running (max, sum, acc) over partial softmaxes, in float32."""
 
-    def __init__(self, h: int, g: int, d: int):
-        self.m = torch.full((h, g), float("-inf"))
-        self.l = torch.zeros(h, g)
-        self.acc = torch.zeros(h, g, d)
+    def __init__(self, h: int, g: int, d: int, device):
+        self.m = torch.full((h, g), float("-inf"), device=device)
+        self.l = torch.zeros(h, g, device=device)
+        self.acc = torch.zeros(h, g, d, device=device)
 
     def add(self, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> None:
         new_m = torch.maximum(self.m, m)
@@ -66,7 +66,7 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
         raise ValueError(f"{hq} query heads do not group evenly over {h} KV heads")
     g = hq // h
     qh = _grouped_queries(q, h, sm_scale)
-    merger = _Merger(h, nq * g, d)
+    merger = _Merger(h, nq * g, d, q.device)
 
     k_inv = [inverse(b) for b in layer.k_bases]
     v_inv = [inverse(b) for b in layer.v_bases]
@@ -89,8 +89,8 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
         merger.add(m, p.sum(-1), acc)
 
     if layer.hot_k.shape[1]:
-        hot_pos = layer.hot_start + torch.arange(layer.hot_k.shape[1])
-        visible = hot_pos[None, :] <= q_positions[:, None]  # [Nq, T_hot]
+        hot_pos = layer.hot_start + torch.arange(layer.hot_k.shape[1], device=q.device)
+        visible = hot_pos[None, :] <= q_positions.to(q.device)[:, None]  # [Nq, T_hot]
         scores = torch.einsum("hgd,htd->hgt", qh, layer.hot_k.float())
         vis = visible[None, :, None, :].expand(h, -1, g, -1).reshape(h, nq * g, -1)
         scores = scores.masked_fill(~vis, float("-inf"))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import MosaicConfig
-from .basis import fit_basis, rotate
+from .basis import fit_basis
 from .pages import PageMeta, build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy, strategy_id
 
@@ -135,25 +135,89 @@ class Candidates:
 def seal_segment(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
                  basis_id: int, start: int, cfg: MosaicConfig, cands: Candidates, sink: bool,
                  select_meta: bool, fallback: Strategy = DENSE) -> Segment:
-    """One segment's K and V [H, S, D] (float) -> a sealed Segment: the chooser's strategies,
-    page metadata in the space its scores are computed in, and the header. Shared by the
-    offline codec (compress_layer) and the serving pool."""
-    if sink:
-        kc = choose(k, rotate(k, kb), "k", cands.sink, cfg.sink_error_budget, "sink", fallback)
-        vc = choose(v, rotate(v, vb), "v", cands.sink, cfg.sink_error_budget, "sink", fallback)
-    else:
-        kc = choose(k, rotate(k, kb), "k", cands.k, cfg.k_error_budget, fallback=fallback)
-        vc = choose(v, rotate(v, vb), "v", cands.v, cfg.v_error_budget, fallback=fallback)
-    pages = None
+    """One segment's K and V [H, S, D] (float) -> a sealed Segment (see `seal_segments`)."""
+    return seal_segments(k[None], v[None], kb[None], vb[None], basis_id, [start], cfg, cands,
+                         sink, select_meta, fallback)[0]
+
+
+def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
+                  basis_id: int, starts: list[int], cfg: MosaicConfig, cands: Candidates,
+                  sink: bool, select_meta: bool, fallback: Strategy = DENSE) -> list[Segment]:
+    """N segments' K and V [N, H, S, D] (float) with their bases [N, H, D, D] -> N sealed
+    Segments: the chooser's strategies, page metadata in the space its scores are computed in,
+    and the header. Each candidate is encoded once for all N (segments are independent: every
+    strategy works per head, and the batch rides on the head axis), which is what makes sealing
+    a whole request (pages x layers) cheap. Shared by the offline codec and the serving pool."""
+    budgets = (cfg.sink_error_budget,) * 2 if sink else (cfg.k_error_budget, cfg.v_error_budget)
+    k_cands, v_cands = (cands.sink, cands.sink) if sink else (cands.k, cands.v)
+    reason = "sink" if sink else "within-budget"
+    kc, k_dec = _choose_batch(k, _rotate_batch(k, kb), "k", k_cands, budgets[0], reason, fallback,
+                              need_decoded=select_meta)
+    vc, _ = _choose_batch(v, _rotate_batch(v, vb), "v", v_cands, budgets[1], reason, fallback)
+    metas = [None] * len(starts)
     if select_meta:  # see codec/pages.py
-        pages = build_page_meta(kc.strategy.decode(kc.encoded), cfg.page_tokens,
-                                cfg.select.meta_channels)
-    tokens = k.shape[1]
-    header = torch.tensor([strategy_id(kc.strategy.name), strategy_id(vc.strategy.name),
-                           basis_id if kc.strategy.rot else -1,
-                           basis_id if vc.strategy.rot else -1, start, tokens], dtype=torch.int32)
-    return Segment(start, tokens, kc, vc, basis_id, pages, pages is not None and kc.strategy.rot,
-                   header)
+        n, h, s, d = k.shape
+        flat = build_page_meta(k_dec.reshape(n * h, s, d), cfg.page_tokens, cfg.select.meta_channels)
+        metas = [PageMeta(*(t.reshape(n, h, *t.shape[1:])[i].clone() for t in
+                            (flat.channels, flat.lo, flat.hi, flat.rest_norm)))
+                 for i in range(n)]
+    out = []
+    for i, start in enumerate(starts):
+        header = torch.tensor([strategy_id(kc[i].strategy.name), strategy_id(vc[i].strategy.name),
+                               basis_id if kc[i].strategy.rot else -1,
+                               basis_id if vc[i].strategy.rot else -1, start, k.shape[2]],
+                              dtype=torch.int32)
+        out.append(Segment(start, k.shape[2], kc[i], vc[i], basis_id, metas[i],
+                           metas[i] is not None and kc[i].strategy.rot, header))
+    return out
+
+
+def _rotate_batch(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """x [N, H, S, D] @ U [N, H, D, D] (float32)."""
+    return x.float() @ basis.float()
+
+
+def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded=False):
+    """`choose` for N segments [N, H, S, D] at once -> (N Choices, the chosen reconstructions
+    [N, H, S, D] in each choice's own space, when need_decoded)."""
+    n, h, s, d = x.shape
+    tried = []
+    for strat in candidates:
+        src = x_rot if strat.rot else x
+        tensors = strat.encode(src.reshape(n * h, s, d), kind)
+        dec = strat.decode(Encoded(kind, (n * h, s, d), tensors)).reshape(n, h, s, d)
+        err = (dec - src).flatten(1).norm(dim=1) / src.flatten(1).norm(dim=1).clamp_min(1e-12)
+        tried.append((sum(t.numel() * t.element_size() for t in tensors.values()), strat,
+                      tensors, err.tolist(), dec))
+    tried.sort(key=lambda item: item[0])
+    picks = [None] * n
+    for c, (_, _, _, err, _) in enumerate(tried):
+        for i in range(n):
+            if picks[i] is None and err[i] <= budget:
+                picks[i] = c
+    missing = [i for i in range(n) if picks[i] is None]
+    if missing:  # no candidate met the budget: the fallback (dense), for those segments only
+        src = x[missing]
+        m = len(missing)
+        tensors = fallback.encode(src.reshape(m * h, s, d), kind)
+        dec = fallback.decode(Encoded(kind, (m * h, s, d), tensors)).reshape(m, h, s, d)
+        err = ((dec - src).flatten(1).norm(dim=1) / src.flatten(1).norm(dim=1).clamp_min(1e-12))
+        fb = (fallback, tensors, err.tolist(), dec, {i: j for j, i in enumerate(missing)})
+    choices, decoded = [], []
+    for i in range(n):
+        if picks[i] is not None:
+            _, strat, tensors, err, dec = tried[picks[i]]
+            row, rows, e, why = i, n, err[i], reason
+        else:
+            strat, tensors, errs, dec, where = fb
+            row, rows, e = where[i], len(missing), errs[where[i]]
+            # With no candidates at all, dense is the configured choice, not a missed budget.
+            why = "over-budget" if candidates else reason
+        part = {name: t.reshape(rows, h, *t.shape[1:])[row].clone() for name, t in tensors.items()}
+        choices.append(Choice(strat, Encoded(kind, (h, s, d), part), e, why))
+        if need_decoded:
+            decoded.append(dec[row])
+    return choices, torch.stack(decoded) if need_decoded else None
 
 
 def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,

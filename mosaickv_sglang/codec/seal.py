@@ -15,7 +15,7 @@ import torch
 
 from ..config import MosaicConfig
 from .basis import fit_basis
-from .layer import Candidates, Segment, seal_segment, segment_bytes
+from .layer import Candidates, Segment, seal_segments, segment_bytes
 from .pages import build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy
 
@@ -51,18 +51,13 @@ def fit_bases(read: PageReader, n_pages: int, layers: int) -> BasisPair:
     return BasisPair(ks, vs)
 
 
+SEAL_BATCH = 256  # segments (page x layer) encoded per chooser call: bounds the transient memory
+
+
 def seal_page(read: PageReader, index: int, position: int, bases: BasisPair, layers: int,
               cfg: MosaicConfig, cands: Candidates, dense: Strategy) -> SealedPage:
     """One page (all layers) -> SealedPage; `position` decides whether it is a sink page."""
-    sink = position // cfg.segment_tokens < cfg.sink_segments
-    segs, nbytes = [], 0
-    for local in range(layers):
-        k, v = read(index, local)
-        seg = seal_segment(k, v, bases.k[local], bases.v[local], 0, position, cfg, cands, sink,
-                           cfg.select.enabled, dense)
-        segs.append(seg)
-        nbytes += sum(segment_bytes(seg).values())
-    return SealedPage(position, segs, bases, nbytes)
+    return seal_pages(read, [index], [position], bases, layers, cfg, cands, dense)[0]
 
 
 def seal_group(read: PageReader, positions: list[int], bases: BasisPair | None, layers: int,
@@ -70,8 +65,35 @@ def seal_group(read: PageReader, positions: list[int], bases: BasisPair | None, 
     """Pages of one basis block (positions in request order); bases fitted here if None."""
     if bases is None:
         bases = fit_bases(read, len(positions), layers)
-    return [seal_page(read, i, pos, bases, layers, cfg, cands, dense)
-            for i, pos in enumerate(positions)]
+    return seal_pages(read, list(range(len(positions))), positions, bases, layers, cfg, cands,
+                      dense)
+
+
+def seal_pages(read: PageReader, indices: list[int], positions: list[int], bases: BasisPair,
+               layers: int, cfg: MosaicConfig, cands: Candidates,
+               dense: Strategy) -> list[SealedPage]:
+    """Pages (all layers) sharing `bases` -> SealedPages, the (page, layer) segments batched
+    through the chooser (`seal_segments`) SEAL_BATCH at a time, sink pages apart."""
+    segs = {}
+    for sink in (True, False):
+        todo = [(j, local) for j, pos in enumerate(positions)
+                if (pos // cfg.segment_tokens < cfg.sink_segments) == sink
+                for local in range(layers)]
+        for c in range(0, len(todo), SEAL_BATCH):
+            part = todo[c:c + SEAL_BATCH]
+            kv = [read(indices[j], local) for j, local in part]
+            sealed = seal_segments(
+                torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]),
+                torch.stack([bases.k[local] for _, local in part]),
+                torch.stack([bases.v[local] for _, local in part]), 0,
+                [positions[j] for j, _ in part], cfg, cands, sink, cfg.select.enabled, dense)
+            segs.update(zip(part, sealed))
+    pages = []
+    for j, pos in enumerate(positions):
+        page_segs = [segs[(j, local)] for local in range(layers)]
+        pages.append(SealedPage(pos, page_segs, bases,
+                                sum(sum(segment_bytes(x).values()) for x in page_segs)))
+    return pages
 
 
 def worst_encoded_bytes(specs, kind: str, heads: int, tokens: int, head_dim: int) -> int:

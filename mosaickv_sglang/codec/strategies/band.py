@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import pack_codes, unpack_codes
-from .base import Encoded, Strategy, Tensors, register
+from .base import Encoded, Strategy, Tensors, _device, register
 from .lowbit import (channel_groups_decode, channel_groups_pv, channel_groups_qk,
                      quantize_channel_groups)
 
@@ -63,7 +63,7 @@ class Band(Strategy):
                 t[f"zero{bits}"].float())
 
     def decode(self, e: Encoded) -> torch.Tensor:
-        out = torch.zeros(e.shape)
+        out = torch.zeros(e.shape, device=_device(e))
         for start, n, bits in self.bands(e.shape[-1]):
             out[..., start:start + n] = channel_groups_decode(*self._band(e, bits))
         return out
@@ -74,7 +74,7 @@ class Band(Strategy):
                    for start, n, bits in self.bands(e.shape[-1]))
 
     def pv(self, e: Encoded, p: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(e.shape[0], p.shape[1], e.shape[2])
+        out = torch.zeros(e.shape[0], p.shape[1], e.shape[2], device=p.device)
         for start, n, bits in self.bands(e.shape[-1]):
             out[..., start:start + n] = channel_groups_pv(*self._band(e, bits), p.float())
         return out

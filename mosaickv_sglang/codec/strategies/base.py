@@ -76,6 +76,11 @@ class Strategy(ABC):
         """p [H, G, S] -> sum_s p * x_s as [H, G, D], on the packed form."""
 
 
+def _device(e: Encoded) -> torch.device:
+    """Where an encoded segment lives (outputs are built there: CPU or the GPU pool)."""
+    return next(iter(e.tensors.values())).device
+
+
 def _checked(name: str, key: str, typ: type, value):
     """value as typ, or a ValueError naming the parameter (no silent int('4.0') / bool('no'))."""
     if typ is bool and value in (0, 1) and not isinstance(value, float):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Encoded, Strategy, Tensors, register
+from .base import Encoded, Strategy, Tensors, _device, register
 from .values import check_format, decode_values, encode_values
 
 
@@ -31,7 +31,7 @@ class ChannelMask(Strategy):
     def decode(self, e: Encoded) -> torch.Tensor:
         h, s, d = e.shape
         idx = e.tensors["channels"].long()
-        out = torch.zeros(h, s, d)
+        out = torch.zeros(h, s, d, device=_device(e))
         return out.scatter_(2, idx[:, None, :].expand(-1, s, -1), decode_values(e.tensors, self.val))
 
     def qk(self, e: Encoded, q: torch.Tensor) -> torch.Tensor:
@@ -43,5 +43,5 @@ class ChannelMask(Strategy):
         h, _, d = e.shape
         idx = e.tensors["channels"].long()
         acc = torch.einsum("hgs,hsr->hgr", p.float(), decode_values(e.tensors, self.val))
-        out = torch.zeros(h, p.shape[1], d)
+        out = torch.zeros(h, p.shape[1], d, device=p.device)
         return out.scatter_(2, idx[:, None, :].expand(-1, p.shape[1], -1), acc)

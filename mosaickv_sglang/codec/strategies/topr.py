@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import pack_codes, unpack_codes
-from .base import Encoded, Strategy, Tensors, register
+from .base import Encoded, Strategy, Tensors, _device, register
 
 INDEX_FORMATS = ("auto", "u8", "bitmap")
 from .values import check_format, decode_values, encode_values
@@ -35,7 +35,7 @@ class TopR(Strategy):
         d = x.shape[-1]
         use_bitmap = self.index == "bitmap" or (self.index == "auto" and 8 * self.r > d)
         if use_bitmap:
-            mask = torch.zeros(x.shape, dtype=torch.uint8).scatter_(2, idx, 1)
+            mask = torch.zeros(x.shape, dtype=torch.uint8, device=x.device).scatter_(2, idx, 1)
             where = {"bitmap": pack_codes(mask, 1)}
         else:
             where = {"index": idx.to(torch.uint8)}
@@ -51,7 +51,7 @@ class TopR(Strategy):
 
     def decode(self, e: Encoded) -> torch.Tensor:
         h, s, d = e.shape
-        out = torch.zeros(h, s, d)
+        out = torch.zeros(h, s, d, device=_device(e))
         return out.scatter_(2, self.channels(e), decode_values(e.tensors, self.val))
 
     def qk(self, e: Encoded, q: torch.Tensor) -> torch.Tensor:
@@ -67,6 +67,6 @@ class TopR(Strategy):
         g = p.shape[1]
         idx = self.channels(e)
         contrib = p.float()[..., None] * decode_values(e.tensors, self.val)[:, None]  # [H,G,S,r]
-        out = torch.zeros(h, g, d)
+        out = torch.zeros(h, g, d, device=p.device)
         return out.scatter_add_(2, idx[:, None].expand(-1, g, -1, -1).reshape(h, g, -1),
                                 contrib.reshape(h, g, -1))

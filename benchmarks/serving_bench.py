@@ -1,0 +1,171 @@
+"""Serving benchmark: dense SGLang vs MosaicKV servers, side by side in one run.
+
+For each system a real server starts (one at a time, same model and settings), then for each
+batch size B, B long prompts (distinct random ids: no prefix caching) are streamed concurrently
+with greedy decoding and a fixed output length. Reported per (system, context, batch): TTFT,
+decode throughput (tokens after each request's first, over the decode window), inter-token
+latency p50/p99 (client-side stream arrival gaps), the server's token capacity
+(`max_total_num_tokens`) and, for MosaicKV, the pool's physical bytes. Prints a table last and
+writes JSON.
+
+    python benchmarks/serving_bench.py --model DIR --load-format dummy --contexts 32768 \\
+        --batches 1,8 --output 64 --json OUT.json
+
+`--make-llama8b DIR --tokenizer TOKDIR` writes a Llama-3.1-8B-shaped config (32 layers, 32/8
+heads, head_dim 128; vocabulary of the tokenizer) for `--load-format dummy`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mosaickv_sglang.launch import request, running_server  # noqa: E402
+
+
+def system_args(system: str, dense_backend: str) -> list[str]:
+    if system == "dense":
+        return ["--kv-backend", "default", "--attention-backend", dense_backend]
+    if system == "mosaickv":
+        return ["--kv-backend", "mosaickv"]
+    raise SystemExit(f"unknown system {system!r}: use dense, mosaickv")
+
+
+def make_llama8b(out: Path, tokenizer: Path, max_positions: int) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": vocab,
+           "max_position_embeddings": max_positions, "rope_theta": 500000.0,
+           "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1,
+           "eos_token_id": 2, "tie_word_embeddings": False}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, out)
+    return out
+
+
+def stream_one(url: str, ids: list[int], n_out: int, rec: dict) -> None:
+    payload = {"input_ids": ids, "stream": True,
+               "sampling_params": {"temperature": 0, "max_new_tokens": n_out, "ignore_eos": True}}
+    req = urllib.request.Request(f"{url}/generate", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    stamps, last = [], 0
+    with urllib.request.urlopen(req, timeout=3600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            n = json.loads(line[5:])["meta_info"]["completion_tokens"]
+            now = time.perf_counter() - t0
+            stamps += [now] * (n - last)
+            last = n
+    rec.update(start=t0, stamps=stamps)
+
+
+def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int) -> dict:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(ctx - n_out)] for _ in range(batch)]
+    recs = [{} for _ in range(batch)]
+    threads = [threading.Thread(target=stream_one, args=(url, p, n_out, r))
+               for p, r in zip(prompts, recs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    t0 = min(r["start"] for r in recs)
+    firsts = [r["start"] - t0 + r["stamps"][0] for r in recs]
+    ends = [r["start"] - t0 + r["stamps"][-1] for r in recs]
+    gaps = [b - a for r in recs for a, b in zip(r["stamps"], r["stamps"][1:])]
+    window = max(ends) - max(firsts)
+    after_first = sum(len(r["stamps"]) - 1 for r in recs)
+    return {"context": ctx, "batch": batch, "output": n_out,
+            "ttft_s_p50": statistics.median(firsts), "ttft_s_max": max(firsts),
+            "decode_tok_s": after_first / window if window > 0 else None,
+            "itl_ms_p50": 1e3 * statistics.median(gaps),
+            "itl_ms_p99": 1e3 * sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+            "tokens": [len(r["stamps"]) for r in recs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--make-llama8b", type=Path, help="write a Llama-3.1-8B-shaped config here")
+    ap.add_argument("--tokenizer", type=Path)
+    ap.add_argument("--systems", default="dense,mosaickv")
+    ap.add_argument("--contexts", default="32768")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra argument for every server (repeat; e.g. --server-arg=--dtype)")
+    ap.add_argument("--mosaickv-config", default=None)
+    ap.add_argument("--dense-backend", default="triton",
+                    help="attention backend of the dense server (torch_native on a CPU)")
+    ap.add_argument("--logs", type=Path, default=Path("serving_logs"))
+    ap.add_argument("--json", type=Path, required=True)
+    args = ap.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    model = args.model
+    if args.make_llama8b:
+        model = make_llama8b(args.make_llama8b, args.tokenizer, max(contexts) + 1024)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    args.logs.mkdir(parents=True, exist_ok=True)
+    common = ["--load-format", args.load_format, "--context-length", str(max(contexts) + 1024),
+              "--chunked-prefill-size", str(-(-max(contexts) // 128) * 128), "--max-running-requests",
+              str(max(batches)), "--grammar-backend", "none", *args.server_arg]
+    results = []
+    for system in args.systems.split(","):
+        extra = system_args(system, args.dense_backend)
+        if system == "mosaickv" and args.mosaickv_config:
+            extra += ["--mosaickv-config", args.mosaickv_config]
+        t = time.perf_counter()
+        try:
+            with running_server(model, args.logs / f"{system}.log", *extra, *common,
+                                startup_s=900) as srv:
+                print(f"[{system}] up in {time.perf_counter() - t:.0f} s", flush=True)
+                _, info = request(f"{srv.url}/get_server_info")
+                memory = info.get("internal_states", [{}])[0].get("memory_usage", {})
+                capacity = memory.get("token_capacity")
+                for ctx in contexts:
+                    for b in batches:
+                        row = run_batch(srv.url, ctx, b, args.output, seed=ctx + b, vocab=vocab)
+                        row.update(system=system, max_total_num_tokens=capacity,
+                                   kv_cache_gb=memory.get("kvcache"))
+                        _, info = request(f"{srv.url}/get_server_info")
+                        states = info.get("internal_states", [{}])[0]
+                        row["mosaickv"] = states.get("mosaickv")
+                        results.append(row)
+                        print(f"[{system}] ctx {ctx} batch {b}: {row['decode_tok_s']:.1f} tok/s, "
+                              f"ITL p50 {row['itl_ms_p50']:.1f} ms", flush=True)
+        except Exception as exc:  # reported, never dropped: the other systems still run
+            results.append({"system": system, "error": repr(exc)[-2000:]})
+            print(f"[{system}] FAILED: {exc!r}"[-2000:], flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1))
+    print(f"\n{'system':<10}{'ctx':>7}{'batch':>6}{'TTFT p50 s':>11}{'decode tok/s':>13}"
+          f"{'ITL p50 ms':>11}{'ITL p99 ms':>11}{'capacity':>10}{'ratio':>7}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['system']:<10} ERROR {r['error'][:100]}")
+            continue
+        mk = r.get("mosaickv") or {}
+        ratio = mk.get("sealed_ratio")
+        print(f"{r['system']:<10}{r['context']:>7}{r['batch']:>6}{r['ttft_s_p50']:>11.2f}"
+              f"{r['decode_tok_s']:>13.1f}{r['itl_ms_p50']:>11.1f}{r['itl_ms_p99']:>11.1f}"
+              f"{r['max_total_num_tokens'] or 0:>10}{ratio or 0:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
