@@ -52,9 +52,10 @@ LAYOUTS = [
 
 
 def make_layer(h: int, d: int, nseg: int, hot: int, seg: int = 128, first: int = 0,
-               layouts=LAYOUTS) -> CompressedLayer:
+               layouts=LAYOUTS, rotated: list | None = None) -> CompressedLayer:
     """A CompressedLayer with one basis block and the band layouts of `layouts` in turn (from
-    `first`), built like compress_layer but with the strategy of each segment imposed."""
+    `first`), built like compress_layer but with the strategy of each segment imposed. If
+    `rotated` is a list, each segment's encoder input (k_rot, v_rot) [H, seg, D] is appended."""
     t = nseg * seg + hot
     spectrum = torch.exp(-torch.linspace(0, 2, d))[torch.randperm(d)] * 2
     k = (torch.randn(h, t, d) * spectrum + torch.randn(h, 1, d) * 0.5).to(torch.bfloat16)
@@ -67,10 +68,11 @@ def make_layer(h: int, d: int, nseg: int, hot: int, seg: int = 128, first: int =
         ks_spec, vs_spec = layouts[(first + i) % len(layouts)]
         ks, vs = parse_strategy(ks_spec), parse_strategy(vs_spec)
         part = slice(i * seg, (i + 1) * seg)
-        kc = Choice(ks, Encoded("k", (h, seg, d), ks.encode(rotate(kf[:, part], kb), "k")), 0.0,
-                    "within-budget")
-        vc = Choice(vs, Encoded("v", (h, seg, d), vs.encode(rotate(vf[:, part], vb), "v")), 0.0,
-                    "within-budget")
+        k_rot, v_rot = rotate(kf[:, part], kb), rotate(vf[:, part], vb)
+        if rotated is not None:
+            rotated.append((k_rot, v_rot))
+        kc = Choice(ks, Encoded("k", (h, seg, d), ks.encode(k_rot, "k")), 0.0, "within-budget")
+        vc = Choice(vs, Encoded("v", (h, seg, d), vs.encode(v_rot, "v")), 0.0, "within-budget")
         layer.segments.append(Segment(i * seg, seg, kc, vc, 0, None, False,
                                       torch.zeros(6, dtype=torch.int32)))
     layer.hot_k = k[:, sealed:].contiguous()

@@ -1,0 +1,155 @@
+"""Band-encode segments on the GPU straight into their arena blocks: the `Band.encode` of
+`codec/strategies/band.py` (asymmetric min/max per channel and token group, fp16 zero rounded
+down and scale rounded up, codes packed along channels as `quant.pack_codes` does), written at
+the offsets of each segment's header, byte for byte what `pack_layer` would store.
+
+One launch per (layout, kind) with the band widths and token group compile-time; one program
+per (segment, KV head), a token group at a time. The input is the segment already rotated into
+its basis (x_rot = x @ U, one batched matmul on the caller's side, exactly `basis.rotate`):
+
+    pack_segments(arena, seg_list, k_rot, v_rot)    # k_rot/v_rot float32 [n, H, T, D]
+
+Byte-exact with the codec on the CPU interpreter (IEEE division `div_rn`, round-half-even,
+outward fp16 rounding on the bits); compiled for sm_90 without spills; not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mosaickv_sglang.codec.arena import HDR, HEADER_WIDTH, PackedArena
+
+
+@triton.jit
+def _round_fp16(v, DOWN: tl.constexpr):
+    """float32 -> fp16 never above v (DOWN) or never below v, like quant.round_fp16."""
+    y = v.to(tl.float16)
+    bad = (y.to(tl.float32) > v) if DOWN else (y.to(tl.float32) < v)
+    bits = y.to(tl.int16, bitcast=True).to(tl.int32)
+    neg = bits < 0  # sign bit (covers -0.0)
+    mag = bits & 0x7FFF
+    if DOWN:  # one step toward -inf
+        step = tl.where(mag == 0, 0x8001, tl.where(neg, bits + 1, bits - 1))
+    else:  # one step toward +inf
+        step = tl.where(mag == 0, 0x0001, tl.where(neg, bits - 1, bits + 1))
+    out = tl.where(bad, step, bits)
+    return out.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _round_half_even(v):
+    """torch.round for 0 <= v < 2^22 (float32, exact there)."""
+    r = tl.floor(v + 0.5)
+    tie = (r - v) == 0.5
+    odd = (r.to(tl.int32) & 1) == 1
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _pack_band(X, U8, F16, hdr, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr,
+               ZERO_COL: tl.constexpr, START: tl.constexpr, NB: tl.constexpr,
+               BITS: tl.constexpr, W: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
+               D: tl.constexpr):
+    """Quantize channels [START, START + NB) of one (segment, head) [T, D] slab X, group by
+    group, and store codes, scale and zero at the header's offsets (U8/F16: the head block)."""
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    ROW: tl.constexpr = NB * BITS // 8
+    PER: tl.constexpr = 8 // BITS
+    offs_w = tl.arange(0, W)
+    offs_t = tl.arange(0, GROUP)
+    mw = offs_w < NB
+    codes_at = U8 + tl.load(hdr + CODES_COL)
+    scale_at = F16 + tl.load(hdr + SCALE_COL) // 2
+    zero_at = F16 + tl.load(hdr + ZERO_COL) // 2
+    for g in tl.static_range(T // GROUP):
+        tok = g * GROUP + offs_t
+        x = tl.load(X + tok[:, None] * D + START + offs_w[None, :], mask=mw[None, :], other=0.0)
+        lo = tl.min(tl.where(mw[None, :], x, float("inf")), 0)
+        hi = tl.max(tl.where(mw[None, :], x, float("-inf")), 0)
+        zero = _round_fp16(tl.where(mw, lo, 0.0), True)
+        span = tl.math.div_rn(tl.where(mw, hi, 0.0) - zero.to(tl.float32),
+                              tl.full([W], LEVELS, tl.float32))
+        scale = _round_fp16(tl.maximum(span, 1e-8), False)
+        q = tl.math.div_rn(x - zero.to(tl.float32)[None, :],
+                           tl.broadcast_to(scale.to(tl.float32)[None, :], [GROUP, W]))
+        c = tl.minimum(tl.maximum(_round_half_even(q), 0.0), LEVELS * 1.0).to(tl.int32)
+        if BITS == 8:
+            packed = c
+        elif BITS == 4:
+            a, b = tl.split(tl.reshape(c, [GROUP, W // 2, 2]))
+            packed = a | (b << 4)
+        else:
+            ev, od = tl.split(tl.reshape(c, [GROUP, W // 4, 2, 2]))  # (k0, k2), (k1, k3)
+            k0, k2 = tl.split(ev)
+            k1, k3 = tl.split(od)
+            packed = k0 | (k1 << 2) | (k2 << 4) | (k3 << 6)
+        offs_b = tl.arange(0, W // PER)
+        tl.store(codes_at + tok[:, None] * ROW + offs_b[None, :], packed.to(tl.uint8),
+                 mask=(offs_b < ROW)[None, :])
+        tl.store(scale_at + g * NB + offs_w, scale, mask=mw)
+        tl.store(zero_at + g * NB + offs_w, zero, mask=mw)
+
+
+@triton.jit
+def _pack_kind(
+    X,  # float32 [n, H, T, D]: the kind's rotated values, segment i of SEG_LIST at row i
+    ARENA_U8, ARENA_F16, HEADERS, SEG_LIST,
+    H,
+    T: tl.constexpr, D: tl.constexpr, HDR_W: tl.constexpr, BASE_COL: tl.constexpr,
+    STRIDE_COL: tl.constexpr, KC: tl.constexpr, GROUP: tl.constexpr,
+    N8: tl.constexpr, N4: tl.constexpr, N2: tl.constexpr,
+    W8: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    hdr = HEADERS + tl.load(SEG_LIST + i).to(tl.int64) * HDR_W
+    base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
+    x = X + (i * H + h) * T * D
+    u8 = ARENA_U8 + base
+    f16 = ARENA_F16 + base // 2
+    # Header fields of a kind from its first column: b8 b4 b2 group codes8 codes4 codes2
+    # scale8 zero8 scale4 zero4 scale2 zero2 (arena.KIND_FIELDS).
+    if N8 > 0:
+        _pack_band(x, u8, f16, hdr, KC + 4, KC + 7, KC + 8, 0, N8, 8, W8, GROUP, T, D)
+    if N4 > 0:
+        _pack_band(x, u8, f16, hdr, KC + 5, KC + 9, KC + 10, N8, N4, 4, W4, GROUP, T, D)
+    if N2 > 0:
+        _pack_band(x, u8, f16, hdr, KC + 6, KC + 11, KC + 12, N8 + N4, N2, 2, W2, GROUP, T, D)
+
+
+def pack_segments(arena: PackedArena, seg_list: torch.Tensor, k_rot: torch.Tensor,
+                  v_rot: torch.Tensor) -> None:
+    """Encode k_rot / v_rot (float32 [n, H, T, D], in each segment's basis) into the arena
+    blocks of segments `seg_list` (int32 [n]); their header rows must already hold the layout
+    (`BlockLayout.header`). Band widths and groups are read from the headers on the host."""
+    n = seg_list.numel()
+    shape = (n, arena.num_kv_heads, arena.segment_tokens, arena.head_dim)
+    for name, t in (("k_rot", k_rot), ("v_rot", v_rot)):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or \
+                t.device != arena.device:
+            raise ValueError(f"pack_segments: {name} must be contiguous float32 {list(shape)} on "
+                             f"{arena.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if seg_list.dtype != torch.int32 or seg_list.dim() != 1 or seg_list.device != arena.device:
+        raise ValueError(f"pack_segments: seg_list must be int32 [n] on {arena.device}")
+    if n == 0:
+        return
+    hdr = arena.headers[seg_list.long()].cpu()
+    classes: dict[tuple, list[int]] = {}
+    for row, r in enumerate(hdr.tolist()):
+        for kind in ("k", "v"):
+            key = (kind,) + tuple(r[HDR[f"{kind}_{f}"]] for f in ("b8", "b4", "b2", "group"))
+            classes.setdefault(key, []).append(row)
+    t, h, d = arena.segment_tokens, arena.num_kv_heads, arena.head_dim
+    for (kind, n8, n4, n2, group), rows in classes.items():
+        x = k_rot if kind == "k" else v_rot
+        idx = torch.tensor(rows, device=arena.device)
+        if t % group:
+            raise ValueError(f"pack_segments: token group {group} does not divide {t}")
+        _pack_kind[(len(rows), h)](
+            x[idx].contiguous(), arena.data, arena.data.view(torch.float16), arena.headers,
+            seg_list[idx].contiguous(), h, T=t, D=d, HDR_W=HEADER_WIDTH, BASE_COL=HDR["base16"],
+            STRIDE_COL=HDR["head_stride"], KC=HDR[f"{kind}_b8"], GROUP=group, N8=n8, N4=n4,
+            N2=n2, W8=max(16, triton.next_power_of_2(max(n8, 1))),
+            W4=max(16, triton.next_power_of_2(max(n4, 1))),
+            W2=max(16, triton.next_power_of_2(max(n2, 1))), num_warps=4)
