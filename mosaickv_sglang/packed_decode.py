@@ -4,8 +4,9 @@ Once per decode step (at the first layer) the batch's structure is read on the h
 request's sealed pages (a prefix of its pages), split into *rows* by basis block (the kernel
 rotates q once per row), plus its hot tokens, attached to its last row. Per layer the kernel runs
 over every row of the batch in one launch, reading the arena in place; rows of one request are
-merged with their log-sum-exps. Page selection uses the reference's `select_keep`, so both paths
-read the same pages. A request whose sealed pages include a segment the kernel cannot read
+merged with their log-sum-exps. Page selection runs on the device from the store's page metadata
+(`page_select`: bounds, then the top pages per request across its rows), the same rule as the
+reference selector. A request whose sealed pages include a segment the kernel cannot read
 (dense fallback, non-band sink) goes through the reference path, counted and logged once.
 """
 from __future__ import annotations
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from mosaickv_kernels.band_decode import BandDecodeWrapper
+from mosaickv_kernels.page_select import RowSelection
 
 from .codec.arena import PackedArena
-from .codec.attention import decode_attention, select_keep
+from .codec.attention import decode_attention
 from .codec.basis import inverse
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class StepPlan:
     hot_index: torch.Tensor  # int64 [R, T_max]: hot-buffer rows (padding -> row 0)
     hot_lens: torch.Tensor  # int32 [R]
     select_reqs: list[int]  # kernel requests whose pages exceed the selection budget
+    rows: RowSelection | None  # the selector's row layout, when some request needs selection
     merge: bool  # some request spans several rows
 
 
@@ -55,6 +58,9 @@ class PackedDecode:
         self.cfg = pool.cfg
         self.wrapper = BandDecodeWrapper()
         self.step: StepPlan | None = None
+        sel, pt = self.cfg.select, self.cfg.page_tokens
+        self.budget_pages = sel.budget_tokens // pt  # as codec.attention._select counts them
+        self.sink_pages, self.recent_pages = -(-sel.sink_tokens // pt), -(-sel.recent_tokens // pt)
         self.kernel_requests = 0  # request-steps decoded by the kernel
         self.reference_requests = 0  # request-steps sent to the reference path (unpacked pages)
 
@@ -103,7 +109,10 @@ class PackedDecode:
             row_bases, row_pages, indptr.to(dev),
             torch.tensor([p for run in row_pages for p in run], dtype=torch.int32, device=dev),
             hot_index, torch.tensor([h.numel() for h in hot_rows], dtype=torch.int32, device=dev),
-            select_reqs, len(row_req) > len(kernel_reqs))
+            select_reqs, None, len(row_req) > len(kernel_reqs))
+        if select_reqs:
+            pps = ps // self.cfg.page_tokens
+            self.step.rows = RowSelection(row_req, [len(p) * pps for p in row_pages], dev)
         self.kernel_requests += len(kernel_reqs)
         if reference_reqs:
             if not self.reference_requests:
@@ -127,8 +136,13 @@ class PackedDecode:
         if layer.layer_id == pool.start_layer:
             self.wrapper.plan(arena, q.shape[1], sm_scale=layer.scaling)
         q_rows = q[st.row_req]
-        o_rows = self.wrapper.run(q_rows, arena, page_keep=self._page_keep(q, layer),
-                                  out_dtype=torch.float32)
+        sel = {}
+        if st.rows is not None:  # some request exceeds the budget: the GPU selector
+            sel = dict(zip(("page_ids", "page_counts"), self.wrapper.select(
+                q_rows, arena, pool.store.meta[layer.layer_id - pool.start_layer],
+                budget_pages=self.budget_pages, sink_pages=self.sink_pages,
+                recent_pages=self.recent_pages, rows=st.rows)))
+        o_rows = self.wrapper.run(q_rows, arena, out_dtype=torch.float32, **sel)
         if not st.merge:
             out[st.row_req] = o_rows.to(out.dtype)
             return
@@ -162,28 +176,3 @@ class PackedDecode:
                            k_basis, v_basis, hot_k, hot_v, st.hot_lens, store.plans,
                            segment_tokens=pool.page_size, page_tokens=self.cfg.page_tokens,
                            payload={"codes": 0, "scales": 0}, min_group=store.min_group)
-
-    def _page_keep(self, q: torch.Tensor, layer) -> torch.Tensor | None:
-        """bool [R, H, P_max] from the reference selector, or None when every page is read."""
-        st = self.step
-        if not st.select_reqs:
-            return None
-        pps = self.pool.page_size // self.cfg.page_tokens
-        p_max = max(len(p) for p in st.row_pages) * pps
-        keep = torch.zeros(len(st.row_pages), self.pool.head_num, max(p_max, 1), dtype=torch.bool,
-                           device=q.device)
-        rows_of: dict[int, list[int]] = {}
-        for r, i in enumerate(st.row_req.tolist()):
-            rows_of.setdefault(i, []).append(r)
-        for i, rows in rows_of.items():
-            sel = None
-            if i in st.select_reqs:
-                view = self.pool.layer_view(layer.layer_id, st.slots[i])
-                sel = select_keep(q[i:i + 1], view, self.cfg.select, self.cfg.page_tokens,
-                                  sm_scale=layer.scaling)
-            start = 0
-            for r in rows:
-                n = len(st.row_pages[r]) * pps
-                keep[r, :, :n] = True if sel is None else sel[0, :, start:start + n]
-                start += n
-        return keep

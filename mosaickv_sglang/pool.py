@@ -104,7 +104,8 @@ class MosaicKVPool(MHATokenToKVPool):
         self.decode_path = None  # the backend's PackedDecode when decode runs on the kernels
         self.store = SegmentStore(self.layer_num, self.num_logical_pages, self.head_num,
                                   self.head_dim, page_size, mosaic_config.page_tokens, self.cands,
-                                  self.device)
+                                  self.device, mosaic_config.select.meta_channels
+                                  if mosaic_config.select.enabled else None)
         # daemon state: page generations, pages submitted (page -> job; None: deferred), pages
         # waiting for the bases their block's first page is getting (first -> (pos, page, gen))
         self.page_gen = [0] * (self.num_logical_pages + 1)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from mosaickv_kernels.page_select import PackedPageMeta
+
 from .codec.arena import ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout
 from .codec.layer import Candidates, Segment
 from .codec.strategies.band import Band
@@ -28,7 +30,7 @@ def packable(seg: Segment, page_tokens: int) -> bool:
 
 class SegmentStore:
     def __init__(self, layers: int, pages: int, heads: int, head_dim: int, segment_tokens: int,
-                 page_tokens: int, cands: Candidates, device):
+                 page_tokens: int, cands: Candidates, device, meta_channels: int | None):
         self.heads, self.head_dim, self.device = heads, head_dim, device
         self.segment_tokens, self.page_tokens = segment_tokens, page_tokens
         bands = [s for s in cands.k + cands.v + cands.sink if isinstance(s, Band) and s.rot]
@@ -49,6 +51,17 @@ class SegmentStore:
         self._plans: list[torch.Tensor] = []
         self.plans = torch.zeros(1, 2, len(PLAN_FIELDS), head_dim, dtype=torch.int32, device=device)
         self.min_group = segment_tokens
+        # Page-selection metadata per layer, indexed by logical page like the headers (the GPU
+        # selector reads it by segment id); None when selection is off.
+        self.meta = None
+        if meta_channels is not None:
+            m, pps = min(meta_channels, head_dim), segment_tokens // page_tokens
+            self.meta = [PackedPageMeta(
+                torch.zeros(pages + 1, heads, m, dtype=torch.int32, device=device),
+                torch.zeros(pages + 1, heads, pps, m, dtype=torch.float16, device=device),
+                torch.zeros(pages + 1, heads, pps, m, dtype=torch.float16, device=device),
+                torch.zeros(pages + 1, heads, pps, dtype=torch.float16, device=device))
+                for _ in range(layers)]
 
     # ---- install / release ----------------------------------------------------------------
     def install(self, layer: int, page: int, seg: Segment) -> bool:
@@ -73,6 +86,15 @@ class SegmentStore:
             self.plans = torch.stack(self._plans).to(self.device)
             self.min_group = min(self.min_group, lay.k.group, lay.v.group)
         self.headers[layer][page] = lay.header(base, self.layouts[lay.key()]).to(self.device)
+        if self.meta is not None:
+            if seg.pages is None or not seg.pages_rotated:
+                raise ValueError("SegmentStore: selection is on but a band segment came without "
+                                 "page metadata in its K basis")
+            table = self.meta[layer]
+            table.channels[page] = seg.pages.channels.to(torch.int32)
+            for name in ("lo", "hi", "rest_norm"):
+                getattr(table, name)[page] = getattr(seg.pages, name)
+                setattr(seg.pages, name, getattr(table, name)[page])  # one copy: a view
         self.packed[layer, page] = True
         self.blocks[(layer, page)] = (base, size)
         self.live_bytes += size
@@ -110,5 +132,6 @@ class SegmentStore:
     # ---- accounting ---------------------------------------------------------------------
     def reserved_bytes(self) -> int:
         """Physical bytes this store allocated (arenas, header tables, layout plans)."""
+        meta = sum(m.nbytes() for m in self.meta) if self.meta is not None else 0
         return sum(t.numel() * t.element_size() for t in self.data + self.headers) + \
-            self.plans.numel() * self.plans.element_size()
+            self.plans.numel() * self.plans.element_size() + meta

@@ -108,17 +108,6 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
     return out, info, probs
 
 
-def select_keep(q: torch.Tensor, layer: CompressedLayer, select: SelectionConfig | None,
-                page_tokens: int, sm_scale: float | None = None) -> torch.Tensor | None:
-    """The page keep mask decode_attention uses for q [Nq, Hq, D] (None: every page is read);
-    the packed kernels' callers use it so both paths read exactly the same pages."""
-    nq, hq, _ = q.shape
-    h = layer.hot_k.shape[0]
-    qh = _grouped_queries(q, h, sm_scale)
-    q_in = [rotate_query(qh, inverse(b)) for b in layer.k_bases]
-    return _select(qh, q_in, layer, select, page_tokens, nq, hq // h)
-
-
 def _grouped_queries(q: torch.Tensor, h: int, sm_scale: float | None) -> torch.Tensor:
     """q [Nq, Hq, D] -> scaled float32 [H, Nq*G, D]: the query axis rides along the GQA group."""
     nq, hq, d = q.shape
