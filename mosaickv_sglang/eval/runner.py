@@ -144,7 +144,8 @@ def run_prompts(url: str, system: str, system_fp: str, prompts: list[Prompt], st
     if not todo:
         return counts
     bar = tqdm(total=len(todo), desc=system, unit="prompt", disable=not progress, smoothing=0.1)
-    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+    pool = ThreadPoolExecutor(max(1, concurrency))
+    try:
         futures = [pool.submit(run_sample, url, system, system_fp, p, retries, timeout,
                                context_len) for p in todo]
         for fut in as_completed(futures):
@@ -155,5 +156,8 @@ def run_prompts(url: str, system: str, system_fp: str, prompts: list[Prompt], st
                 bar.write(f"[{system}] {rec['task']}@{rec['length']}#{rec['index']} failed after "
                           f"{rec['attempts']} attempts: {rec['error']}")
             bar.update(1)
+    finally:
+        # on Ctrl-C, do not wait for requests in flight: the caller stops the server, which ends them
+        pool.shutdown(wait=False, cancel_futures=True)
     bar.close()
     return counts
