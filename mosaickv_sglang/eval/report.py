@@ -35,7 +35,8 @@ def summarize(prompts: list[Prompt], systems: list, store, fingerprints: dict[st
             got = [(p, r) for p, r in pairs if r is not None]
             missing += len(pairs) - len(got)
             mismatched += sum(r["prompt_tokens"] != r["expected_prompt_tokens"] for _, r in got)
-            clamped += sum(r["max_new_tokens"] < p.max_new_tokens for p, r in got)
+            clamped += sum(r.get("max_new_tokens", p.max_new_tokens) < p.max_new_tokens
+                           for p, r in got)
             scores[c] = {"score": _mean([r["score"] for _, r in got]), "n": len(got),
                          "missing": len(pairs) - len(got)}
         stats = (record or {}).get("mosaickv")
