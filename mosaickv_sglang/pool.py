@@ -103,9 +103,10 @@ class MosaicKVPool(MHATokenToKVPool):
         self.dense = parse_strategy("dense:val=fp32" if self.dtype == torch.float32 else "dense")
         self.decode_path = None  # the backend's PackedDecode when decode runs on the kernels
         self.store = SegmentStore(self.layer_num, self.num_logical_pages, self.head_num,
-                                  self.head_dim, page_size, mosaic_config.page_tokens, self.cands,
+                                  self.head_dim, page_size, mosaic_config.page_tokens,
                                   self.device, mosaic_config.select.meta_channels
-                                  if mosaic_config.select.enabled else None)
+                                  if mosaic_config.select.enabled else None,
+                                  self.arena_budget_bytes // self.layer_num)
         # daemon state: page generations, pages submitted (page -> job; None: deferred), pages
         # waiting for the bases their block's first page is getting (first -> (pos, page, gen))
         self.page_gen = [0] * (self.num_logical_pages + 1)
@@ -456,5 +457,6 @@ class MosaicKVPool(MHATokenToKVPool):
                               "live_block_bytes": self.store.live_bytes,
                               "packed_segments": int(self.store.packed.sum()),
                               "unpacked_segments": len(self.sealed) * self.layer_num
-                              - int(self.store.packed.sum())},
+                              - int(self.store.packed.sum()),
+                              "arena_full_segments": self.store.arena_full},
         }

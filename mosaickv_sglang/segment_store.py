@@ -6,10 +6,10 @@ out as `codec.arena.BlockLayout` says, then points the segment's tensors at view
 the bytes exist once, and the torch codec (CPU decode, prefill decompression, tests) reads the
 same memory as the kernel. Headers sit in a per-layer table indexed by logical page, so a
 request's segment list is just its page ids. Blocks come from per-size free lists and a bump
-pointer (block sizes differ by layout); the arena is reserved at start-up for the worst layout
-on every logical page, so it cannot run out unless frees fragment it across sizes (then a clear
-error). Segments the kernel cannot read (not `band` in the SVD basis, e.g. a dense fallback) stay
-in their own tensors and are flagged unpacked; their requests decode on the reference path.
+pointer (block sizes differ by layout); each layer's arena is the share of the packed-byte budget
+the pool was sized with at start-up (`capacity_bytes`). Segments the kernel cannot read (not
+`band` in the SVD basis, e.g. a dense fallback), or that find the arena full, stay in their own
+tensors and are flagged unpacked (counted); their requests decode on the reference path.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from mosaickv_kernels.page_select import PackedPageMeta
 
 from .codec.arena import ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout
-from .codec.layer import Candidates, Segment
+from .codec.layer import Segment
 from .codec.strategies.band import Band
 
 
@@ -30,13 +30,11 @@ def packable(seg: Segment, page_tokens: int) -> bool:
 
 class SegmentStore:
     def __init__(self, layers: int, pages: int, heads: int, head_dim: int, segment_tokens: int,
-                 page_tokens: int, cands: Candidates, device, meta_channels: int | None):
+                 page_tokens: int, device, meta_channels: int | None, capacity_bytes: int):
         self.heads, self.head_dim, self.device = heads, head_dim, device
         self.segment_tokens, self.page_tokens = segment_tokens, page_tokens
-        bands = [s for s in cands.k + cands.v + cands.sink if isinstance(s, Band) and s.rot]
-        worst = max((BlockLayout.of(a, b, segment_tokens, head_dim).head_bytes
-                     for a in bands for b in bands), default=0)
-        self.capacity = heads * worst * pages  # bytes per layer
+        self.capacity = capacity_bytes // ALIGN * ALIGN  # bytes per layer
+        self.arena_full = 0  # segments left unpacked because the arena had no room
         # Uninitialized: only installed blocks are ever read (and CPU pages stay uncommitted).
         self.data = [torch.empty(max(self.capacity, ALIGN), dtype=torch.uint8, device=device)
                      for _ in range(layers)]
@@ -72,6 +70,9 @@ class SegmentStore:
         lay = BlockLayout.of(seg.k.strategy, seg.v.strategy, seg.tokens, self.head_dim)
         size = self.heads * lay.head_bytes
         base = self._alloc(layer, size)
+        if base is None:
+            self.arena_full += 1
+            return False
         block = self.data[layer][base:base + size].view(self.heads, lay.head_bytes)
         for kind, choice in (("k", seg.k), ("v", seg.v)):
             for name, t in list(choice.encoded.tensors.items()):
@@ -116,16 +117,13 @@ class SegmentStore:
         self.packed.zero_()
         self.live_bytes = 0
 
-    def _alloc(self, layer: int, size: int) -> int:
+    def _alloc(self, layer: int, size: int) -> int | None:
         bases = self.free[layer].get(size)
         if bases:
             return bases.pop()
         base = self.top[layer]
         if base + size > self.capacity:
-            raise RuntimeError(
-                f"MosaicKV segment arena of layer {layer} is fragmented: {base + size} > "
-                f"{self.capacity} bytes although live blocks fit the start-up sizing; restart "
-                "with fewer distinct band candidates")
+            return None
         self.top[layer] = base + size
         return base
 
