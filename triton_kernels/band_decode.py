@@ -150,6 +150,9 @@ def _band_decode_stage1(
     KC: tl.constexpr, VC: tl.constexpr,  # column of K's / V's fields (arena.KIND_FIELDS order)
     K8: tl.constexpr, K4: tl.constexpr, K2: tl.constexpr,  # band widths (channels) this launch
     V8: tl.constexpr, V4: tl.constexpr, V2: tl.constexpr,  # reads; other segments are skipped
+    WK8: tl.constexpr, WK4: tl.constexpr, WK2: tl.constexpr,  # tile widths: max(16, pow2 >= band)
+    WV8: tl.constexpr, WV4: tl.constexpr, WV2: tl.constexpr,  # (host-computed: Triton 3.6 jit
+    # cannot call triton.next_power_of_2)
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SELECT: tl.constexpr,
     EXACT: tl.constexpr, EMULATE: tl.constexpr,
 ):
@@ -164,12 +167,6 @@ def _band_decode_stage1(
     offs_n = tl.arange(0, BLOCK_N)
     mask_g = offs_g < G
     bh = b * H + h
-    WK8: tl.constexpr = max(16, triton.next_power_of_2(K8))
-    WK4: tl.constexpr = max(16, triton.next_power_of_2(K4))
-    WK2: tl.constexpr = max(16, triton.next_power_of_2(K2))
-    WV8: tl.constexpr = max(16, triton.next_power_of_2(V8))
-    WV4: tl.constexpr = max(16, triton.next_power_of_2(V4))
-    WV2: tl.constexpr = max(16, triton.next_power_of_2(V2))
     # q of each K band (channels [start, start + width) of the K basis).
     q_rows = Q + (bh * G + offs_g[:, None]) * D
     q8 = tl.load(q_rows + tl.arange(0, WK8)[None, :],
@@ -308,6 +305,11 @@ def _band_decode_stage2(
     tl.store(O_HOT + row[:, None] * D + offs_d[None, :], hot * (w_hot * inv)[:, None],
              mask=mask_gd)
     tl.store(LSE + row, m_ref + tl.log(l_tot), mask=mask_g)
+
+
+def _tile_width(channels: int) -> int:
+    """Columns of a band's register tile: a power of two, at least the 16 a tl.dot needs."""
+    return max(16, triton.next_power_of_2(channels))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -493,6 +495,8 @@ class BandDecodeWrapper:
                 G=g, D=d, BLOCK_N=PAGE_TOKENS if sel is not None else self.block_n,
                 HDR_W=HEADER_WIDTH, BASE_COL=HDR["base16"], STRIDE_COL=HDR["head_stride"],
                 KC=HDR["k_b8"], VC=HDR["v_b8"], K8=k8, K4=k4, K2=k2, V8=v8, V4=v4, V2=v2,
+                **{f"W{name}": _tile_width(n) for name, n in
+                   (("K8", k8), ("K4", k4), ("K2", k2), ("V8", v8), ("V4", v4), ("V2", v2))},
                 BLOCK_G=max(16, triton.next_power_of_2(g)),
                 BLOCK_D=max(16, triton.next_power_of_2(d)), HAS_SELECT=sel is not None,
                 EXACT=self.exact, EMULATE=emulate, num_warps=self.num_warps,
