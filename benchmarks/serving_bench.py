@@ -97,6 +97,11 @@ def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int)
             "tokens": [len(r["stamps"]) for r in recs]}
 
 
+def save(path: Path, results: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path)
@@ -147,13 +152,13 @@ def main() -> None:
                         states = info.get("internal_states", [{}])[0]
                         row["mosaickv"] = states.get("mosaickv")
                         results.append(row)
+                        save(args.json, results)  # partial results survive a time limit
                         print(f"[{system}] ctx {ctx} batch {b}: {row['decode_tok_s']:.1f} tok/s, "
                               f"ITL p50 {row['itl_ms_p50']:.1f} ms", flush=True)
         except Exception as exc:  # reported, never dropped: the other systems still run
             results.append({"system": system, "error": repr(exc)[-2000:]})
             print(f"[{system}] FAILED: {exc!r}"[-2000:], flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=1))
+    save(args.json, results)
     print(f"\n{'system':<10}{'ctx':>7}{'batch':>6}{'TTFT p50 s':>11}{'decode tok/s':>13}"
           f"{'ITL p50 ms':>11}{'ITL p99 ms':>11}{'capacity':>10}{'ratio':>7}")
     for r in results:
