@@ -17,10 +17,7 @@ An archive larger than the transfer limit minus the margin left for the project 
 from __future__ import annotations
 
 import argparse
-import fnmatch
-import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +25,8 @@ import tarfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from mosaickv_sglang.assets.wheels import sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 LOCK = REPO / "scripts" / "device_bundle.lock"
@@ -133,14 +132,6 @@ def wheel_project(filename: str) -> tuple[str, str]:
     return normalize(name), version
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def read_lock(path: Path = LOCK) -> dict[str, str]:
     """sha256sum format: '<sha256>  <wheel file>' per line; '#' lines are comments."""
     out = {}
@@ -194,7 +185,7 @@ def download(packages, wheel_dir: Path) -> None:
 def verify(wheels: dict[str, Path], lock: dict[str, str], update: bool) -> dict[str, str]:
     """sha256 of each wheel; a mismatch with the lock is an error, so is a wheel not in it
     (unless update). Returns file name -> sha256."""
-    shas = {p.name: sha256_of(p) for p in wheels.values()}
+    shas = {p.name: sha256_file(p) for p in wheels.values()}
     bad = {n: (lock[n], s) for n, s in shas.items() if n in lock and lock[n] != s}
     if bad and not update:
         raise SystemExit(f"device_bundle: sha256 mismatch against {LOCK.name} (lock, got): {bad}")
@@ -316,7 +307,7 @@ def build(archive: Archive, wheels: dict[str, Path], out_dir: Path, limit: int) 
     if nbytes > limit:
         out.unlink()
         check_size(archive.name, nbytes, limit)
-    return Built(archive, out, nbytes, sha256_of(out), installed, removed)
+    return Built(archive, out, nbytes, sha256_file(out), installed, removed)
 
 
 def main(argv=None) -> int:

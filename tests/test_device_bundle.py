@@ -39,7 +39,7 @@ def test_wheel_name_parsing_and_lock_roundtrip(tmp_path):
 def test_verify_refuses_mismatch_and_unknown(tmp_path):
     w = tmp_path / "zipp-4.1.2-py3-none-any.whl"
     w.write_bytes(b"wheel bytes")
-    sha = db.sha256_of(w)
+    sha = db.sha256_file(w)
     assert db.verify({"zipp": w}, {w.name: sha}, update=False) == {w.name: sha}
     with pytest.raises(SystemExit, match="mismatch"):
         db.verify({"zipp": w}, {w.name: "0" * 64}, update=False)
@@ -75,6 +75,6 @@ def test_size_limit_and_deterministic_archive(tmp_path):
     (stage / "BUNDLE.json").write_text("{}")
     db.write_tar_xz(stage, tmp_path / "a.tar.xz")
     db.write_tar_xz(stage, tmp_path / "b.tar.xz")
-    assert db.sha256_of(tmp_path / "a.tar.xz") == db.sha256_of(tmp_path / "b.tar.xz")
+    assert db.sha256_file(tmp_path / "a.tar.xz") == db.sha256_file(tmp_path / "b.tar.xz")
     with tarfile.open(tmp_path / "a.tar.xz") as tar:
         assert sorted(tar.getnames()) == ["BUNDLE.json", "site/pkg/m.py"]
