@@ -119,6 +119,7 @@ def test_summary_losses_over_competent_cells(server, tmp_path, monkeypatch):
     assert loss["worst_at"] == "qa_1@2048" and loss["worst"] == pytest.approx(200 / 3)
     assert loss["average"] == pytest.approx(100 / 3)
     assert s["systems"]["mosaickv"]["ratio"] == 3.2
+    assert s["systems"]["mosaickv"]["identical_to_dense"] == 100.0  # same records copied
     assert s["systems"]["fp8"] == {**s["systems"]["fp8"], "status": "unsupported",
                                    "reason": "boom: no fp8"}
     md = report.markdown(s)

@@ -62,10 +62,20 @@ def summarize(prompts: list[Prompt], systems: list, store, fingerprints: dict[st
                       for c in competent if entry["scores"][c]["score"] is not None}
             worst = max(losses, key=losses.get) if losses else None
             entry["competent_average"] = _mean([entry["scores"][c]["score"] for c in competent])
+            entry["identical_to_dense"] = _identical_share(prompts, store, name, fingerprints)
             entry["loss"] = {"average": _mean(list(losses.values())),
                              "worst": losses[worst] if worst else None, "worst_at": worst,
                              "per_cell": losses}
     return out
+
+
+def _identical_share(prompts: list[Prompt], store, name: str, fingerprints: dict) -> float | None:
+    """% of samples (all cells) whose greedy prediction is the same text as dense's."""
+    pairs = [(store.done("dense", p, fingerprints["dense"]), store.done(name, p, fingerprints[name]))
+             for p in prompts]
+    pairs = [(d, s) for d, s in pairs if d and s]
+    return 100.0 * sum(d["prediction"] == s["prediction"] for d, s in pairs) / len(pairs) \
+        if pairs else None
 
 
 def _mean(values):
@@ -99,6 +109,7 @@ def markdown(summary: dict) -> str:
         summary_row("avg loss vs dense", lambda e: _fmt(e["loss"]["average"], 2))
         summary_row("worst loss vs dense", lambda e: f"{_fmt(e['loss']['worst'], 1)} "
                     f"({e['loss']['worst_at'] or '-'})")
+        summary_row("% predictions identical to dense", lambda e: _fmt(e["identical_to_dense"], 0))
     summary_row("physical ratio vs bf16", lambda e: f"{_fmt(e['ratio'], 2)}"
                 + ("" if e["ratio_source"].startswith("measured") else " (nominal)"))
     summary_row("status", lambda e: e["status"])
