@@ -44,3 +44,21 @@ def test_ruler_cli_dense_vs_mosaickv_with_dsl(tmp_path, monkeypatch):
     monkeypatch.setattr(ruler, "running_server", no_server)
     assert ruler.main(argv) == 0
     assert json.loads(out.read_text())["systems"]["mosaickv"]["scores"] == mosaic["scores"]
+
+
+def test_a_system_whose_server_cannot_start_is_reported_unsupported(tmp_path):
+    """The server's own error line becomes the system's status; nothing is silently skipped."""
+    from types import SimpleNamespace
+
+    from mosaickv_sglang.eval.runner import ResultStore
+    from mosaickv_sglang.eval.systems import System
+
+    bad = System("bogus", "a KV dtype SGLang does not know", kv_backend="default",
+                 extra_args=("--kv-cache-dtype", "fp3"), nominal_ratio=5.0)
+    store = ResultStore(tmp_path / "r.jsonl")
+    args = SimpleNamespace(model=SMOLLM2, startup_s=300, concurrency=1, retries=0, timeout=60,
+                           no_progress=True)
+    ruler.run_system(bad, [], [], store, "fp", args, bad.server_args(), tmp_path / "logs")
+    rec = store.system_record("bogus", "fp")
+    assert rec["kind"] == "unsupported"
+    assert "--kv-cache-dtype" in rec["reason"] and "fp3" in rec["reason"], rec["reason"]
