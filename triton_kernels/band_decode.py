@@ -94,6 +94,18 @@ def _band_load(U8, F16, hdr, tok, grp, CODES_COL: tl.constexpr, SCALE_COL: tl.co
 
 
 @triton.jit
+def _kind_load(U8, F16, hdr, tok, grp, COL: tl.constexpr, B8: tl.constexpr, B4: tl.constexpr,
+               B2: tl.constexpr, W8: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr,
+               EXACT: tl.constexpr):
+    """The 8-, 4- and 2-bit bands of one kind (K or V; its header fields start at COL, in
+    arena.KIND_FIELDS order): (codes, scale, zero) of each, via `_band_load`."""
+    c8, s8, z8 = _band_load(U8, F16, hdr, tok, grp, COL + 4, COL + 7, COL + 8, B8, 8, W8, EXACT)
+    c4, s4, z4 = _band_load(U8, F16, hdr, tok, grp, COL + 5, COL + 9, COL + 10, B4, 4, W4, EXACT)
+    c2, s2, z2 = _band_load(U8, F16, hdr, tok, grp, COL + 6, COL + 11, COL + 12, B2, 2, W2, EXACT)
+    return c8, s8, z8, c4, s4, z4, c2, s2, z2
+
+
+@triton.jit
 def _score_band(q_band, codes, sc, zr, EXACT: tl.constexpr, EMULATE: tl.constexpr):
     """q . k over one K band -> [G, N]: exact, (q * scale) . codes + q . zero on the integer
     codes; else one fp16 MMA on the dequantized tile (`_band_load`)."""
@@ -212,19 +224,11 @@ def _band_decode_stage1(
             tok = tok0 + offs_n
             kgrp = tok0 // tl.load(hdr + KC + 3)
             vgrp = tok0 // tl.load(hdr + VC + 3)
-            kc8, ks8, kz8 = _band_load(u8, f16, hdr, tok, kgrp, KC + 4, KC + 7, KC + 8, K8, 8,
-                                       WK8, EXACT)
-            kc4, ks4, kz4 = _band_load(u8, f16, hdr, tok, kgrp, KC + 5, KC + 9, KC + 10, K4, 4,
-                                       WK4, EXACT)
-            kc2, ks2, kz2 = _band_load(u8, f16, hdr, tok, kgrp, KC + 6, KC + 11, KC + 12, K2, 2,
-                                       WK2, EXACT)
+            kc8, ks8, kz8, kc4, ks4, kz4, kc2, ks2, kz2 = _kind_load(
+                u8, f16, hdr, tok, kgrp, KC, K8, K4, K2, WK8, WK4, WK2, EXACT)
             if HAS_SELECT:  # V tiles in flight during the scores (fewer registers here)
-                vc8, vs8, vz8 = _band_load(u8, f16, hdr, tok, vgrp, VC + 4, VC + 7, VC + 8, V8,
-                                           8, WV8, EXACT)
-                vc4, vs4, vz4 = _band_load(u8, f16, hdr, tok, vgrp, VC + 5, VC + 9, VC + 10, V4,
-                                           4, WV4, EXACT)
-                vc2, vs2, vz2 = _band_load(u8, f16, hdr, tok, vgrp, VC + 6, VC + 11, VC + 12, V2,
-                                           2, WV2, EXACT)
+                vc8, vs8, vz8, vc4, vs4, vz4, vc2, vs2, vz2 = _kind_load(
+                    u8, f16, hdr, tok, vgrp, VC, V8, V4, V2, WV8, WV4, WV2, EXACT)
             s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
             if K8 > 0:
                 s += _score_band(q8, kc8, ks8, kz8, EXACT, EMULATE)
@@ -237,12 +241,8 @@ def _band_decode_stage1(
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
             if not HAS_SELECT:  # blocks of 64/128 tokens: V after p (fewer registers)
-                vc8, vs8, vz8 = _band_load(u8, f16, hdr, tok, vgrp, VC + 4, VC + 7, VC + 8, V8,
-                                           8, WV8, EXACT)
-                vc4, vs4, vz4 = _band_load(u8, f16, hdr, tok, vgrp, VC + 5, VC + 9, VC + 10, V4,
-                                           4, WV4, EXACT)
-                vc2, vs2, vz2 = _band_load(u8, f16, hdr, tok, vgrp, VC + 6, VC + 11, VC + 12, V2,
-                                           2, WV2, EXACT)
+                vc8, vs8, vz8, vc4, vs4, vz4, vc2, vs2, vz2 = _kind_load(
+                    u8, f16, hdr, tok, vgrp, VC, V8, V4, V2, WV8, WV4, WV2, EXACT)
             if V8 > 0:
                 acc8 = acc8 * alpha[:, None] + _pv_band(p, vc8, vs8, vz8, EXACT, EMULATE)
             if V4 > 0:
