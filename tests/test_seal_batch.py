@@ -51,11 +51,14 @@ def test_batched_sealing_equals_one_by_one(sink):
 def test_fallback_applies_only_to_segments_over_budget():
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     x = torch.randn(4, H, S, D, generator=gen)
-    x[1] *= torch.randn(S, D, generator=gen).mul(3).exp()  # only segment 1 is outlier-heavy
+    x[1] *= torch.randn(S, D, generator=gen).exp()  # one heavy-tailed segment
     cands = Candidates.from_config(MosaicConfig(k_candidates=["lowbit:bits=2,group=32"]))
-    budget = 0.5 * (0.3 + 0.6)  # between the clean and the outlier segments' 2-bit errors
+    errs = [c.error for c in _choose_batch(x, x, "k", cands.k, float("inf"), "within-budget",
+                                           DENSE)[0]]
+    worst = max(range(4), key=errs.__getitem__)
+    budget = (max(errs) + sorted(errs)[-2]) / 2  # only the worst segment misses it
     choices, _ = _choose_batch(x, x, "k", cands.k, budget, "within-budget", DENSE)
-    errs = [c.error for c in choices]
-    over = [c.reason == "over-budget" for c in choices]
-    assert over[1] and not any(over[i] for i in (0, 2, 3)), (errs, over)
-    assert choices[1].strategy.name == "dense" and choices[0].strategy.name == "lowbit"
+    assert [c.reason == "over-budget" for c in choices] == [i == worst for i in range(4)], errs
+    assert [c.strategy.name for c in choices] == ["dense" if i == worst else "lowbit"
+                                                  for i in range(4)]
+    assert choices[worst].error < 0.01  # the dense (bf16) fallback: rounding error only
