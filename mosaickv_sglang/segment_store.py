@@ -17,7 +17,7 @@ import torch
 
 from mosaickv_kernels.page_select import PackedPageMeta
 
-from .codec.arena import ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout
+from .codec.arena import ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout, write_block
 from .codec.layer import Segment
 from .codec.strategies.band import Band
 
@@ -74,13 +74,8 @@ class SegmentStore:
             self.arena_full += 1
             return False
         block = self.data[layer][base:base + size].view(self.heads, lay.head_bytes)
-        for kind, choice in (("k", seg.k), ("v", seg.v)):
-            for name, t in list(choice.encoded.tensors.items()):
-                key = f"{kind}.{name}"
-                off, n = lay.offsets[key], lay.sizes[key]
-                part = block[:, off:off + n]
-                part.copy_(t.contiguous().view(torch.uint8).reshape(self.heads, n))
-                choice.encoded.tensors[name] = part.view(t.dtype).view(t.shape)
+        for (kind, name), view in write_block(block, lay, seg).items():
+            (seg.k if kind == "k" else seg.v).encoded.tensors[name] = view
         if lay.key() not in self.layouts:
             self.layouts[lay.key()] = len(self._plans)
             self._plans.append(lay.channel_plan())

@@ -207,6 +207,28 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def write_block(block: torch.Tensor, lay: BlockLayout, seg) -> dict[tuple[str, str], torch.Tensor]:
+    """Copy a segment's K and V band tensors into its (segment, head) blocks `block` (uint8
+    [H, lay.head_bytes]) at the layout's offsets; returns, per (kind, name), a view of the copy
+    with the original tensor's dtype and shape. Shared by `pack_layer` and the serving store."""
+    h = block.shape[0]
+    views = {}
+    for kind, choice in (("k", seg.k), ("v", seg.v)):
+        for name, t in choice.encoded.tensors.items():
+            want = torch.uint8 if name.startswith("codes") else SCALE_DTYPE
+            if t.dtype != want:
+                raise ValueError(f"pack_layer: {kind}.{name} is {t.dtype}, expected {want}")
+            flat = t.contiguous().view(torch.uint8).reshape(h, -1)
+            key = f"{kind}.{name}"
+            if flat.shape[1] != lay.sizes[key]:
+                raise ValueError(f"pack_layer: {key} holds {flat.shape[1]} bytes per head, "
+                                 f"layout expects {lay.sizes[key]}")
+            part = block[:, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]]
+            part.copy_(flat)
+            views[kind, name] = part.view(t.dtype).view(t.shape)
+    return views
+
+
 def _check_segment(i: int, b: int, seg, page_tokens: int, basis: int) -> tuple[Band, Band]:
     where = f"request {b}, segment {i} (tokens {seg.start}..{seg.start + seg.tokens})"
     bands = []
@@ -284,19 +306,7 @@ def pack_layer(layers: list[CompressedLayer], page_tokens: int = 32) -> PackedAr
         codes, scales = lay.payload_bytes()
         payload["codes"] += h * codes
         payload["scales"] += h * scales
-        for kind, choice in (("k", seg.k), ("v", seg.v)):
-            for name, t in choice.encoded.tensors.items():
-                want = torch.uint8 if name.startswith("codes") else SCALE_DTYPE
-                if t.dtype != want:
-                    raise ValueError(f"pack_layer: {kind}.{name} is {t.dtype}, expected {want}")
-                flat = t.contiguous().view(torch.uint8).reshape(h, -1)
-                key = f"{kind}.{name}"
-                if flat.shape[1] != lay.sizes[key]:
-                    raise ValueError(f"pack_layer: {key} holds {flat.shape[1]} bytes per head, "
-                                     f"layout expects {lay.sizes[key]}")
-                off = lay.offsets[key]
-                block = data[base:base + h * lay.head_bytes].view(h, lay.head_bytes)
-                block[:, off:off + lay.sizes[key]] = flat
+        write_block(data[base:base + h * lay.head_bytes].view(h, lay.head_bytes), lay, seg)
 
     counts = torch.tensor([len(layer.segments) for layer in layers], dtype=torch.int32)
     seg_indptr = torch.zeros(len(layers) + 1, dtype=torch.int32)
