@@ -83,6 +83,10 @@ class MosaicConfig:
     # "auto" (triton on CUDA, reference elsewhere). Segments the kernel cannot read (a dense
     # fallback, a non-band sink) send their request through the reference path, counted.
     decode_kernel: str = "auto"
+    # Profiling: every Nth decode step on the kernels is timed phase by phase (host plan, bases,
+    # hot gather, selection, kernels, merge) with a device sync between phases; 0 = off. The
+    # syncs slow the sampled steps only; totals are in stats()["decode"]["profile"].
+    decode_profile_every: int = 0
 
     def __post_init__(self):
         if isinstance(self.select, dict):
@@ -125,6 +129,9 @@ class MosaicConfig:
         if self.daemon not in DAEMON_MODES:
             raise ValueError(f"mosaickv config: daemon={self.daemon!r}; choose one of "
                              f"{DAEMON_MODES}")
+        if not isinstance(self.decode_profile_every, int) or self.decode_profile_every < 0:
+            raise ValueError(f"mosaickv config: decode_profile_every={self.decode_profile_every!r} "
+                             "must be an int >= 0")
         for key in ("daemon_workers", "daemon_threads", "daemon_queue_segments"):
             if getattr(self, key) < 1:
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 1")

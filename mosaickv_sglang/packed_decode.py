@@ -1,18 +1,22 @@
 """Batched decode attention through the packed Triton kernels, over the pool's SegmentStore.
 
-Once per decode step (at the first layer) the batch's structure is read on the host: each
-request's sealed pages (a prefix of its pages), split into *rows* by basis block (the kernel
-rotates q once per row), plus its hot tokens, attached to its last row. Per layer the kernel runs
-over every row of the batch in one launch, reading the arena in place; rows of one request are
-merged with their log-sum-exps. Page selection runs on the device from the store's page metadata
-(`page_select`: bounds, then the top pages per request across its rows), the same rule as the
-reference selector. A request whose sealed pages include a segment the kernel cannot read
-(dense fallback, non-band sink) goes through the reference path, counted and logged once.
+Once per decode step (at the first layer) the batch's structure is read on the host from one
+device->host copy of the page table: each request's sealed pages (a prefix of its pages), split
+into *rows* by basis block (the kernel rotates q once per row), plus its hot tokens, attached to
+its last row. Per layer the kernel runs over every row of the batch in one launch, reading the
+arena in place; rows of one request are merged with their log-sum-exps. Page selection runs on
+the device from the store's page metadata (`page_select`: bounds, then the top pages per request
+across its rows), the same rule as the reference selector. A request whose sealed pages include a
+segment the kernel cannot read (dense fallback, non-band sink) goes through the reference path,
+counted and logged once. Per layer nothing waits on the device: the bases are the stored read
+transforms (no inverse, see codec/basis.py) and every index tensor is built once per step.
 """
 from __future__ import annotations
 
 import logging
 import os
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +26,7 @@ from mosaickv_kernels.page_select import RowSelection
 
 from .codec.arena import PackedArena
 from .codec.attention import decode_attention
-from .codec.basis import inverse
+from .codec.basis import BASIS_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +34,50 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepPlan:
     """Host-side structure of one decode batch, shared by every layer of the step."""
-    kernel_reqs: list[int]  # batch indices decoded by the kernel
-    reference_reqs: list[int]  # batch indices decoded by the torch reference (unpacked pages)
-    slots: list[torch.Tensor]  # per batch index: its slots, position order
-    row_req: torch.Tensor  # int64 [R]: batch index of each row
-    row_bases: list  # per row: the BasisPair of its pages (None: no pages)
-    row_pages: list[list[int]]  # per row: logical pages, position order
+    kernel_reqs: torch.Tensor  # int64 [K] (device): batch indices decoded by the kernel
+    reference_slots: dict[int, torch.Tensor]  # batch index -> its slots, for the torch reference
+    row_req: torch.Tensor  # int64 [R] (device): batch index of each row
+    blocks: list  # the BasisPairs of this step's rows, each once
+    row_block: torch.Tensor  # int64 [R] (device): index into blocks (len(blocks): identity)
     seg_indptr: torch.Tensor  # int32 [R+1]
     seg_ids: torch.Tensor  # int32 [sum pages]
     hot_index: torch.Tensor  # int64 [R, T_max]: hot-buffer rows (padding -> row 0)
     hot_lens: torch.Tensor  # int32 [R]
-    select_reqs: list[int]  # kernel requests whose pages exceed the selection budget
     rows: RowSelection | None  # the selector's row layout, when some request needs selection
     merge: bool  # some request spans several rows
+
+
+class PhaseTimer:
+    """Wall time per decode phase on sampled steps, the device synced at each phase boundary
+    (`decode_profile_every`); off, it costs one attribute check per phase."""
+
+    def __init__(self, every: int, device):
+        self.every, self.device = every, torch.device(device)
+        self.steps, self.sampled = 0, 0
+        self.ms: dict[str, float] = defaultdict(float)
+        self.on, self._t = False, 0.0
+
+    def step(self) -> None:
+        self.steps += 1
+        self.on = bool(self.every) and self.steps % self.every == 0
+        self.sampled += self.on
+        if self.on:
+            self._t = self._now()
+
+    def lap(self, phase: str) -> None:
+        if self.on:
+            now = self._now()
+            self.ms[phase] += (now - self._t) * 1e3
+            self._t = now
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def report(self) -> dict:
+        per = {k: round(v / self.sampled, 4) for k, v in self.ms.items()} if self.sampled else {}
+        return {"sampled_steps": self.sampled, "every": self.every, "ms_per_step": per}
 
 
 class PackedDecode:
@@ -63,78 +98,100 @@ class PackedDecode:
         self.sink_pages, self.recent_pages = -(-sel.sink_tokens // pt), -(-sel.recent_tokens // pt)
         self.kernel_requests = 0  # request-steps decoded by the kernel
         self.reference_requests = 0  # request-steps sent to the reference path (unpacked pages)
+        self.timer = PhaseTimer(self.cfg.decode_profile_every, pool.device)
+        h, d = pool.head_num, pool.head_dim
+        self.eye = torch.eye(d, dtype=BASIS_DTYPE, device=pool.device).expand(h, d, d)
 
     # ---- per step ----------------------------------------------------------------------
     def begin(self, forward_batch, req_to_token) -> None:
+        self.timer.step()
         pool, ps = self.pool, self.pool.page_size
-        kernel_reqs, reference_reqs, slots_of = [], [], []
-        row_req, row_bases, row_pages, hot_rows, select_reqs = [], [], [], [], []
-        for i in range(forward_batch.batch_size):
-            rid = int(forward_batch.req_pool_indices[i])
-            seq_len = int(forward_batch.seq_lens[i])
-            slots = req_to_token[rid, :seq_len]
-            slots_of.append(slots)
-            pages = (slots[::ps] // ps).tolist()
+        bsz = forward_batch.batch_size
+        lens = getattr(forward_batch, "seq_lens_cpu", None)
+        seq_lens = (forward_batch.seq_lens.cpu() if lens is None else lens).tolist()[:bsz]
+        # One device->host copy: the first slot of every page of every request.
+        page_slots = req_to_token[forward_batch.req_pool_indices[:bsz], :max(seq_lens):ps].cpu()
+        kernel_reqs, reference_slots = [], {}
+        row_req, row_blk, row_pages, hot_rows, needs_select = [], [], [], [], False
+        blk_of: dict[int, int] = {}
+        blocks = []
+        for i, seq_len in enumerate(seq_lens):
+            pages = (page_slots[i, :-(-seq_len // ps)] // ps).tolist()
             n = 0
             while n < len(pages) and pages[n] in pool.sealed:
                 n += 1
             if n and not bool(pool.store.packed[:, pages[:n]].all()):
-                reference_reqs.append(i)
+                rid = int(forward_batch.req_pool_indices[i])
+                reference_slots[i] = req_to_token[rid, :seq_len]
                 continue
             kernel_reqs.append(i)
-            if self.cfg.select.enabled and n * ps > self.cfg.select.budget_tokens:
-                select_reqs.append(i)
+            needs_select |= self.cfg.select.enabled and n * ps > self.cfg.select.budget_tokens
             runs: list[list[int]] = []
             for p in pages[:n]:
                 if runs and pool.sealed[p].bases is pool.sealed[runs[-1][-1]].bases:
                     runs[-1].append(p)
                 else:
                     runs.append([p])
+            hot = pool.hot_page_of[pages[n:]]
+            if bool((hot < 0).any()):
+                raise RuntimeError("MosaicKV: read of a logical page that is neither hot nor sealed")
+            hot = (hot[:, None] * ps + torch.arange(ps)).flatten()[:seq_len - n * ps]
             for r, run in enumerate(runs or [[]]):
                 row_req.append(i)
                 row_pages.append(run)
-                row_bases.append(pool.sealed[run[0]].bases if run else None)
-                last = r == max(len(runs) - 1, 0)
-                hot_rows.append(pool.physical_loc(slots[n * ps:]) if last else slots[:0])
+                if run:
+                    bases = pool.sealed[run[0]].bases
+                    if id(bases) not in blk_of:
+                        blk_of[id(bases)] = len(blocks)
+                        blocks.append(bases)
+                    row_blk.append(blk_of[id(bases)])
+                else:
+                    row_blk.append(-1)  # no pages: the identity, appended after the blocks
+                hot_rows.append(hot if r == max(len(runs) - 1, 0) else hot[:0])
         dev = pool.device
         t_max = max([h.numel() for h in hot_rows] + [1])
-        hot_index = torch.zeros(len(hot_rows), t_max, dtype=torch.long, device=dev)
+        hot_index = torch.zeros(len(hot_rows), t_max, dtype=torch.long)
         for r, h in enumerate(hot_rows):
-            hot_index[r, :h.numel()] = h.to(dev)
-        counts = torch.tensor([len(p) for p in row_pages], dtype=torch.int32)
+            hot_index[r, :h.numel()] = h
         indptr = torch.zeros(len(row_pages) + 1, dtype=torch.int32)
-        indptr[1:] = counts.cumsum(0)
-        self.step = StepPlan(
-            kernel_reqs, reference_reqs, slots_of, torch.tensor(row_req, dtype=torch.long, device=dev),
-            row_bases, row_pages, indptr.to(dev),
-            torch.tensor([p for run in row_pages for p in run], dtype=torch.int32, device=dev),
-            hot_index, torch.tensor([h.numel() for h in hot_rows], dtype=torch.int32, device=dev),
-            select_reqs, None, len(row_req) > len(kernel_reqs))
-        if select_reqs:
+        indptr[1:] = torch.tensor([len(p) for p in row_pages], dtype=torch.int32).cumsum(0)
+        rows = None
+        if needs_select:
             pps = ps // self.cfg.page_tokens
-            self.step.rows = RowSelection(row_req, [len(p) * pps for p in row_pages], dev)
+            rows = RowSelection(row_req, [len(p) * pps for p in row_pages], dev)
+        self.step = StepPlan(
+            torch.tensor(kernel_reqs, dtype=torch.long).to(dev), reference_slots,
+            torch.tensor(row_req, dtype=torch.long).to(dev), blocks,
+            torch.tensor([len(blocks) if b < 0 else b for b in row_blk], dtype=torch.long).to(dev),
+            indptr.to(dev),
+            torch.tensor([p for run in row_pages for p in run], dtype=torch.int32).to(dev),
+            hot_index.to(dev), torch.tensor([h.numel() for h in hot_rows], dtype=torch.int32).to(dev),
+            rows, len(row_req) > len(kernel_reqs))
         self.kernel_requests += len(kernel_reqs)
-        if reference_reqs:
+        if reference_slots:
             if not self.reference_requests:
                 logger.warning("MosaicKV: %d request(s) hold segments the packed kernel cannot read "
                                "(dense fallback or non-band sink): decoded by the torch reference; "
-                               "counted in stats as reference_decode_requests", len(reference_reqs))
-            self.reference_requests += len(reference_reqs)
+                               "counted in stats as reference_decode_requests", len(reference_slots))
+            self.reference_requests += len(reference_slots)
+        self.timer.lap("host_plan")
 
     # ---- per layer ---------------------------------------------------------------------
     def attend(self, q: torch.Tensor, layer, out: torch.Tensor) -> None:
         """q [B, Hq, D] -> writes out [B, Hq, D] for every request of the step."""
-        st, pool = self.step, self.pool
-        for i in st.reference_reqs:
-            view = pool.layer_view(layer.layer_id, st.slots[i])
-            o, _ = decode_attention(q[i:i + 1].float(), view, torch.tensor([len(st.slots[i]) - 1]),
+        st, pool, timer = self.step, self.pool, self.timer
+        for i, slots in st.reference_slots.items():
+            view = pool.layer_view(layer.layer_id, slots)
+            o, _ = decode_attention(q[i:i + 1].float(), view, torch.tensor([len(slots) - 1]),
                                     self.cfg.select, self.cfg.page_tokens, sm_scale=layer.scaling)
             out[i] = o[0].to(out.dtype)
-        if not st.kernel_reqs:
+        timer.lap("reference")
+        if not st.kernel_reqs.numel():
             return
         arena = self._arena(layer.layer_id - pool.start_layer)
         if layer.layer_id == pool.start_layer:
             self.wrapper.plan(arena, q.shape[1], sm_scale=layer.scaling)
+        timer.lap("arena")
         q_rows = q[st.row_req]
         sel = {}
         if st.rows is not None:  # some request exceeds the budget: the GPU selector
@@ -142,9 +199,12 @@ class PackedDecode:
                 q_rows, arena, pool.store.meta[layer.layer_id - pool.start_layer],
                 budget_pages=self.budget_pages, sink_pages=self.sink_pages,
                 recent_pages=self.recent_pages, rows=st.rows)))
+        timer.lap("select")
         o_rows = self.wrapper.run(q_rows, arena, out_dtype=torch.float32, **sel)
+        timer.lap("kernels")
         if not st.merge:
             out[st.row_req] = o_rows.to(out.dtype)
+            timer.lap("merge")
             return
         # Rows of one request: weights softmax(lse) over its rows (empty rows weigh 0).
         hq, d = q.shape[1], q.shape[2]
@@ -157,22 +217,29 @@ class PackedDecode:
         den = torch.zeros(q.shape[0], hq, device=q.device)
         num.index_add_(0, st.row_req, torch.where(w[..., None] > 0, o_rows * w[..., None], 0.0))
         den.index_add_(0, st.row_req, w)
-        idx = torch.tensor(st.kernel_reqs, device=q.device)
+        idx = st.kernel_reqs
         out[idx] = (num[idx] / den[idx, :, None]).to(out.dtype)
+        timer.lap("merge")
 
     def _arena(self, local: int) -> PackedArena:
         st, pool = self.step, self.pool
-        h, d = pool.head_num, pool.head_dim
-        eye = torch.eye(d, device=pool.device).expand(h, d, d)
-        u_k = torch.stack([eye if b is None else b.k[local].float() for b in st.row_bases])
-        u_v = torch.stack([eye if b is None else b.v[local].float() for b in st.row_bases])
-        # The kernel reads q @ k_basis and o_rot @ v_basis^T: the exact inverses' transposes.
-        k_basis = inverse(u_k.reshape(-1, d, d)).transpose(1, 2).reshape(u_k.shape).contiguous()
-        v_basis = inverse(u_v.reshape(-1, d, d)).transpose(1, 2).reshape(u_v.shape).contiguous()
+        # The kernel reads q @ k_basis and o_rot @ v_basis^T, i.e. q R^T and o_rot R with R the
+        # stored read transform: each block's R once, gathered per row, transposed.
+        k_basis = torch.stack([b.k[local] for b in st.blocks] + [self.eye])[st.row_block]
+        v_basis = torch.stack([b.v[local] for b in st.blocks] + [self.eye])[st.row_block]
+        self.timer.lap("bases")
         hot_k = pool.k_buffer[local][st.hot_index].permute(0, 2, 1, 3).contiguous()
         hot_v = pool.v_buffer[local][st.hot_index].permute(0, 2, 1, 3).contiguous()
+        self.timer.lap("hot_gather")
         store = pool.store
         return PackedArena(store.data[local], store.headers[local], st.seg_indptr, st.seg_ids,
-                           k_basis, v_basis, hot_k, hot_v, st.hot_lens, store.plans,
+                           k_basis.float().transpose(-1, -2).contiguous(),
+                           v_basis.float().transpose(-1, -2).contiguous(),
+                           hot_k, hot_v, st.hot_lens, store.plans,
                            segment_tokens=pool.page_size, page_tokens=self.cfg.page_tokens,
                            payload={"codes": 0, "scales": 0}, min_group=store.min_group)
+
+    def stats(self) -> dict:
+        return {"kernel_request_steps": self.kernel_requests,
+                "reference_decode_requests": self.reference_requests,
+                "profile": self.timer.report()}

@@ -31,7 +31,7 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from .codec.basis import inverse, unrotate
+from .codec.basis import unrotate
 from .codec.layer import Candidates, CompressedLayer, segment_bytes
 from .codec.pages import build_page_meta
 from .codec.seal import BasisPair, SealedPage, seal_group, worst_encoded_bytes, worst_page_bytes
@@ -102,6 +102,7 @@ class MosaicKVPool(MHATokenToKVPool):
         # Dense fallback in the cache's own precision, so "dense" is lossless for fp32 caches too.
         self.dense = parse_strategy("dense:val=fp32" if self.dtype == torch.float32 else "dense")
         self.decode_path = None  # the backend's PackedDecode when decode runs on the kernels
+        self._write_map: tuple = (None, None)  # (slots of this forward, their hot-buffer rows)
         self.store = SegmentStore(self.layer_num, self.num_logical_pages, self.head_num,
                                   self.head_dim, page_size, mosaic_config.page_tokens,
                                   self.device, mosaic_config.select.meta_channels
@@ -145,7 +146,12 @@ class MosaicKVPool(MHATokenToKVPool):
 
     def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
         loc, _, _ = unwrap_write_loc(loc_info)
-        phys = self.physical_loc(loc, allocate=layer.layer_id == self.start_layer)
+        # Every layer of a forward writes the same slots: map them once, at the first layer
+        # (which allocates hot pages), and reuse the mapping for the others (no host sync).
+        if layer.layer_id == self.start_layer or self._write_map[0] is not loc:
+            first = layer.layer_id == self.start_layer
+            self._write_map = (loc, self.physical_loc(loc, allocate=first))
+        phys = self._write_map[1]
         super().set_kv_buffer(layer, phys, cache_k, cache_v, *args, **kwargs)
 
     # ---- reads --------------------------------------------------------------------------
@@ -192,9 +198,9 @@ class MosaicKVPool(MHATokenToKVPool):
             k = seg.k.strategy.decode(seg.k.encoded)
             v = seg.v.strategy.decode(seg.v.encoded)
             if seg.k.strategy.rot:
-                k = unrotate(k, inverse(page.bases.k[local]))
+                k = unrotate(k, page.bases.k[local])
             if seg.v.strategy.rot:
-                v = unrotate(v, inverse(page.bases.v[local]))
+                v = unrotate(v, page.bases.v[local])
             ks.append(k)
             vs.append(v)
         ks.append(hot_k.float())
@@ -450,9 +456,7 @@ class MosaicKVPool(MHATokenToKVPool):
             "daemon": self.daemon.stats() if self.daemon is not None else None,
             # The kernel-readable arena: reserved at start-up for the worst layout on every
             # logical page (what the GPU holds) vs the blocks live now (inside arena_bytes).
-            "decode": {} if self.decode_path is None else {
-                "kernel_request_steps": self.decode_path.kernel_requests,
-                "reference_decode_requests": self.decode_path.reference_requests},
+            "decode": {} if self.decode_path is None else self.decode_path.stats(),
             "segment_store": {"reserved_bytes": self.store.reserved_bytes(),
                               "live_block_bytes": self.store.live_bytes,
                               "packed_segments": int(self.store.packed.sum()),

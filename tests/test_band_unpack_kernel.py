@@ -7,7 +7,7 @@ import torch
 
 from mosaickv_kernels.band_unpack import unpack_segments, unpack_segments_reference
 from mosaickv_sglang.codec.arena import pack_layer
-from mosaickv_sglang.codec.basis import inverse, unrotate
+from mosaickv_sglang.codec.basis import unrotate
 
 from conftest import assert_rel_close
 from test_band_decode_kernel import make_layer
@@ -35,7 +35,7 @@ def test_unpack_matches_reference_and_codec(seed):
         seg = layers[b].segments[s]
         for kind, choice, bases, got in (("k", seg.k, layers[b].k_bases, out[0]),
                                          ("v", seg.v, layers[b].v_bases, out[1])):
-            raw = unrotate(choice.strategy.decode(choice.encoded), inverse(bases[seg.basis]))
+            raw = unrotate(choice.strategy.decode(choice.encoded), bases[seg.basis])
             mine = got[i * t:(i + 1) * t].cpu().permute(1, 0, 2)  # [H, T, D]
             assert_rel_close(mine, raw, 1e-4, f"{kind} of segment {i} vs codec", seed)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mosaickv_sglang.codec.attention import decode_attention
-from mosaickv_sglang.codec.basis import BASIS_DTYPE, fit_basis
+from mosaickv_sglang.codec.basis import BASIS_DTYPE, fit_basis, rotate
 from mosaickv_sglang.codec.layer import HEADER_FIELDS, choose, compress_layer, relative_error
 from mosaickv_sglang.codec.strategies import Encoded, parse_strategy, strategy_id
 from mosaickv_sglang.config import MosaicConfig, SelectionConfig
@@ -72,14 +72,14 @@ def hot_positions(nq: int, hot_start: int, t: int) -> torch.Tensor:
 
 def effective_kv(layer):
     """K/V as the attention effectively reads them, in the raw basis (float64): decoded segments
-    (a rotated strategy's reconstruction times U^-1, U the stored bf16 basis) + the hot buffer."""
+    (a rotated strategy's reconstruction times R, the stored bf16 read transform) + the hot buffer."""
     ks, vs = [], []
     for s in layer.segments:
         for kind, out, bases in (("k", ks, layer.k_bases), ("v", vs, layer.v_bases)):
             ch = s.k if kind == "k" else s.v
             x = ch.strategy.decode(ch.encoded).double()
             if ch.strategy.rot:
-                x = x @ torch.linalg.inv(bases[s.basis].double())
+                x = x @ bases[s.basis].double()
             out.append(x)
     ks.append(layer.hot_k.double())
     vs.append(layer.hot_v.double())
@@ -93,12 +93,12 @@ def test_fit_basis_principal_axes(seed):
     k, _ = kv(h, t, d)
     u = fit_basis(k.float())
     assert u.dtype == BASIS_DTYPE and u.shape == (h, d, d)
-    uf = u.float()
-    gram = uf.transpose(1, 2) @ uf
+    uf = u.float()  # the read transform R: rows are the axes
+    gram = uf @ uf.transpose(1, 2)
     # orthonormal to bf16 precision (2^-8 per entry)
     assert float(torch.linalg.matrix_norm(gram - torch.eye(d), ord=2).max()) < 2e-2, repro(seed)
-    # columns sorted by energy: the rotated coordinates' energy is non-increasing (up to bf16)
-    energy = (k.float() @ uf).pow(2).sum(1)  # [H, D]
+    # rows sorted by energy: the rotated coordinates' energy is non-increasing (up to bf16)
+    energy = rotate(k.float(), u).pow(2).sum(1)  # [H, D]
     assert bool((energy[:, 1:] <= energy[:, :-1] * 1.02 + 1e-3).all()), repro(seed)
     # uncentred: the first axis carries the largest raw second moment (offsets included)
     top = torch.linalg.eigvalsh(k.float().transpose(1, 2) @ k.float())[:, -1]
@@ -106,7 +106,7 @@ def test_fit_basis_principal_axes(seed):
 
 
 def test_rotated_dense_segments_are_lossless(seed):
-    """The bf16 basis is orthonormal only to ~5e-3, so reads use its exact inverse: a rotated
+    """The bf16 basis is orthonormal only to ~5e-3, so writes use its exact inverse: a rotated
     dense fp32 cache must give the same attention as the unrotated one."""
     h, g, d, seg, pt, hot = 2, 2, 64, 64, 16, 16
     t = 3 * seg + hot + 3
@@ -406,11 +406,11 @@ def test_compress_layer_chooser_huge_and_zero_budget(seed):
     base = dict(segment_tokens=seg, page_tokens=pt, basis_block_tokens=4 * seg, hot_tokens=hot,
                 sink_segments=0, k_candidates=CANDS, v_candidates=CANDS)
     layer = compress_layer(k, v, MosaicConfig(**base, k_error_budget=1e9, v_error_budget=1e9))
-    kb, vb = layer.k_bases[0].float(), layer.v_bases[0].float()
+    kb, vb = layer.k_bases[0], layer.v_bases[0]
     for s in layer.segments:
         for kind, ch, x, basis in (("k", s.k, k, kb), ("v", s.v, v, vb)):
             xs = x[:, s.start:s.start + seg].float()
-            measured = _measure(xs, xs @ basis, kind, CANDS)
+            measured = _measure(xs, rotate(xs, basis), kind, CANDS)
             cheapest = min(measured, key=lambda spec: measured[spec][0])
             assert ch.strategy.spec == cheapest and ch.reason == "within-budget", repro(seed)
     layer = compress_layer(k, v, MosaicConfig(**base, k_error_budget=0.0, v_error_budget=0.0))

@@ -54,9 +54,9 @@ def test_packed_decode_matches_reference(lengths):
                             seq_lens=torch.tensor(lengths))
     dec = PackedDecode(pool)
     dec.begin(batch, req_to_token)
-    assert dec.step.reference_reqs == [] and dec.step.merge == (max(lengths) > 512)
-    if max(lengths) > 512:
-        assert dec.step.select_reqs == [0]  # 5 sealed pages > the 256-token budget
+    assert not dec.step.reference_slots and dec.step.merge == (max(lengths) > 512)
+    # 5 sealed pages > the 256-token budget: the GPU selector runs
+    assert (dec.step.rows is not None) == (max(lengths) > 512)
     for layer_id in range(LAYERS):
         layer = SimpleNamespace(layer_id=layer_id, scaling=D ** -0.5)
         q = torch.randn(len(lengths), HQ, D, generator=gen).bfloat16()
@@ -79,7 +79,7 @@ def test_unpacked_segment_goes_to_reference_and_is_counted():
                             seq_lens=torch.tensor([300, 60]))
     dec = PackedDecode(pool)
     dec.begin(batch, req_to_token)
-    assert dec.step.reference_reqs == [0] and dec.step.kernel_reqs == [1]
+    assert list(dec.step.reference_slots) == [0] and dec.step.kernel_reqs.tolist() == [1]
     layer = SimpleNamespace(layer_id=0, scaling=D ** -0.5)
     q = torch.randn(2, HQ, D, generator=gen).bfloat16()
     out = torch.full((2, HQ, D), float("nan"))
@@ -106,3 +106,21 @@ def test_store_blocks_are_views_and_freed_blocks_are_reused():
     # The same data again: the same layouts, served from the free lists (no bump growth).
     fill(pool, req_to_token, 0, 1, 3 * PS, torch.Generator().manual_seed(seed))
     assert store.top == top and store.live_bytes == live
+
+
+def test_decode_profile_samples_every_nth_step():
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    pool = make_pool(decode_profile_every=2)
+    req_to_token = torch.zeros(1, 1024, dtype=torch.long)
+    fill(pool, req_to_token, 0, 1, 300, gen)
+    batch = SimpleNamespace(batch_size=1, req_pool_indices=torch.arange(1),
+                            seq_lens=torch.tensor([300]))
+    dec = PackedDecode(pool)
+    layer = SimpleNamespace(layer_id=0, scaling=D ** -0.5)
+    for _ in range(4):
+        dec.begin(batch, req_to_token)
+        dec.attend(torch.randn(1, HQ, D, generator=gen).bfloat16(), layer, torch.empty(1, HQ, D))
+    prof = dec.stats()["profile"]
+    assert prof["sampled_steps"] == 2 and prof["every"] == 2
+    assert {"host_plan", "bases", "hot_gather", "arena", "kernels", "merge"} <= set(prof["ms_per_step"])
+    assert all(v >= 0 for v in prof["ms_per_step"].values())

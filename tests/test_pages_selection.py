@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mosaickv_sglang.codec.basis import inverse, rotate, rotate_query
+from mosaickv_sglang.codec.basis import rotate, rotate_query
 from mosaickv_sglang.codec.layer import compress_layer
 from mosaickv_sglang.codec.pages import META_DTYPE, build_page_meta, page_upper_bound, select_pages
 from mosaickv_sglang.config import MosaicConfig, SelectionConfig
@@ -177,7 +177,7 @@ def _e2e_violation(k_spec: str, page_tokens: int, seed: int) -> float:
     worst = -float("inf")
     for s in layer.segments:
         kb = layer.k_bases[s.basis]
-        q_in = rotate_query(q, inverse(kb))  # how decode attention puts q into the K basis
+        q_in = rotate_query(q, kb)  # how decode attention puts q into the K basis
         bound = page_upper_bound(s.pages, q_in if s.pages_rotated else q)
         scores = s.k.strategy.qk(s.k.encoded, q_in if s.k.strategy.rot else q)
         assert_finite(scores, "scores", seed)

@@ -16,8 +16,8 @@ b8/b4/b2, the token group and the byte offset of each part inside a head block. 
 layout also gets a per-channel read plan (`BlockLayout.channel_plan`: byte offset, shift and mask
 of every channel's code, offsets of its scale and zero), so a kernel loads the plan rather than
 re-deriving it per block. Per-request segment lists are CSR (`seg_indptr` [B+1], `seg_ids`).
-The request's bases (one basis block per request in this version, kept as float32 working
-copies) and its dense hot buffer (padded bf16) ride along. Band widths in headers and plans are
+The request's bases (one basis block per request in this version, as float32 copies of the
+stored read transforms, transposed) and its dense hot buffer (padded bf16) ride along. Band widths in headers and plans are
 channel counts at the layer's head_dim (a spec's widths are per 64 channels).
 
 Only `band` strategies in the SVD basis are packed: a sink segment stored with `lowbit` or `dense`
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .basis import inverse
 
 from .layer import CompressedLayer
 from .quant import SCALE_DTYPE
@@ -316,10 +315,10 @@ def pack_layer(layers: list[CompressedLayer], page_tokens: int = 32) -> PackedAr
     for b, layer in enumerate(layers):
         blk = layer.segments[0].basis if layer.segments else None
         eye = torch.eye(d).expand(h, d, d)
-        # The wrapper reads q @ k_basis and o_rot @ v_basis^T: store U^-T, the exact read
-        # transforms of the bf16 bases (see codec/basis.py).
-        k_basis[b] = eye if blk is None else inverse(layer.k_bases[blk]).transpose(1, 2)
-        v_basis[b] = eye if blk is None else inverse(layer.v_bases[blk]).transpose(1, 2)
+        # The wrapper reads q @ k_basis and o_rot @ v_basis^T, i.e. q R^T and o_rot R: both
+        # are the stored read transforms transposed (see codec/basis.py).
+        k_basis[b] = eye if blk is None else layer.k_bases[blk].float().transpose(1, 2)
+        v_basis[b] = eye if blk is None else layer.v_bases[blk].float().transpose(1, 2)
     hot_lens = torch.tensor([layer.hot_k.shape[1] for layer in layers], dtype=torch.int32)
     t_max = max(int(hot_lens.max()), 1)
     hot_k = torch.zeros(len(layers), h, t_max, d, dtype=torch.bfloat16)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SelectionConfig
-from .basis import inverse, rotate_query, unrotate
+from .basis import rotate_query, unrotate
 from .layer import CompressedLayer
 from .pages import page_upper_bound, select_pages
 
@@ -68,14 +68,12 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
     qh = _grouped_queries(q, h, sm_scale)
     merger = _Merger(h, nq * g, d, q.device)
 
-    k_inv = [inverse(b) for b in layer.k_bases]
-    v_inv = [inverse(b) for b in layer.v_bases]
-    q_in = [rotate_query(qh, inv) for inv in k_inv]  # q in each K basis, once per basis
+    q_in = [rotate_query(qh, b) for b in layer.k_bases]  # q in each K basis, once per basis
     keep = _select(qh, q_in, layer, select, page_tokens, nq, g)
     all_scores = []
     for i, seg in enumerate(layer.segments):
         q_seg = q_in[seg.basis] if seg.k.strategy.rot else qh
-        vb = v_inv[seg.basis] if seg.v.strategy.rot else None
+        vb = layer.v_bases[seg.basis] if seg.v.strategy.rot else None
         scores = seg.k.strategy.qk(seg.k.encoded, q_seg)  # [H, Nq*G, S]
         if keep is not None:
             ppseg = seg.tokens // page_tokens

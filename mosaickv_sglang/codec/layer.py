@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import MosaicConfig
-from .basis import fit_basis
+from .basis import fit_basis, write_transform
 from .pages import PageMeta, build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy, strategy_id
 
@@ -173,8 +173,8 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
 
 
 def _rotate_batch(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """x [N, H, S, D] @ U [N, H, D, D] (float32)."""
-    return x.float() @ basis.float()
+    """x [N, H, S, D] into their bases [N, H, D, D] for storage: x @ R^-1 (float32)."""
+    return x.float() @ write_transform(basis)
 
 
 def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded=False):
