@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mosaickv_kernels.band_decode import BandDecodeWrapper
+from mosaickv_kernels.band_unpack import unpack_segments
 from mosaickv_kernels.page_select import RowSelection
 
 from .codec.arena import PackedArena
@@ -98,6 +99,7 @@ class PackedDecode:
         self.sink_pages, self.recent_pages = -(-sel.sink_tokens // pt), -(-sel.recent_tokens // pt)
         self.kernel_requests = 0  # request-steps decoded by the kernel
         self.reference_requests = 0  # request-steps sent to the reference path (unpacked pages)
+        self.prefill_unpacked_segments = 0  # (page, layer)s decompressed by the unpack kernel
         self.timer = PhaseTimer(self.cfg.decode_profile_every, pool.device)
         h, d = pool.head_num, pool.head_dim
         self.eye = torch.eye(d, dtype=BASIS_DTYPE, device=pool.device).expand(h, d, d)
@@ -239,7 +241,40 @@ class PackedDecode:
                            segment_tokens=pool.page_size, page_tokens=self.cfg.page_tokens,
                            payload={"codes": 0, "scales": 0}, min_group=store.min_group)
 
+    # ---- prefill over a compressed prefix -------------------------------------------------
+    def unpack(self, local: int, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [len(pages) * page_size, H, D] (cache dtype, raw basis) of packed sealed pages,
+        token-major in `pages` order: one `band_unpack` launch reading the arena in place."""
+        pool, dev = self.pool, self.pool.device
+        blocks, blk_of, seg_req = [], {}, []
+        for p in pages:
+            bases = pool.sealed[p].bases
+            if id(bases) not in blk_of:
+                blk_of[id(bases)] = len(blocks)
+                blocks.append(bases)
+            seg_req.append(blk_of[id(bases)])
+        h, d, n = pool.head_num, pool.head_dim, len(blocks)
+        store = pool.store
+        # unpack_segments writes x_rot @ basis^T: the stored read transform R, transposed.
+        arena = PackedArena(
+            store.data[local], store.headers[local],
+            torch.zeros(n + 1, dtype=torch.int32, device=dev),  # no segment lists: only bases
+            torch.zeros(0, dtype=torch.int32, device=dev),
+            torch.stack([b.k[local] for b in blocks]).float().transpose(-1, -2).contiguous(),
+            torch.stack([b.v[local] for b in blocks]).float().transpose(-1, -2).contiguous(),
+            *(torch.zeros(n, h, 1, d, dtype=pool.dtype, device=dev),) * 2,
+            torch.zeros(n, dtype=torch.int32, device=dev), store.plans,
+            segment_tokens=pool.page_size, page_tokens=self.cfg.page_tokens,
+            payload={"codes": 0, "scales": 0}, min_group=store.min_group)
+        k = torch.empty(len(pages) * pool.page_size, h, d, dtype=pool.dtype, device=dev)
+        v = torch.empty_like(k)
+        unpack_segments(arena, torch.tensor(pages, dtype=torch.int32).to(dev),
+                        torch.tensor(seg_req, dtype=torch.int32).to(dev), k, v)
+        self.prefill_unpacked_segments += len(pages)
+        return k, v
+
     def stats(self) -> dict:
         return {"kernel_request_steps": self.kernel_requests,
                 "reference_decode_requests": self.reference_requests,
+                "prefill_unpacked_segments": self.prefill_unpacked_segments,
                 "profile": self.timer.report()}

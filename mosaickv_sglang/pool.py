@@ -156,8 +156,8 @@ class MosaicKVPool(MHATokenToKVPool):
 
     # ---- reads --------------------------------------------------------------------------
     def request_view(self, layer_id: int, slots: torch.Tensor):
-        """(sealed segments in position order, their bases, hot K, hot V) for one request's slots
-        [T] in position order. Sealed pages are always a prefix of the request's pages."""
+        """(sealed logical pages in position order, hot K, hot V, hot start) for one request's
+        slots [T] in position order. Sealed pages are always a prefix of the request's pages."""
         ps = self.page_size
         pages = (slots[::ps] // ps).tolist()
         n_sealed = 0
@@ -166,12 +166,11 @@ class MosaicKVPool(MHATokenToKVPool):
         if any(p in self.sealed for p in pages[n_sealed:]):
             raise RuntimeError("MosaicKV: sealed pages must form a prefix of a request")
         local = layer_id - self.start_layer
-        segs = [self.sealed[p] for p in pages[:n_sealed]]
         hot_slots = slots[n_sealed * ps:]
         phys = self.physical_loc(hot_slots) if hot_slots.numel() else hot_slots
         hot_k = self.k_buffer[local][phys].transpose(0, 1)  # [H, T_hot, D]
         hot_v = self.v_buffer[local][phys].transpose(0, 1)
-        return segs, hot_k, hot_v, n_sealed * ps
+        return pages[:n_sealed], hot_k, hot_v, n_sealed * ps
 
     def layer_view(self, layer_id: int, slots: torch.Tensor) -> CompressedLayer:
         """One request's sealed segments + hot rows as a CompressedLayer for the codec."""
@@ -179,7 +178,7 @@ class MosaicKVPool(MHATokenToKVPool):
         local = layer_id - self.start_layer
         view = CompressedLayer(hot_k=hot_k, hot_v=hot_v, hot_start=hot_start)
         basis_index: dict[int, int] = {}
-        for page in pages:
+        for page in map(self.sealed.__getitem__, pages):
             key = id(page.bases)
             if key not in basis_index:
                 basis_index[key] = len(view.k_bases)
@@ -189,11 +188,17 @@ class MosaicKVPool(MHATokenToKVPool):
         return view
 
     def dense_kv(self, layer_id: int, slots: torch.Tensor):
-        """Decompress one request's K/V [T, H, D] into a workspace (prefill over a prefix)."""
-        segs, hot_k, hot_v, _ = self.request_view(layer_id, slots)
+        """Decompress one request's K/V [T, H, D] into a workspace (prefill over a prefix): with
+        the kernel decode path and every page packed, one `band_unpack` launch; else the codec."""
+        pages, hot_k, hot_v, _ = self.request_view(layer_id, slots)
         local = layer_id - self.start_layer
+        dtype = self.dtype
+        if pages and self.decode_path is not None and bool(self.store.packed[local, pages].all()):
+            k, v = self.decode_path.unpack(local, pages)
+            return (torch.cat([k, hot_k.transpose(0, 1).to(dtype)]),
+                    torch.cat([v, hot_v.transpose(0, 1).to(dtype)]))
         ks, vs = [], []
-        for page in segs:
+        for page in map(self.sealed.__getitem__, pages):
             seg = page.segments[local]
             k = seg.k.strategy.decode(seg.k.encoded)
             v = seg.v.strategy.decode(seg.v.encoded)
@@ -205,7 +210,6 @@ class MosaicKVPool(MHATokenToKVPool):
             vs.append(v)
         ks.append(hot_k.float())
         vs.append(hot_v.float())
-        dtype = self.dtype
         return (torch.cat(ks, 1).transpose(0, 1).to(dtype),
                 torch.cat(vs, 1).transpose(0, 1).to(dtype))
 

@@ -124,3 +124,20 @@ def test_decode_profile_samples_every_nth_step():
     assert prof["sampled_steps"] == 2 and prof["every"] == 2
     assert {"host_plan", "bases", "hot_gather", "arena", "kernels", "merge"} <= set(prof["ms_per_step"])
     assert all(v >= 0 for v in prof["ms_per_step"].values())
+
+
+def test_prefill_workspace_through_unpack_kernel_matches_codec():
+    """pool.dense_kv (prefill over a compressed prefix) through band_unpack == the codec path."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    pool = make_pool()
+    req_to_token = torch.zeros(1, 1024, dtype=torch.long)
+    slots = fill(pool, req_to_token, 0, 1, 700, gen)  # 5 sealed pages over 3 basis blocks
+    want = [pool.dense_kv(layer_id, slots) for layer_id in range(LAYERS)]
+    pool.decode_path = dec = PackedDecode(pool)
+    for layer_id in range(LAYERS):
+        got = pool.dense_kv(layer_id, slots)
+        for g, w in zip(got, want[layer_id]):
+            assert g.shape == w.shape == (700, H, D) and g.dtype == w.dtype == torch.bfloat16
+            err = float((g.float() - w.float()).norm() / w.float().norm())
+            assert err < 1e-2, err  # bf16 rounding of fp32 vs 3xTF32 products; NaN fails
+    assert dec.stats()["prefill_unpacked_segments"] == 5 * LAYERS

@@ -37,8 +37,8 @@ def test_lossless_pool_roundtrip_seal_free_and_accounting():
     for layer_id, (k, v) in enumerate(kv):
         keys, values = pool.dense_kv(layer_id, slots)
         assert torch.equal(keys, k) and torch.equal(values, v)  # exact through the sealed pages
-        segs, hot_k, _, hot_start = pool.request_view(layer_id, slots)
-        assert len(segs) == 3 and hot_start == 3 * PS and hot_k.shape[1] == 40
+        pages, hot_k, _, hot_start = pool.request_view(layer_id, slots)
+        assert pages == [1, 2, 3] and hot_start == 3 * PS and hot_k.shape[1] == 40
     st = pool.stats()
     kept = sum(n for kind, n in st["bytes"].items() if kind != "hot_buffer_capacity")
     assert st["arena_bytes"] == kept > 0 and st["sealed_pages"] == 3
