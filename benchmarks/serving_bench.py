@@ -139,7 +139,8 @@ def main() -> None:
         try:
             with running_server(model, args.logs / f"{system}.log", *extra, *common,
                                 startup_s=900) as srv:
-                print(f"[{system}] up in {time.perf_counter() - t:.0f} s", flush=True)
+                startup_s = time.perf_counter() - t
+                print(f"[{system}] up in {startup_s:.0f} s", flush=True)
                 _, info = request(f"{srv.url}/get_server_info")
                 memory = info.get("internal_states", [{}])[0].get("memory_usage", {})
                 capacity = memory.get("token_capacity")
@@ -147,6 +148,7 @@ def main() -> None:
                     for b in batches:
                         row = run_batch(srv.url, ctx, b, args.output, seed=ctx + b, vocab=vocab)
                         row.update(system=system, max_total_num_tokens=capacity,
+                                   startup_s=round(startup_s, 1),
                                    kv_cache_gb=memory.get("kvcache"))
                         _, info = request(f"{srv.url}/get_server_info")
                         states = info.get("internal_states", [{}])[0]
@@ -170,6 +172,12 @@ def main() -> None:
         print(f"{r['system']:<10}{r['context']:>7}{r['batch']:>6}{r['ttft_s_p50']:>11.2f}"
               f"{r['decode_tok_s']:>13.1f}{r['itl_ms_p50']:>11.1f}{r['itl_ms_p99']:>11.1f}"
               f"{r['max_total_num_tokens'] or 0:>10}{ratio or 0:>7.2f}")
+    for r in results:  # MosaicKV's sampled decode-step phases (decode_profile_every > 0)
+        prof = ((r.get("mosaickv") or {}).get("decode") or {}).get("profile") or {}
+        if prof.get("sampled_steps"):
+            phases = " ".join(f"{k} {v:.2f}" for k, v in prof["ms_per_step"].items())
+            print(f"profile ctx {r['context']} batch {r['batch']} ({prof['sampled_steps']} steps, "
+                  f"ms per step, cumulative): {phases}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ class StepPlan:
 
 class PhaseTimer:
     """Wall time per decode phase on sampled steps, the device synced at each phase boundary
-    (`decode_profile_every`); off, it costs one attribute check per phase."""
+    (`decode_profile_every`); off, it costs one attribute check per phase. Phases cover the
+    whole step: "outside_attention" is everything between two attention calls (projections,
+    MLPs, the LM head, sampling, the scheduler, sealing), the rest is attention's own."""
 
     def __init__(self, every: int, device):
         self.every, self.device = every, torch.device(device)
@@ -59,6 +61,8 @@ class PhaseTimer:
         self.on, self._t = False, 0.0
 
     def step(self) -> None:
+        if self.on:  # the previous step was sampled: its tail up to this step's start
+            self.lap("outside_attention")
         self.steps += 1
         self.on = bool(self.every) and self.steps % self.every == 0
         self.sampled += self.on
@@ -182,12 +186,14 @@ class PackedDecode:
     def attend(self, q: torch.Tensor, layer, out: torch.Tensor) -> None:
         """q [B, Hq, D] -> writes out [B, Hq, D] for every request of the step."""
         st, pool, timer = self.step, self.pool, self.timer
+        timer.lap("outside_attention")  # since the previous layer's attention
         for i, slots in st.reference_slots.items():
             view = pool.layer_view(layer.layer_id, slots)
             o, _ = decode_attention(q[i:i + 1].float(), view, torch.tensor([len(slots) - 1]),
                                     self.cfg.select, self.cfg.page_tokens, sm_scale=layer.scaling)
             out[i] = o[0].to(out.dtype)
-        timer.lap("reference")
+        if st.reference_slots:
+            timer.lap("reference")
         if not st.kernel_reqs.numel():
             return
         arena = self._arena(layer.layer_id - pool.start_layer)

@@ -12,6 +12,7 @@ from mosaickv_sglang.packed_decode import PackedDecode
 from mosaickv_sglang.pool import MosaicKVPool
 
 PS, H, HQ, D, LAYERS = 128, 2, 4, 64, 2
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest)
 
 
 def make_pool(**cfg) -> MosaicKVPool:
@@ -19,16 +20,16 @@ def make_pool(**cfg) -> MosaicKVPool:
                 sink_candidates=["band:b8=64,b4=0,b2=0,group=32"],
                 select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64})
     base.update(cfg)
-    return MosaicKVPool(40 * PS, PS, torch.bfloat16, H, D, LAYERS, "cpu", False,
+    return MosaicKVPool(40 * PS, PS, torch.bfloat16, H, D, LAYERS, DEVICE, False,
                         mosaic_config=MosaicConfig(**base))
 
 
 def fill(pool, req_to_token, rid, first_page, n_tokens, gen):
-    slots = torch.arange(first_page * PS, first_page * PS + n_tokens)
+    slots = torch.arange(first_page * PS, first_page * PS + n_tokens, device=DEVICE)
     req_to_token[rid, :n_tokens] = slots
     for layer_id in range(LAYERS):
-        k = torch.randn(n_tokens, H, D, generator=gen) * (1 + torch.arange(D) % 7)
-        v = torch.randn(n_tokens, H, D, generator=gen)
+        k = (torch.randn(n_tokens, H, D, generator=gen) * (1 + torch.arange(D) % 7)).to(DEVICE)
+        v = torch.randn(n_tokens, H, D, generator=gen).to(DEVICE)
         pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots, k.bfloat16(), v.bfloat16())
     pool.seal_request(slots, n_tokens)
     return slots
@@ -45,13 +46,13 @@ def reference(pool, q, slots, layer):
 def test_packed_decode_matches_reference(lengths):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     pool = make_pool()
-    req_to_token = torch.zeros(len(lengths), 1024, dtype=torch.long)
+    req_to_token = torch.zeros(len(lengths), 1024, dtype=torch.long, device=DEVICE)
     slots, page = [], 1
     for rid, n in enumerate(lengths):
         slots.append(fill(pool, req_to_token, rid, page, n, gen))
         page += -(-n // PS)
-    batch = SimpleNamespace(batch_size=len(lengths), req_pool_indices=torch.arange(len(lengths)),
-                            seq_lens=torch.tensor(lengths))
+    batch = SimpleNamespace(batch_size=len(lengths), req_pool_indices=torch.arange(len(lengths), device=DEVICE),
+                            seq_lens=torch.tensor(lengths, device=DEVICE))
     dec = PackedDecode(pool)
     dec.begin(batch, req_to_token)
     assert not dec.step.reference_slots and dec.step.merge == (max(lengths) > 512)
@@ -59,8 +60,8 @@ def test_packed_decode_matches_reference(lengths):
     assert (dec.step.rows is not None) == (max(lengths) > 512)
     for layer_id in range(LAYERS):
         layer = SimpleNamespace(layer_id=layer_id, scaling=D ** -0.5)
-        q = torch.randn(len(lengths), HQ, D, generator=gen).bfloat16()
-        out = torch.full((len(lengths), HQ, D), float("nan"))
+        q = torch.randn(len(lengths), HQ, D, generator=gen).bfloat16().to(DEVICE)
+        out = torch.full((len(lengths), HQ, D), float("nan"), device=DEVICE)
         dec.attend(q, layer, out)
         for i, s in enumerate(slots):
             want = reference(pool, q[i], s, layer)
@@ -71,18 +72,18 @@ def test_packed_decode_matches_reference(lengths):
 def test_unpacked_segment_goes_to_reference_and_is_counted():
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     pool = make_pool(sink_candidates=[])  # the sink page stays dense: not kernel-readable
-    req_to_token = torch.zeros(2, 1024, dtype=torch.long)
+    req_to_token = torch.zeros(2, 1024, dtype=torch.long, device=DEVICE)
     a = fill(pool, req_to_token, 0, 1, 300, gen)
     b = fill(pool, req_to_token, 1, 5, 60, gen)  # nothing sealed: kernel path (hot only)
     assert pool.stats()["segment_store"]["unpacked_segments"] == LAYERS
-    batch = SimpleNamespace(batch_size=2, req_pool_indices=torch.arange(2),
-                            seq_lens=torch.tensor([300, 60]))
+    batch = SimpleNamespace(batch_size=2, req_pool_indices=torch.arange(2, device=DEVICE),
+                            seq_lens=torch.tensor([300, 60], device=DEVICE))
     dec = PackedDecode(pool)
     dec.begin(batch, req_to_token)
     assert list(dec.step.reference_slots) == [0] and dec.step.kernel_reqs.tolist() == [1]
     layer = SimpleNamespace(layer_id=0, scaling=D ** -0.5)
-    q = torch.randn(2, HQ, D, generator=gen).bfloat16()
-    out = torch.full((2, HQ, D), float("nan"))
+    q = torch.randn(2, HQ, D, generator=gen).bfloat16().to(DEVICE)
+    out = torch.full((2, HQ, D), float("nan"), device=DEVICE)
     dec.attend(q, layer, out)
     for i, s in enumerate((a, b)):
         want = reference(pool, q[i], s, layer)
@@ -93,7 +94,7 @@ def test_unpacked_segment_goes_to_reference_and_is_counted():
 def test_store_blocks_are_views_and_freed_blocks_are_reused():
     seed = int(torch.randint(0, 2**31, ()))
     pool = make_pool()
-    req_to_token = torch.zeros(1, 1024, dtype=torch.long)
+    req_to_token = torch.zeros(1, 1024, dtype=torch.long, device=DEVICE)
     fill(pool, req_to_token, 0, 1, 3 * PS, torch.Generator().manual_seed(seed))
     store = pool.store
     seg = pool.sealed[2].segments[1]
@@ -111,18 +112,20 @@ def test_store_blocks_are_views_and_freed_blocks_are_reused():
 def test_decode_profile_samples_every_nth_step():
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     pool = make_pool(decode_profile_every=2)
-    req_to_token = torch.zeros(1, 1024, dtype=torch.long)
+    req_to_token = torch.zeros(1, 1024, dtype=torch.long, device=DEVICE)
     fill(pool, req_to_token, 0, 1, 300, gen)
-    batch = SimpleNamespace(batch_size=1, req_pool_indices=torch.arange(1),
-                            seq_lens=torch.tensor([300]))
+    batch = SimpleNamespace(batch_size=1, req_pool_indices=torch.arange(1, device=DEVICE),
+                            seq_lens=torch.tensor([300], device=DEVICE))
     dec = PackedDecode(pool)
     layer = SimpleNamespace(layer_id=0, scaling=D ** -0.5)
     for _ in range(4):
         dec.begin(batch, req_to_token)
-        dec.attend(torch.randn(1, HQ, D, generator=gen).bfloat16(), layer, torch.empty(1, HQ, D))
+        dec.attend(torch.randn(1, HQ, D, generator=gen).bfloat16().to(DEVICE), layer,
+                   torch.empty(1, HQ, D, device=DEVICE))
     prof = dec.stats()["profile"]
     assert prof["sampled_steps"] == 2 and prof["every"] == 2
-    assert {"host_plan", "bases", "hot_gather", "arena", "kernels", "merge"} <= set(prof["ms_per_step"])
+    assert {"host_plan", "outside_attention", "bases", "hot_gather", "arena", "kernels",
+            "merge"} <= set(prof["ms_per_step"])
     assert all(v >= 0 for v in prof["ms_per_step"].values())
 
 
@@ -130,7 +133,7 @@ def test_prefill_workspace_through_unpack_kernel_matches_codec():
     """pool.dense_kv (prefill over a compressed prefix) through band_unpack == the codec path."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     pool = make_pool()
-    req_to_token = torch.zeros(1, 1024, dtype=torch.long)
+    req_to_token = torch.zeros(1, 1024, dtype=torch.long, device=DEVICE)
     slots = fill(pool, req_to_token, 0, 1, 700, gen)  # 5 sealed pages over 3 basis blocks
     want = [pool.dense_kv(layer_id, slots) for layer_id in range(LAYERS)]
     pool.decode_path = dec = PackedDecode(pool)
