@@ -198,7 +198,8 @@ class PackedDecode:
             return
         arena = self._arena(layer.layer_id - pool.start_layer)
         if layer.layer_id == pool.start_layer:
-            self.wrapper.plan(arena, q.shape[1], sm_scale=layer.scaling)
+            self.wrapper.plan(arena, q.shape[1], sm_scale=layer.scaling,
+                              width_classes=pool.store.width_classes)
         timer.lap("arena")
         q_rows = q[st.row_req]
         sel = {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from mosaickv_kernels.band_decode import band_width_classes
 from mosaickv_kernels.page_select import PackedPageMeta
 
 from .codec.arena import ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout, write_block
@@ -48,6 +49,7 @@ class SegmentStore:
         self.layouts: dict[tuple, int] = {}
         self._plans: list[torch.Tensor] = []
         self.plans = torch.zeros(1, 2, len(PLAN_FIELDS), head_dim, dtype=torch.int32, device=device)
+        self.width_classes: list[tuple[int, ...]] = []  # of the layouts in plans, for the kernel
         self.min_group = segment_tokens
         # Page-selection metadata per layer, indexed by logical page like the headers (the GPU
         # selector reads it by segment id); None when selection is off.
@@ -80,6 +82,7 @@ class SegmentStore:
             self.layouts[lay.key()] = len(self._plans)
             self._plans.append(lay.channel_plan())
             self.plans = torch.stack(self._plans).to(self.device)
+            self.width_classes = band_width_classes(torch.stack(self._plans))  # host copy
             self.min_group = min(self.min_group, lay.k.group, lay.v.group)
         self.headers[layer][page] = lay.header(base, self.layouts[lay.key()]).to(self.device)
         if self.meta is not None:

@@ -348,12 +348,11 @@ class BandDecodeWrapper:
 
     def __init__(self):
         self._planned = False
-        self._widths_of = None  # (plans tensor identity, its width classes): read once per layout
 
     def plan(self, arena: PackedArena, num_qo_heads: int, *, sm_scale: float | None = None,
              num_kv_splits: int | None = None, max_selected_pages: int | None = None,
              block_tokens: int | None = None, num_warps: int = 4, num_stages: int = 2,
-             exact: bool = True) -> None:
+             exact: bool = True, width_classes: list[tuple[int, ...]] | None = None) -> None:
         """Read the batch structure of `arena` (any layer of the batch: they share it).
 
         Without selection stage 1 reads blocks of up to `block_tokens` tokens (default 128, the
@@ -362,6 +361,7 @@ class BandDecodeWrapper:
         products as two bf16 MMAs (float32-accurate scores, ~1e-5 vs the reference); False:
         tiles dequantized to fp16, one fp16 MMA per product (~5e-4 vs the reference) and
         1.0-2.2x faster on an H200 (benchmarks/RESULTS.md). 4 warps beat 8 everywhere there.
+        `width_classes`: `band_width_classes(arena.plans)`, when the caller has them already.
         """
         if not isinstance(arena, PackedArena):
             raise TypeError(f"plan: arena must be a PackedArena, got {type(arena).__name__}")
@@ -400,10 +400,9 @@ class BandDecodeWrapper:
                             arena.segment_tokens % n == 0 and arena.min_group % n == 0)
         self.sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
         self.device = dev
-        key = (arena.plans.data_ptr(), tuple(arena.plans.shape), arena.plans._version)
-        if self._widths_of is None or self._widths_of[0] != key:  # a host sync: new layouts only
-            self._widths_of = (key, band_width_classes(arena.plans))
-        self.widths = self._widths_of[1]
+        # From the caller when it keeps them on the host (the serving store does), else read
+        # from the device plans (one host sync).
+        self.widths = width_classes or band_width_classes(arena.plans)
         parts = splits * len(self.widths)
         self.part_m = torch.empty(bsz, h, parts, g, **f32)
         self.part_l = torch.empty(bsz, h, parts, g, **f32)
