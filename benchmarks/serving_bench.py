@@ -17,6 +17,7 @@ heads, head_dim 128; vocabulary of the tokenizer) for `--load-format dummy`.
 from __future__ import annotations
 
 import argparse
+from concurrent.futures import ThreadPoolExecutor
 import json
 import random
 import shutil
@@ -31,12 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mosaickv_sglang.launch import request, running_server  # noqa: E402
 
 
+SYSTEMS = {  # name -> what it adds to the common server arguments
+    "dense": [],  # SGLang's own cache, CUDA graphs on
+    "dense_eager": ["--disable-cuda-graph"],  # the same without CUDA graphs (as MosaicKV runs)
+    "fp8": ["--kv-cache-dtype", "fp8_e4m3"],  # SGLang's built-in FP8 KV cache
+    "mosaickv": ["--kv-backend", "mosaickv"],
+}
+
+
 def system_args(system: str, dense_backend: str) -> list[str]:
-    if system == "dense":
-        return ["--kv-backend", "default", "--attention-backend", dense_backend]
+    if system not in SYSTEMS:
+        raise SystemExit(f"unknown system {system!r}: use {', '.join(SYSTEMS)}")
     if system == "mosaickv":
-        return ["--kv-backend", "mosaickv"]
-    raise SystemExit(f"unknown system {system!r}: use dense, mosaickv")
+        return list(SYSTEMS[system])
+    return ["--kv-backend", "default", "--attention-backend", dense_backend, *SYSTEMS[system]]
 
 
 def make_llama8b(out: Path, tokenizer: Path, max_positions: int) -> Path:
@@ -117,6 +126,13 @@ def main() -> None:
     ap.add_argument("--mosaickv-config", default=None)
     ap.add_argument("--dense-backend", default="triton",
                     help="attention backend of the dense server (torch_native on a CPU)")
+    ap.add_argument("--parallel-start", action="store_true",
+                    help="start every system's server at once (start-up overlaps; give each a "
+                         "share of the GPU with --server-arg=--mem-fraction-static), then "
+                         "benchmark them one at a time while the others idle")
+    ap.add_argument("--wait-for", type=Path, default=None,
+                    help="before the first measurement, wait (up to 600 s) until this file "
+                         "exists: work sharing the GPU during start-up must be over by then")
     ap.add_argument("--logs", type=Path, default=Path("serving_logs"))
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
@@ -131,35 +147,68 @@ def main() -> None:
               "--chunked-prefill-size", str(-(-max(contexts) // 128) * 128), "--max-running-requests",
               str(max(batches)), "--grammar-backend", "none", *args.server_arg]
     results = []
-    for system in args.systems.split(","):
+
+    def launch(system: str):
+        """(system, entered server context, start-up seconds) or (system, None, exception)."""
         extra = system_args(system, args.dense_backend)
         if system == "mosaickv" and args.mosaickv_config:
             extra += ["--mosaickv-config", args.mosaickv_config]
         t = time.perf_counter()
+        ctx = running_server(model, args.logs / f"{system}.log", *extra, *common, startup_s=900)
         try:
-            with running_server(model, args.logs / f"{system}.log", *extra, *common,
-                                startup_s=900) as srv:
-                startup_s = time.perf_counter() - t
-                print(f"[{system}] up in {startup_s:.0f} s", flush=True)
-                _, info = request(f"{srv.url}/get_server_info")
-                memory = info.get("internal_states", [{}])[0].get("memory_usage", {})
-                capacity = memory.get("token_capacity")
-                for ctx in contexts:
-                    for b in batches:
-                        row = run_batch(srv.url, ctx, b, args.output, seed=ctx + b, vocab=vocab)
-                        row.update(system=system, max_total_num_tokens=capacity,
-                                   startup_s=round(startup_s, 1),
-                                   kv_cache_gb=memory.get("kvcache"))
-                        _, info = request(f"{srv.url}/get_server_info")
-                        states = info.get("internal_states", [{}])[0]
-                        row["mosaickv"] = states.get("mosaickv")
-                        results.append(row)
-                        save(args.json, results)  # partial results survive a time limit
-                        print(f"[{system}] ctx {ctx} batch {b}: {row['decode_tok_s']:.1f} tok/s, "
-                              f"ITL p50 {row['itl_ms_p50']:.1f} ms", flush=True)
+            srv = ctx.__enter__()
         except Exception as exc:  # reported, never dropped: the other systems still run
-            results.append({"system": system, "error": repr(exc)[-2000:]})
-            print(f"[{system}] FAILED: {exc!r}"[-2000:], flush=True)
+            return system, None, exc
+        startup = time.perf_counter() - t
+        print(f"[{system}] up in {startup:.0f} s", flush=True)
+        return system, (ctx, srv), startup
+
+    def bench(system: str, srv, startup_s: float) -> None:
+        _, info = request(f"{srv.url}/get_server_info")
+        memory = info.get("internal_states", [{}])[0].get("memory_usage", {})
+        capacity = memory.get("token_capacity")
+        for ctx in contexts:
+            for b in batches:
+                row = run_batch(srv.url, ctx, b, args.output, seed=ctx + b, vocab=vocab)
+                row.update(system=system, max_total_num_tokens=capacity,
+                           startup_s=round(startup_s, 1), kv_cache_gb=memory.get("kvcache"))
+                _, info = request(f"{srv.url}/get_server_info")
+                row["mosaickv"] = info.get("internal_states", [{}])[0].get("mosaickv")
+                results.append(row)
+                save(args.json, results)  # partial results survive a time limit
+                print(f"[{system}] ctx {ctx} batch {b}: {row['decode_tok_s']:.1f} tok/s, "
+                      f"ITL p50 {row['itl_ms_p50']:.1f} ms", flush=True)
+
+    systems = args.systems.split(",")
+    if args.parallel_start:
+        with ThreadPoolExecutor(len(systems)) as pool:
+            launched = list(pool.map(launch, systems))
+    else:
+        launched = [None] * len(systems)
+    try:
+        for i, system in enumerate(systems):
+            _, server, startup = launched[i] = launched[i] or launch(system)
+            if args.wait_for is not None and not args.wait_for.exists():
+                t = time.perf_counter()
+                while not args.wait_for.exists() and time.perf_counter() - t < 600:
+                    time.sleep(1)
+                print(f"waited {time.perf_counter() - t:.0f} s for {args.wait_for}", flush=True)
+            if server is None:
+                results.append({"system": system, "error": repr(startup)[-2000:]})
+                print(f"[{system}] FAILED to start: {startup!r}"[-2000:], flush=True)
+                continue
+            try:
+                bench(system, server[1], startup)
+            except Exception as exc:  # reported, never dropped: the other systems still run
+                results.append({"system": system, "error": repr(exc)[-2000:]})
+                print(f"[{system}] FAILED: {exc!r}"[-2000:], flush=True)
+            finally:  # this server's turn is over: stop it (frees the GPU for the next)
+                server[0].__exit__(None, None, None)
+                launched[i] = (system, None, startup)
+    finally:  # servers started but never benchmarked (an interrupted run)
+        for entry in launched:
+            if entry and entry[1] is not None:
+                entry[1][0].__exit__(None, None, None)
     save(args.json, results)
     print(f"\n{'system':<10}{'ctx':>7}{'batch':>6}{'TTFT p50 s':>11}{'decode tok/s':>13}"
           f"{'ITL p50 ms':>11}{'ITL p99 ms':>11}{'capacity':>10}{'ratio':>7}")
