@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
+import sys
 import threading
 import time
 import urllib.request
@@ -291,6 +293,8 @@ def main() -> None:
     ap.add_argument("--logs", type=Path, default=Path("agent_logs"))
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
+    # a time limit (`timeout`'s SIGTERM) unwinds like an error: servers stopped, JSON kept
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("agent_bench: SIGTERM, stopping"))
     systems, workloads = args.systems.split(","), args.workloads.split(",")
     if args.url and len(systems) != 1:
         raise SystemExit("--url attaches to one server: name its system with --systems")
@@ -304,6 +308,7 @@ def main() -> None:
     per_token = dense_bytes(model)
     args.logs.mkdir(parents=True, exist_ok=True)
     common = ["--load-format", args.load_format, "--context-length", str(context),
+              "--chunked-prefill-size", str(-(-context // 128) * 128),  # as serving_bench
               "--max-running-requests", str(args.sessions), "--grammar-backend", "none",
               *args.server_arg]
     results = []
