@@ -95,7 +95,7 @@ def run_native(url: str, w: Workload) -> tuple[list[dict], float]:
     return recs, warm_s
 
 
-def run_dsl(url: str, w: Workload, tokenizer_dir: Path) -> tuple[list[dict], float]:
+def run_dsl(url: str, w: Workload, tokenizer_dir: Path) -> tuple[list[dict], None]:
     """The workload as an `sgl.function` program, `run_batch` over the sessions."""
     import sglang as sgl
     from transformers import AutoTokenizer
