@@ -69,17 +69,25 @@ def stream_one(url: str, ids: list[int], n_out: int, rec: dict) -> None:
     req = urllib.request.Request(f"{url}/generate", data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    stamps, last = [], 0
+    stamps, last, chunk = [], 0, None
     with urllib.request.urlopen(req, timeout=3600) as resp:
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
-            n = json.loads(line[5:])["meta_info"]["completion_tokens"]
+            chunk = json.loads(line[5:])
+            n = chunk["meta_info"]["completion_tokens"]
             now = time.perf_counter() - t0
             stamps += [now] * (n - last)
             last = n
-    rec.update(start=t0, stamps=stamps)
+    # the last chunk's output_ids are all of them (SGLang streams cumulative ids by default)
+    rec.update(start=t0, stamps=stamps, output_ids=chunk["output_ids"], meta=chunk["meta_info"])
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]) of a non-empty list."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int) -> dict:
@@ -102,7 +110,7 @@ def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int)
             "ttft_s_p50": statistics.median(firsts), "ttft_s_max": max(firsts),
             "decode_tok_s": after_first / window if window > 0 else None,
             "itl_ms_p50": 1e3 * statistics.median(gaps),
-            "itl_ms_p99": 1e3 * sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+            "itl_ms_p99": 1e3 * percentile(gaps, 0.99),
             "tokens": [len(r["stamps"]) for r in recs]}
 
 

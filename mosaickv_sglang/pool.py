@@ -53,6 +53,16 @@ class PoolCounters:
     over_budget: int = 0  # segment kinds kept dense because no candidate met the budget
     arena_over_budget: int = 0  # seals that left the packed bytes above the start-up sizing
     strategies: dict = field(default_factory=dict)
+    # Per page position in its request (index i: tokens [i*page, (i+1)*page)): pages sealed there
+    # and sealed pages handed out there by prefix matches. A prefix shared by N requests shows one
+    # seal and N reuses per position; a prefix each request recomputes shows N seals.
+    sealed_by_position: list = field(default_factory=list)
+    reused_by_position: list = field(default_factory=list)
+
+
+def _bump(counts: list, index: int) -> None:
+    counts.extend([0] * (index + 1 - len(counts)))
+    counts[index] += 1
 
 
 def cell_fraction(cfg: MosaicConfig, head_num: int, head_dim: int) -> float:
@@ -292,6 +302,18 @@ class MosaicKVPool(MHATokenToKVPool):
         self.free_hot_pages.append(int(self.hot_page_of[page]))
         self.hot_page_of[page] = -1
         self.counters.sealed_pages += 1
+        _bump(self.counters.sealed_by_position, sealed.position // self.page_size)
+
+    def count_reuse(self, page_slots: list[int]) -> int:
+        """A request got these pages (first slot of each, in position order from 0) from the
+        radix tree: count the sealed ones, by position. Returns how many were sealed."""
+        reused = 0
+        for i, slot in enumerate(page_slots):
+            if slot // self.page_size in self.sealed:
+                _bump(self.counters.reused_by_position, i)
+                reused += 1
+        self.counters.reused_pages += reused
+        return reused
 
     # ---- daemon -------------------------------------------------------------------------
     def _start_daemon(self):
@@ -456,7 +478,9 @@ class MosaicKVPool(MHATokenToKVPool):
             "sealed_ratio": dense_equiv / compressed if compressed else None,
             "arena_bytes": self.arena_bytes,  # == compressed: kept incrementally
             "arena_budget_bytes": self.arena_budget_bytes,
-            "counters": {**self.counters.__dict__, "strategies": dict(self.counters.strategies)},
+            "counters": {**self.counters.__dict__, "strategies": dict(self.counters.strategies),
+                         "sealed_by_position": list(self.counters.sealed_by_position),
+                         "reused_by_position": list(self.counters.reused_by_position)},
             "daemon": self.daemon.stats() if self.daemon is not None else None,
             # The kernel-readable arena: reserved at start-up for the worst layout on every
             # logical page (what the GPU holds) vs the blocks live now (inside arena_bytes).

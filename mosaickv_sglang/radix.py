@@ -30,10 +30,8 @@ class MosaicRadixCache(RadixCache):
         first_match = req is not None and not getattr(req, "_mosaickv_matched", False)
         if req is not None:
             req._mosaickv_matched = True  # chunked prefill re-matches its own pages: count once
-        slots = result.device_indices[:: self.page_size]
-        if first_match and len(slots):
-            self.pool.counters.reused_pages += sum(
-                1 for s in slots.tolist() if s // self.page_size in self.pool.sealed)
+        if first_match:
+            self.pool.count_reuse(result.device_indices[:: self.page_size].tolist())
         return result
 
     def _split_node(self, key, child, split_len: int):

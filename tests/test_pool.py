@@ -69,3 +69,24 @@ def test_config_that_does_not_fit_the_head_dim_is_refused():
     with pytest.raises(ValueError, match="does not fit this model"):
         MosaicKVPool(16 * PS, PS, torch.float32, H, 16, LAYERS, "cpu", False,
                      mosaic_config=MosaicConfig())
+
+
+def test_seal_and_reuse_counts_by_position():
+    """A shared 2-page prefix sealed once and handed to two requests: one seal and two reuses
+    per prefix position; a second request's own page adds a seal at its position only."""
+    pool = make_pool(k_candidates=["dense:val=fp32"], v_candidates=["dense:val=fp32"],
+                     sink_candidates=[], select={"enabled": False})
+    prefix = torch.arange(PS, 3 * PS)  # logical pages 1, 2
+    write(pool, prefix, seed=3)
+    pool.seal_request(prefix, len(prefix))
+    mine = torch.cat([prefix, torch.arange(5 * PS, 6 * PS)])  # + page 5 at position 2
+    write(pool, mine[2 * PS:], seed=4)
+    assert pool.count_reuse(prefix[::PS].tolist()) == 2
+    pool.seal_request(mine, len(mine))
+    hot = torch.arange(7 * PS, 8 * PS)  # a matched page that is still hot is not a reuse
+    write(pool, hot, seed=5)
+    assert pool.count_reuse(mine[::PS].tolist() + [int(hot[0])]) == 3
+    counters = pool.stats()["counters"]
+    assert counters["sealed_by_position"] == [1, 1, 1]
+    assert counters["reused_by_position"] == [2, 2, 1]
+    assert counters["reused_pages"] == 5 and counters["sealed_pages"] == 3

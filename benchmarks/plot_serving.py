@@ -1,0 +1,179 @@
+"""Plots of the serving results: throughput vs context, latency percentiles, memory per system.
+
+Reads the JSON rows that `serving_bench.py` (rows with `context`/`batch`) and `agent_bench.py`
+(rows with `workload`) write — files, or folders of `*.json` — and saves PNGs into `--out`:
+
+* `throughput_vs_context.png`: decode tokens/s against context, one line per (system, batch);
+* `latency.png`: ITL p50 and p99 per streamed run (log scale);
+* `memory.png`: token capacity per (system, input) at the same memory fraction, and KV bytes per
+  token (dense bf16 vs MosaicKV's sealed pages, all metadata counted);
+* `agent_turns.png` (agent rows only): output tokens/s and cached-token ratio per turn.
+
+Rows with an `error` are listed on stdout and left out; a plot without any row is not written.
+
+    python benchmarks/plot_serving.py benchmarks/results/serving_h200_2026-11-29 \\
+        benchmarks/results/agent_h200 --out benchmarks/results/plots
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load_rows(paths: list[Path]) -> tuple[list[dict], list[dict]]:
+    """(serving rows, agent rows) from JSON files or folders of them; error rows reported. Each
+    row gets `source` (the folder's or file's name) so runs of different machines stay apart."""
+    files = [(f, p.stem) for p in paths
+             for f in (sorted(p.glob("*.json")) if p.is_dir() else [p])]
+    if not files:
+        raise SystemExit(f"no JSON files under {', '.join(map(str, paths))}")
+    serving, agent = [], []
+    for f, source in files:
+        rows = json.loads(f.read_text())
+        for r in rows if isinstance(rows, list) else [rows]:
+            r["source"] = source
+            if "error" in r:
+                print(f"{f}: {r.get('system')} failed, left out: {r['error'][:120]}")
+            elif "workload" in r:
+                agent.append(r)
+            elif "context" in r:
+                serving.append(r)
+            else:
+                raise SystemExit(f"{f}: a row that is neither serving_bench's nor agent_bench's: "
+                                 f"{sorted(r)[:8]}")
+    return serving, agent
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def plot_throughput(serving: list[dict], out: Path, plt) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system, batch in sorted({(r["system"], r["batch"]) for r in serving}):
+        rs = sorted((r for r in serving if r["system"] == system and r["batch"] == batch
+                     and r["decode_tok_s"] is not None), key=lambda r: r["context"])
+        ax.plot([r["context"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o",
+                label=f"{system}, batch {batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens per request)")
+    ax.set_ylabel("decode tokens/s (all requests)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    _save(fig, out / "throughput_vs_context.png")
+    plt.close(fig)
+
+
+def _runs(serving: list[dict], agent: list[dict]) -> list[tuple[str, dict]]:
+    """(label, row) per run that measured inter-token latency."""
+    runs = [(f"{r['system']}\n{r['context'] // 1024}K x{r['batch']}", r) for r in serving]
+    runs += [(f"{r['system']}\n{r['workload']} {r['sessions']}x{r['turns']}", r) for r in agent
+             if "itl_ms_p50" in r]
+    return runs
+
+
+def plot_latency(runs: list[tuple[str, dict]], out: Path, plt) -> None:
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(runs)), 4.5))
+    x = range(len(runs))
+    for offset, key in ((-0.2, "itl_ms_p50"), (0.2, "itl_ms_p99")):
+        ax.bar([i + offset for i in x], [r[key] for _, r in runs], width=0.4,
+               label=key.replace("itl_ms_", "ITL "))
+    ax.set_xticks(list(x), [label for label, _ in runs], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("inter-token latency (ms)")
+    ax.grid(alpha=0.3, axis="y", which="both")
+    ax.legend(fontsize=8)
+    _save(fig, out / "latency.png")
+    plt.close(fig)
+
+
+def _memory(serving: list[dict], agent: list[dict]) -> dict[str, dict]:
+    """Per (system, source): token capacity and KV bytes per token."""
+    mem: dict[str, dict] = {}
+    for r in serving + agent:
+        m = mem.setdefault(f"{r['system']}\n{r['source']}", {})
+        memory = r.get("memory") or {}
+        m["capacity"] = r.get("max_total_num_tokens") or memory.get("token_capacity")
+        mk = r.get("mosaickv") or {}
+        m["dense_bytes_per_token"] = mk.get("dense_bytes_per_token") \
+            or memory.get("dense_bytes_per_token") or m.get("dense_bytes_per_token")
+        if not m["dense_bytes_per_token"] and r["system"] == "dense" and r.get("kv_cache_gb"):
+            # serving_bench's dense rows: the cache the server reserved (GiB) per token slot
+            m["dense_bytes_per_token"] = r["kv_cache_gb"] * 2**30 / m["capacity"]
+        sealed = mk.get("sealed_bytes_per_token") or memory.get("sealed_bytes_per_token")
+        if sealed:
+            m["bytes_per_token"] = sealed
+    for m in mem.values():  # a dense cache keeps bf16 rows
+        m.setdefault("bytes_per_token", m["dense_bytes_per_token"])
+    return mem
+
+
+def plot_memory(mem: dict[str, dict], out: Path, plt) -> None:
+    systems = sorted(mem)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(9, 2.2 * len(systems)), 4))
+    caps = [mem[s].get("capacity") or 0 for s in systems]
+    a1.bar(systems, caps)
+    a1.tick_params(axis="x", labelsize=7)
+    a2.tick_params(axis="x", labelsize=7)
+    for i, c in enumerate(caps):
+        a1.annotate(f"{c:,}", (i, c), ha="center", va="bottom", fontsize=8)
+    a1.set_ylabel("token capacity (max_total_num_tokens)")
+    bpt = [(mem[s].get("bytes_per_token") or 0) / 1024 for s in systems]
+    a2.bar(systems, bpt)
+    for i, b in enumerate(bpt):
+        a2.annotate(f"{b:.1f} KiB", (i, b), ha="center", va="bottom", fontsize=8)
+    a2.set_ylabel("KV bytes per token (KiB; sealed pages for MosaicKV)")
+    _save(fig, out / "memory.png")
+    plt.close(fig)
+
+
+def plot_agent_turns(agent: list[dict], out: Path, plt) -> None:
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in agent:
+        label = f"{r['system']} {r['workload']}"
+        turns = [t["turn"] + 1 for t in r["per_turn"]]
+        if all("output_tok_s" in t for t in r["per_turn"]):
+            a1.plot(turns, [t["output_tok_s"] for t in r["per_turn"]], marker="o", label=label)
+        a2.plot(turns, [t["cached_ratio"] for t in r["per_turn"]], marker="o", label=label)
+    a1.set_xlabel("turn")
+    a1.set_ylabel("output tokens/s (streamed runs)")
+    a2.set_xlabel("turn")
+    a2.set_ylabel("cached prompt tokens / prompt tokens")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    _save(fig, out / "agent_turns.png")
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("inputs", type=Path, nargs="+", help="JSON files or folders of them")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    serving, agent = load_rows(args.inputs)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if serving:
+        plot_throughput(serving, args.out, plt)
+    runs = _runs(serving, agent)
+    if runs:
+        plot_latency(runs, args.out, plt)
+    mem = _memory(serving, agent)
+    if mem:
+        plot_memory(mem, args.out, plt)
+    if agent:
+        plot_agent_turns(agent, args.out, plt)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""benchmarks/plot_serving.py on small synthetic serving_bench / agent_bench JSON."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plot_serving.py"
+spec = importlib.util.spec_from_file_location("plot_serving", SCRIPT)
+plot_serving = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plot_serving)
+
+
+def _serving_row(system, ctx, batch, tok_s, mosaickv=None):
+    return {"system": system, "context": ctx, "batch": batch, "decode_tok_s": tok_s,
+            "itl_ms_p50": 1000 * batch / tok_s, "itl_ms_p99": 3000 * batch / tok_s,
+            "max_total_num_tokens": 1000 if system == "dense" else 1600,
+            "kv_cache_gb": 1000 * 131072 / 2**30 if system == "dense" else 0.5,
+            "mosaickv": mosaickv}
+
+
+def _agent_row(system, sealed_bpt=None):
+    memory = {"token_capacity": 1000, "dense_bytes_per_token": 131072,
+              "peak_used_tokens": 900}
+    if sealed_bpt:
+        memory["sealed_bytes_per_token"] = sealed_bpt
+    return {"system": system, "workload": "native", "sessions": 2, "turns": 2,
+            "itl_ms_p50": 20.0, "itl_ms_p99": 90.0, "memory": memory,
+            "per_turn": [{"turn": t, "output_tok_s": 50.0 + t, "cached_ratio": 0.9 + t / 20}
+                         for t in range(2)]}
+
+
+def test_plots_from_serving_and_agent_json(tmp_path, capsys):
+    mk = {"sealed_bytes_per_token": 45000.0, "dense_bytes_per_token": 131072}
+    serving = [_serving_row("dense", c, b, 50.0 * b) for c in (8192, 32768) for b in (1, 8)]
+    serving += [_serving_row("mosaickv", c, 1, 5.0, mk) for c in (8192, 32768)]
+    serving.append({"system": "mosaickv", "error": "OutOfMemoryError(...)"})
+    (tmp_path / "serving_run").mkdir()
+    (tmp_path / "serving_run" / "s.json").write_text(json.dumps(serving))
+    (tmp_path / "agent.json").write_text(json.dumps([_agent_row("dense"),
+                                                     _agent_row("mosaickv", 40000.0)]))
+    out = tmp_path / "plots"
+    assert plot_serving.main([str(tmp_path / "serving_run"), str(tmp_path / "agent.json"),
+                              "--out", str(out)]) == 0
+    names = {"throughput_vs_context.png", "latency.png", "memory.png", "agent_turns.png"}
+    assert {p.name for p in out.iterdir()} == names
+    for name in names:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "mosaickv failed, left out: OutOfMemoryError" in capsys.readouterr().out
+
+    rows, agent = plot_serving.load_rows([tmp_path / "serving_run", tmp_path / "agent.json"])
+    mem = plot_serving._memory(rows, agent)
+    # dense serving rows carry no byte counts: the reserved cache per token slot stands in
+    assert mem["dense\nserving_run"] == {"capacity": 1000, "dense_bytes_per_token": 131072,
+                                         "bytes_per_token": 131072}
+    assert mem["mosaickv\nserving_run"]["bytes_per_token"] == 45000.0
+    assert mem["mosaickv\nagent"]["bytes_per_token"] == 40000.0
+    assert mem["dense\nagent"]["bytes_per_token"] == 131072
+
+
+def test_unknown_rows_and_empty_inputs_are_refused(tmp_path):
+    (tmp_path / "odd.json").write_text(json.dumps([{"system": "dense", "foo": 1}]))
+    with pytest.raises(SystemExit, match="neither serving_bench's nor agent_bench's"):
+        plot_serving.load_rows([tmp_path / "odd.json"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no JSON files"):
+        plot_serving.load_rows([tmp_path / "empty"])
