@@ -22,6 +22,7 @@ import json
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -141,6 +142,10 @@ def main() -> None:
     ap.add_argument("--wait-for", type=Path, default=None,
                     help="before the first measurement, wait (up to 600 s) until this file "
                          "exists: work sharing the GPU during start-up must be over by then")
+    ap.add_argument("--after-bench", action="append", default=[], metavar="CMD",
+                    help="shell command run against each system's server after its rows, "
+                         "before it stops ({url} and {system} are filled in; repeat); e.g. "
+                         "benchmarks/agent_bench.py --url {url} --systems {system} ...")
     ap.add_argument("--logs", type=Path, default=Path("serving_logs"))
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
@@ -186,6 +191,13 @@ def main() -> None:
                 save(args.json, results)  # partial results survive a time limit
                 print(f"[{system}] ctx {ctx} batch {b}: {row['decode_tok_s']:.1f} tok/s, "
                       f"ITL p50 {row['itl_ms_p50']:.1f} ms", flush=True)
+        for n, template in enumerate(args.after_bench):
+            cmd = template.format(url=srv.url, system=system)
+            t = time.perf_counter()
+            with open(args.logs / f"after_{system}_{n}.log", "w") as fh:
+                rc = subprocess.run(cmd, shell=True, stdout=fh, stderr=subprocess.STDOUT).returncode
+            print(f"[{system}] after-bench {n} rc {rc} in {time.perf_counter() - t:.0f} s: {cmd}",
+                  flush=True)
 
     systems = args.systems.split(",")
     if args.parallel_start:
