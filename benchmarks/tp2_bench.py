@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import threading
 import time
@@ -32,7 +33,7 @@ from mosaickv_sglang.launch import mosaickv_stats, request, running_server  # no
 LOSSLESS_DAEMON = {"k_candidates": ["dense:val=fp32"], "v_candidates": ["dense:val=fp32"],
                    "sink_candidates": [], "hot_tokens": 0, "select": {"enabled": False},
                    "hot_buffer_fraction": 0.5, "decode_kernel": "reference",
-                   "daemon": "process", "daemon_workers": 2, "daemon_queue_segments": 16}
+                   "daemon": "process", "daemon_workers": 2, "daemon_queue_segments": 32}
 
 
 class Background:
@@ -64,9 +65,10 @@ class Background:
             raise RuntimeError(f"{self.name}: {self.error}")
         return self.url
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
         self._stop.set()
-        self._thread.join(timeout=90)
+        if wait:
+            self._thread.join(timeout=90)
 
 
 def make_check_model(out: Path, tokenizer: Path, layers: int) -> Path:
@@ -149,9 +151,10 @@ def main() -> None:
     ap.add_argument("--check-layers", type=int, default=4)
     ap.add_argument("--check-only", action="store_true", help="skip the 128K servers")
     ap.add_argument("--dense-backend", default="triton", help="torch_native on a CPU")
-    ap.add_argument("--deadline-s", type=float, default=480,
+    ap.add_argument("--deadline-s", type=float, default=360,
                     help="start no serving point after this many seconds")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.perf_counter()
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -189,7 +192,7 @@ def main() -> None:
     }
     if args.check_only:
         del specs["dense"], specs["mosaickv"]
-    servers = {name: Background(name, model, logs / f"{name}.log", *a, startup_s=600)
+    servers = {name: Background(name, model, logs / f"{name}.log", *a, startup_s=420)
                for name, (model, *a) in specs.items()}
     result = {"startup_s": {}, "check": None, "serving": []}
     path = args.out / "tp2.json"
@@ -218,9 +221,11 @@ def main() -> None:
                                           "error": repr(exc)[-2000:]})
                 print(f"[{system}] b{b} FAILED: {exc!r}"[-2000:], flush=True)
             path.write_text(json.dumps(result, indent=1))
-    finally:
+    finally:  # also on SIGTERM (the script's timeout): no server outlives the run
         for s in servers.values():
             result["startup_s"][s.name] = s.startup_s
+            s.stop(wait=False)
+        for s in servers.values():
             s.stop()
         path.write_text(json.dumps(result, indent=1))
     c = result["check"] or {}

@@ -12,10 +12,10 @@ source scripts/device_env.sh .device/server/server-base.tar.xz \
 tar -xJf .device/tok.tar.xz -C .device
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 df -h /dev/shm | tail -1
-timeout "${LIMIT_S:-560}" python3 benchmarks/tp2_bench.py --tokenizer .device/tok \
+timeout -k 60 "${LIMIT_S:-490}" python3 benchmarks/tp2_bench.py --tokenizer .device/tok \
     --out "$OUT" --dense-batches "${DENSE_BATCHES:-1,4}" \
     --mosaickv-batches "${MOSAICKV_BATCHES:-1,2}" --output "${OUTPUT:-64}" \
-    --deadline-s "${DEADLINE_S:-400}"
+    --deadline-s "${DEADLINE_S:-360}"
 rc=$?
 for f in "$OUT"/logs/*.log; do
     echo "== $f"; grep -E "Error|error|Traceback|MosaicKV (pool|sizing|daemon)|max_total_num_tokens" "$f" | tail -6
