@@ -97,12 +97,21 @@ def outputs(url: str, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
     """Sequential requests, then the same jobs again all at once (batched decode steps)."""
     seq = [greedy(url, ids, n) for ids, n in jobs]
     conc: list = [None] * len(jobs)
-    threads = [threading.Thread(target=lambda i=i: conc.__setitem__(i, greedy(url, *jobs[i])))
-               for i in range(len(jobs))]
+    errors: list[str] = []
+
+    def go(i):
+        try:
+            conc[i] = greedy(url, *jobs[i])
+        except Exception as exc:  # raised below: a missing output must not compare equal
+            errors.append(f"request {i}: {exc!r}")
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise RuntimeError("; ".join(errors))
     return seq + conc
 
 
