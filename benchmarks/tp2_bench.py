@@ -3,8 +3,8 @@ decode point at TP=2, dense vs MosaicKV. Every server starts at once (start-up d
 run); the small ones stop once checked, before anything is timed.
 
 1. Correctness: greedy ids of MosaicKV with the lossless config (fp32, dense candidates, no
-   selection) and ``daemon: process``, TP=2 vs TP=1, plus TP=2 dense SGLang as a control; then
-   the two ranks' swap lines (daemon/swaplog.py) compared. The model has the Llama-3.1-8B
+   selection) and ``daemon: process``, TP=2 vs TP=1, plus TP=2 dense SGLang (torch_native) as a
+   control; then the two ranks' swap lines (daemon/swaplog.py) compared. The model has the Llama-3.1-8B
    attention shape (32 q / 8 KV heads, head_dim 128, hidden 4096) with 4 layers and *saved*
    random weights: ``--load-format dummy`` cannot be compared across TP sizes, SGLang seeds each
    rank's weight shard alike (the values depend only on the shard's size), so TP=1 and TP=2 would
@@ -159,7 +159,6 @@ def main() -> None:
     ap.add_argument("--mosaickv-batches", default="1,2")
     ap.add_argument("--check-layers", type=int, default=4)
     ap.add_argument("--check-only", action="store_true", help="skip the 128K servers")
-    ap.add_argument("--dense-backend", default="triton", help="torch_native on a CPU")
     ap.add_argument("--deadline-s", type=float, default=360,
                     help="start no serving point after this many seconds")
     args = ap.parse_args()
@@ -186,8 +185,8 @@ def main() -> None:
                    json.dumps(LOSSLESS_DAEMON), *check_args),
         "mk_tp2": (small, "--tp", "2", "--kv-backend", "mosaickv", "--mosaickv-config",
                    json.dumps(LOSSLESS_DAEMON), *check_args),
-        "dense_tp2": (small, "--tp", "2", *system_args("dense", args.dense_backend),
-                      "--disable-cuda-graph",
+        # the control uses torch SDPA like MosaicKV's prefill and fp32 reference decode
+        "dense_tp2": (small, "--tp", "2", *system_args("dense", "torch_native"),
                       *check_args),
         # CUDA graphs only for the batch sizes measured (capture is most of a dense start-up)
         "dense": (big, *system_args("dense", "triton"), *bench_args,
