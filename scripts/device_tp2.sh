@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 df -h /dev/shm | tail -1
 timeout -k 60 "${LIMIT_S:-490}" python3 benchmarks/tp2_bench.py --tokenizer .device/tok \
     --out "$OUT" --dense-batches "${DENSE_BATCHES:-1,4}" \
-    --mosaickv-batches "${MOSAICKV_BATCHES:-1,2}" --output "${OUTPUT:-64}" \
+    --mosaickv-batches "${MOSAICKV_BATCHES:-1}" --output "${OUTPUT:-64}" \
     --deadline-s "${DEADLINE_S:-360}"
 rc=$?
 for f in "$OUT"/logs/*.log; do
