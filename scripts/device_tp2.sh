@@ -7,6 +7,10 @@
 # server logs in $OUT/logs. DENSE_BATCHES / MOSAICKV_BATCHES / OUTPUT / DEADLINE_S override.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Five servers share the two GPUs on purpose (each capped by --max-total-tokens): SGLang's TP
+# start-up check would otherwise refuse a rank that sees the other GPU less loaded at that
+# instant ("memory capacity is unbalanced"); with 0 it only warns.
+export SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0
 source scripts/device_env.sh .device/server/server-base.tar.xz \
     .device/server/server-flashinfer.tar.xz > "$OUT/env.log" 2>&1 || { tail -20 "$OUT/env.log"; exit 1; }
 tar -xJf .device/tok.tar.xz -C .device
