@@ -33,7 +33,8 @@ from mosaickv_sglang.launch import mosaickv_stats, request, running_server  # no
 LOSSLESS_DAEMON = {"k_candidates": ["dense:val=fp32"], "v_candidates": ["dense:val=fp32"],
                    "sink_candidates": [], "hot_tokens": 0, "select": {"enabled": False},
                    "hot_buffer_fraction": 0.5, "decode_kernel": "reference",
-                   "daemon": "process", "daemon_workers": 2, "daemon_queue_segments": 32}
+                   "daemon": "process", "daemon_workers": 2, "daemon_queue_segments": 16,
+                   "basis_block_tokens": 1024}  # small: /dev/shm use and 2 blocks per prompt
 
 
 class Background:
