@@ -4,11 +4,11 @@ run); the small ones stop once checked, before anything is timed.
 
 1. Correctness: greedy ids of MosaicKV with the lossless config (fp32, dense candidates, no
    selection) and ``daemon: process``, TP=2 vs TP=1, plus TP=2 dense SGLang (torch_native) as a
-   control; then the two ranks' swap lines (daemon/swaplog.py) compared. The model has the Llama-3.1-8B
-   attention shape (32 q / 8 KV heads, head_dim 128, hidden 4096) with 4 layers and *saved*
-   random weights: ``--load-format dummy`` cannot be compared across TP sizes, SGLang seeds each
-   rank's weight shard alike (the values depend only on the shard's size), so TP=1 and TP=2 would
-   be different models.
+   control; then the two ranks' swap lines (daemon/swaplog.py) compared. The model has the
+   Llama-3.1-8B attention shape (32 q / 8 KV heads, head_dim 128, hidden 4096) with 4 layers and
+   *saved* random weights: ``--load-format dummy`` cannot be compared across TP sizes, SGLang
+   seeds each rank's weight shard alike (the values depend only on the shard's size), so TP=1
+   and TP=2 would be different models.
 2. The 128K point: the Llama-3.1-8B-shaped dummy model, TP=2, through serving_bench.measure, in
    the order dense b1, MosaicKV b1, then the larger batches while time is left (``--deadline-s``).
 
@@ -218,8 +218,8 @@ def main() -> None:
         for s in checked:
             s.stop()
         path.write_text(json.dumps(result, indent=1))
-        points = [("dense", 1), ("mosaickv", 1)] + \
-            [("dense", b) for b in dense_b if b != 1] + [("mosaickv", b) for b in mosaic_b if b != 1]
+        points = [("dense", 1), ("mosaickv", 1)] + [("dense", b) for b in dense_b if b != 1] \
+            + [("mosaickv", b) for b in mosaic_b if b != 1]
         for system, b in points if not args.check_only else ():
             if time.perf_counter() - t0 > args.deadline_s:
                 result["serving"].append({"system": system, "batch": b,
@@ -245,7 +245,7 @@ def main() -> None:
     print(f"\ncheck: tp2==tp1 {c.get('tp2_equals_tp1')}, tp2==dense_tp2 "
           f"{c.get('tp2_equals_dense_tp2')}, swap logs agree {c.get('swap_logs_agree')} "
           f"({c.get('swap_report') or c.get('error', '')[:200]})")
-    print("start-up s:", {k: None if v is None else round(v) for k, v in result["startup_s"].items()})
+    print("start-up s:", {k: v if v is None else round(v) for k, v in result["startup_s"].items()})
     print_table(result["serving"])
 
 

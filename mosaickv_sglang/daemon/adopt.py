@@ -25,6 +25,22 @@ from .swaplog import digest
 logger = logging.getLogger(__name__)
 
 
+def _world(group) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    if _world(group) == 1:
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
 def agree(ready: list[bool], group=None) -> list[bool]:
     """Jobs ready on every rank of `group` (a gloo/CPU process group; None or size 1: local)."""
     if not ready or _world(group) == 1:
@@ -34,14 +50,6 @@ def agree(ready: list[bool], group=None) -> list[bool]:
     flags = torch.tensor(ready, dtype=torch.uint8)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     return [bool(f) for f in flags.tolist()]
-
-
-def _world(group) -> int:
-    if group is None:
-        return 1
-    import torch.distributed as dist
-
-    return dist.get_world_size(group)
 
 
 def agree_state(jobs: list, broken: bool, group=None) -> bool:
@@ -57,7 +65,8 @@ def agree_state(jobs: list, broken: bool, group=None) -> bool:
                + [(-1 - i, job.pages[0]) for i, job in enumerate(jobs)])
     x = torch.tensor([len(jobs), -len(jobs), d, -d, -int(broken)], dtype=torch.int64)
     dist.all_reduce(x, op=dist.ReduceOp.MIN, group=group)
-    n_min, n_max, d_min, d_max, any_broken = int(x[0]), -int(x[1]), int(x[2]), -int(x[3]), -int(x[4])
+    n_min, n_max, d_min, d_max, any_broken = (int(v) * sign for v, sign in zip(
+        x.tolist(), (1, -1, 1, -1, -1)))
     if n_min != n_max or d_min != d_max:
         raise RuntimeError(
             f"MosaicKV: tensor-parallel ranks hold different open daemon jobs ({n_min}..{n_max} "
@@ -99,10 +108,3 @@ def adopt(pool, group=None) -> int:
     pool.swaps.flush(_rank(group))
     return installed
 
-
-def _rank(group) -> int:
-    if _world(group) == 1:
-        return 0
-    import torch.distributed as dist
-
-    return dist.get_rank(group)
