@@ -33,8 +33,9 @@ from mosaickv_sglang.launch import mosaickv_stats, request, running_server  # no
 LOSSLESS_DAEMON = {"k_candidates": ["dense:val=fp32"], "v_candidates": ["dense:val=fp32"],
                    "sink_candidates": [], "hot_tokens": 0, "select": {"enabled": False},
                    "hot_buffer_fraction": 0.5, "decode_kernel": "reference",
-                   "daemon": "process", "daemon_workers": 2, "daemon_queue_segments": 16,
-                   "basis_block_tokens": 1024}  # small: /dev/shm use and 2 blocks per prompt
+                   "daemon": "process", "daemon_workers": 2, "daemon_queue_segments": 32}
+# Prompts stay inside one 4096-token basis block: with the daemon, a request spanning two blocks
+# can have its second block adopted before its first and crash the server (NOTES, issue 8).
 
 
 class Background:
