@@ -22,6 +22,6 @@ timeout -k 60 "${LIMIT_S:-490}" python3 benchmarks/tp2_bench.py --tokenizer .dev
     --deadline-s "${DEADLINE_S:-360}"
 rc=$?
 for f in "$OUT"/logs/*.log; do
-    echo "== $f"; grep -E "Error|error|Traceback|MosaicKV (pool|sizing|daemon)|max_total_num_tokens" "$f" | tail -6
+    echo "== $f"; grep -E "Traceback|Error:|unbalanced|MosaicKV (pool|sizing|daemon)|max_total_num_tokens" "$f" | tail -6
 done
 exit $rc
