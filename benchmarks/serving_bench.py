@@ -115,6 +115,40 @@ def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int)
             "tokens": [len(r["stamps"]) for r in recs]}
 
 
+def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int) -> dict:
+    """One (context, batch) point on a running server, with its capacity and MosaicKV stats."""
+    _, info = request(f"{url}/get_server_info")
+    memory = info.get("internal_states", [{}])[0].get("memory_usage", {})
+    row = run_batch(url, ctx, batch, n_out, seed=ctx + batch, vocab=vocab)
+    row.update(system=system, max_total_num_tokens=memory.get("token_capacity"),
+               kv_cache_gb=memory.get("kvcache"))
+    _, info = request(f"{url}/get_server_info")
+    row["mosaickv"] = info.get("internal_states", [{}])[0].get("mosaickv")
+    print(f"[{system}] ctx {ctx} batch {batch}: {row['decode_tok_s']:.1f} tok/s, "
+          f"ITL p50 {row['itl_ms_p50']:.1f} ms", flush=True)
+    return row
+
+
+def print_table(results: list) -> None:
+    print(f"\n{'system':<10}{'ctx':>7}{'batch':>6}{'TTFT p50 s':>11}{'decode tok/s':>13}"
+          f"{'ITL p50 ms':>11}{'ITL p99 ms':>11}{'capacity':>10}{'ratio':>7}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['system']:<10} ERROR {r['error'][:100]}")
+            continue
+        mk = r.get("mosaickv") or {}
+        ratio = mk.get("sealed_ratio")
+        print(f"{r['system']:<10}{r['context']:>7}{r['batch']:>6}{r['ttft_s_p50']:>11.2f}"
+              f"{r['decode_tok_s']:>13.1f}{r['itl_ms_p50']:>11.1f}{r['itl_ms_p99']:>11.1f}"
+              f"{r['max_total_num_tokens'] or 0:>10}{ratio or 0:>7.2f}")
+    for r in results:  # MosaicKV's sampled decode-step phases (decode_profile_every > 0)
+        prof = ((r.get("mosaickv") or {}).get("decode") or {}).get("profile") or {}
+        if prof.get("sampled_steps"):
+            phases = " ".join(f"{k} {v:.2f}" for k, v in prof["ms_per_step"].items())
+            print(f"profile ctx {r['context']} batch {r['batch']} ({prof['sampled_steps']} steps, "
+                  f"ms per step, cumulative): {phases}")
+
+
 def save(path: Path, results: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
@@ -177,20 +211,12 @@ def main() -> None:
         return system, (ctx, srv), startup
 
     def bench(system: str, srv, startup_s: float) -> None:
-        _, info = request(f"{srv.url}/get_server_info")
-        memory = info.get("internal_states", [{}])[0].get("memory_usage", {})
-        capacity = memory.get("token_capacity")
         for ctx in contexts:
             for b in batches:
-                row = run_batch(srv.url, ctx, b, args.output, seed=ctx + b, vocab=vocab)
-                row.update(system=system, max_total_num_tokens=capacity,
-                           startup_s=round(startup_s, 1), kv_cache_gb=memory.get("kvcache"))
-                _, info = request(f"{srv.url}/get_server_info")
-                row["mosaickv"] = info.get("internal_states", [{}])[0].get("mosaickv")
+                row = measure(srv.url, system, ctx, b, args.output, vocab)
+                row["startup_s"] = round(startup_s, 1)
                 results.append(row)
                 save(args.json, results)  # partial results survive a time limit
-                print(f"[{system}] ctx {ctx} batch {b}: {row['decode_tok_s']:.1f} tok/s, "
-                      f"ITL p50 {row['itl_ms_p50']:.1f} ms", flush=True)
         for n, template in enumerate(args.after_bench):
             cmd = template.format(url=srv.url, system=system)
             t = time.perf_counter()
@@ -230,23 +256,7 @@ def main() -> None:
             if entry and entry[1] is not None:
                 entry[1][0].__exit__(None, None, None)
     save(args.json, results)
-    print(f"\n{'system':<10}{'ctx':>7}{'batch':>6}{'TTFT p50 s':>11}{'decode tok/s':>13}"
-          f"{'ITL p50 ms':>11}{'ITL p99 ms':>11}{'capacity':>10}{'ratio':>7}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['system']:<10} ERROR {r['error'][:100]}")
-            continue
-        mk = r.get("mosaickv") or {}
-        ratio = mk.get("sealed_ratio")
-        print(f"{r['system']:<10}{r['context']:>7}{r['batch']:>6}{r['ttft_s_p50']:>11.2f}"
-              f"{r['decode_tok_s']:>13.1f}{r['itl_ms_p50']:>11.1f}{r['itl_ms_p99']:>11.1f}"
-              f"{r['max_total_num_tokens'] or 0:>10}{ratio or 0:>7.2f}")
-    for r in results:  # MosaicKV's sampled decode-step phases (decode_profile_every > 0)
-        prof = ((r.get("mosaickv") or {}).get("decode") or {}).get("profile") or {}
-        if prof.get("sampled_steps"):
-            phases = " ".join(f"{k} {v:.2f}" for k, v in prof["ms_per_step"].items())
-            print(f"profile ctx {r['context']} batch {r['batch']} ({prof['sampled_steps']} steps, "
-                  f"ms per step, cumulative): {phases}")
+    print_table(results)
 
 
 if __name__ == "__main__":

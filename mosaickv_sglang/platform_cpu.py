@@ -21,6 +21,10 @@ What the platform changes, in 0.5.17:
 * ``apply_server_args_defaults``: SGLang's own CPU handler has already picked ``intel_amx``
   (needs sgl-kernel's CPU ops) when the device is "cpu" and no backend was given; it is turned
   into ``torch_native``; sampling "pytorch"; CUDA graphs disabled (no OOT graph runner).
+  With ``--tp N`` (gloo; `tp_cpu_defaults`): custom all-reduce off, SGLang's pynccl
+  communicator off (it would find torch's bundled libnccl and open a CUDA device) and one share
+  of this process's cores per rank in ``SGLANG_CPU_OMP_THREADS_BIND`` (SGLang otherwise wants
+  one NUMA node per rank), each unless already set.
 * ``get_mha_kv_pool_cls``: the stock ``MHATokenToKVPool`` (its writes are plain indexing on CPU).
 * ``get_paged_allocator_cls``: ``torch_paged_allocator_cls()``, the stock paged
   allocator with its two Triton kernels (``alloc_extend_kernel``, ``alloc_decode_kernel``)
@@ -57,6 +61,30 @@ def activate() -> str | None:
                        "(the MosaicKV CPU platform is for CPU-only development and CI)", ENV_OPT_IN)
         return None
     return PLATFORM_CLASS
+
+
+# A library name that cannot load: SGLang's PyNcclCommunicator then disables itself (its
+# "missing NCCL library, e.g. in a non-GPU environment" path) and all-reduces go through gloo.
+NO_NCCL = "mosaickv-cpu-platform-no-nccl.so"
+
+
+def tp_cpu_defaults(server_args, env) -> None:
+    """What ``--tp N`` needs on this platform (SGLang 0.5.17), set in `env` for the scheduler
+    processes the launcher spawns; explicit settings win. Logged."""
+    tp = server_args.tp_size
+    server_args.disable_custom_all_reduce = True  # CUDA IPC buffers
+    env.setdefault("SGLANG_NCCL_SO_PATH", NO_NCCL)
+    if "SGLANG_CPU_OMP_THREADS_BIND" not in env:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < tp:
+            raise ValueError(f"--tp {tp} on the MosaicKV CPU platform needs a core per rank; "
+                             f"this process may use {len(cores)}")
+        share = len(cores) // tp
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cores[r * share:(r + 1) * share])) for r in range(tp))
+    logger.info("MosaicKV CPU platform, --tp %d: gloo all-reduce (no pynccl, no custom "
+                "all-reduce), SGLANG_CPU_OMP_THREADS_BIND=%s", tp,
+                env["SGLANG_CPU_OMP_THREADS_BIND"])
 
 
 def _ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
@@ -168,6 +196,8 @@ class MosaicCpuPlatform(CpuDeviceMixin, SRTPlatform):
             server_args.cuda_graph_config.prefill.backend = Backend.DISABLED
         except (ImportError, AttributeError):  # config layout of another SGLang release
             pass
+        if (server_args.tp_size or 1) > 1:
+            tp_cpu_defaults(server_args, os.environ)
 
     def get_mha_kv_pool_cls(self) -> type:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool

@@ -37,6 +37,7 @@ from .codec.pages import build_page_meta
 from .codec.seal import BasisPair, SealedPage, seal_group, worst_encoded_bytes, worst_page_bytes
 from .codec.strategies import parse_strategy
 from .config import MosaicConfig, check_fits
+from .daemon.swaplog import SwapLog
 from .segment_store import SegmentStore
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.pending: dict[int, object] = {}
         self.deferred: dict[int, list[tuple[int, int, int]]] = {}
         self.daemon = self._start_daemon() if mosaic_config.daemon == "process" else None
+        self.swaps = SwapLog() if self.daemon is not None else None  # flushed by adopt()
         logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense)",
                     size, hot_pages * page_size, self._hot_capacity_bytes() / 1e6)
 
@@ -303,6 +305,8 @@ class MosaicKVPool(MHATokenToKVPool):
         self.hot_page_of[page] = -1
         self.counters.sealed_pages += 1
         _bump(self.counters.sealed_by_position, sealed.position // self.page_size)
+        if self.swaps is not None:
+            self.swaps.add(page, self.page_gen[page])
 
     def count_reuse(self, page_slots: list[int]) -> int:
         """A request got these pages (first slot of each, in position order from 0) from the
@@ -481,7 +485,8 @@ class MosaicKVPool(MHATokenToKVPool):
             "counters": {**self.counters.__dict__, "strategies": dict(self.counters.strategies),
                          "sealed_by_position": list(self.counters.sealed_by_position),
                          "reused_by_position": list(self.counters.reused_by_position)},
-            "daemon": self.daemon.stats() if self.daemon is not None else None,
+            "daemon": None if self.daemon is None else {**self.daemon.stats(),
+                                                         "swaps": self.swaps.stats()},
             # The kernel-readable arena: reserved at start-up for the worst layout on every
             # logical page (what the GPU holds) vs the blocks live now (inside arena_bytes).
             "decode": {} if self.decode_path is None else self.decode_path.stats(),

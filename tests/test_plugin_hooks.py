@@ -107,7 +107,7 @@ def test_platform_opt_in(monkeypatch):
 
 
 def test_platform_server_args_defaults():
-    args = SimpleNamespace(attention_backend="intel_amx", prefill_attention_backend=None,
+    args = SimpleNamespace(tp_size=1, attention_backend="intel_amx", prefill_attention_backend=None,
                            decode_attention_backend="intel_amx", sampling_backend="flashinfer",
                            disable_cuda_graph=False, cuda_graph_config=SimpleNamespace(
                                decode=SimpleNamespace(backend="full"),
@@ -116,6 +116,20 @@ def test_platform_server_args_defaults():
     assert args.attention_backend == args.decode_attention_backend == "torch_native"
     assert args.sampling_backend == "pytorch" and args.disable_cuda_graph
     assert str(args.cuda_graph_config.decode.backend).endswith("disabled")
+
+
+def test_platform_tp_defaults_split_cores_and_keep_explicit_settings(monkeypatch):
+    monkeypatch.setattr(platform_cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    args, env = SimpleNamespace(tp_size=2, disable_custom_all_reduce=False), {}
+    platform_cpu.tp_cpu_defaults(args, env)
+    assert args.disable_custom_all_reduce
+    assert env == {"SGLANG_NCCL_SO_PATH": platform_cpu.NO_NCCL,
+                   "SGLANG_CPU_OMP_THREADS_BIND": "0,1|2,3"}
+    env = {"SGLANG_NCCL_SO_PATH": "/opt/nccl.so", "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+    platform_cpu.tp_cpu_defaults(args, env)
+    assert env == {"SGLANG_NCCL_SO_PATH": "/opt/nccl.so", "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+    with pytest.raises(ValueError, match="needs a core per rank"):
+        platform_cpu.tp_cpu_defaults(SimpleNamespace(tp_size=8), {})
 
 
 def test_torch_paged_allocator_matches_sglang_reference():

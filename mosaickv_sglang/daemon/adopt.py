@@ -5,28 +5,74 @@ Every tensor-parallel rank runs its own daemon, so results arrive at different t
 different ranks. The open jobs are the same list on every rank (sealing decisions are
 deterministic), so the ranks agree on a ready bitmap over it (MIN all-reduce on the TP CPU
 group) and install exactly the agreed jobs: every rank switches the same pages at the same step.
+Before that, one fixed-size all-reduce checks that the open-job lists really are equal (a clear
+error instead of a mismatched collective) and spreads a broken daemon: if any rank's daemon is
+broken, every rank seals inline from then on, so the ranks keep sealing the same pages at the
+same step. Each rank logs its swaps per adoption point (swaplog.py) for an offline comparison.
 A switch is atomic for readers: all layers of a page change between two forwards. On the GPU,
 results are copied onto the device on the current stream, so the next forward is ordered after
 them, and a freed hot page is only rewritten by a later forward on the same stream.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
+from .swaplog import digest
+
+logger = logging.getLogger(__name__)
+
+
+def _world(group) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    if _world(group) == 1:
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
 
 def agree(ready: list[bool], group=None) -> list[bool]:
     """Jobs ready on every rank of `group` (a gloo/CPU process group; None or size 1: local)."""
-    if group is None or not ready:
+    if not ready or _world(group) == 1:
         return ready
     import torch.distributed as dist
 
-    if dist.get_world_size(group) == 1:
-        return ready
     flags = torch.tensor(ready, dtype=torch.uint8)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     return [bool(f) for f in flags.tolist()]
+
+
+def agree_state(jobs: list, broken: bool, group=None) -> bool:
+    """Check that every rank of `group` holds the same open jobs (their (page, generation) lists);
+    return whether the daemon is broken on *any* rank. One MIN all-reduce of 5 int64 (max as
+    -min(-x)). Raises RuntimeError on every rank alike when the job lists differ."""
+    if _world(group) == 1:
+        return broken
+    import torch.distributed as dist
+
+    # every (page, generation) pair, plus (-1 - index, first page) per job for the job order
+    d = digest([(p, g) for job in jobs for p, g in zip(job.pages, job.gens)]
+               + [(-1 - i, job.pages[0]) for i, job in enumerate(jobs)])
+    x = torch.tensor([len(jobs), -len(jobs), d, -d, -int(broken)], dtype=torch.int64)
+    dist.all_reduce(x, op=dist.ReduceOp.MIN, group=group)
+    n_min, n_max, d_min, d_max, any_broken = (int(v) * sign for v, sign in zip(
+        x.tolist(), (1, -1, 1, -1, -1)))
+    if n_min != n_max or d_min != d_max:
+        raise RuntimeError(
+            f"MosaicKV: tensor-parallel ranks hold different open daemon jobs ({n_min}..{n_max} "
+            f"jobs, digests differ: {d_min != d_max}); their sealing decisions diverged, which "
+            "would desynchronize the page switches. Please report with the server log.")
+    return bool(any_broken)
 
 
 def adopt(pool, group=None) -> int:
@@ -35,6 +81,11 @@ def adopt(pool, group=None) -> int:
     client = pool.daemon
     client.collect()
     jobs = client.open_jobs()
+    if agree_state(jobs, client.broken, group) and not client.broken:
+        client.broken = True
+        logger.error("MosaicKV daemon: another tensor-parallel rank's daemon is broken: pages are "
+                     "sealed on the scheduler thread here too (counted as sync_seals_fallback), "
+                     "so every rank switches the same pages at the same step")
     installed = 0
     for job, ok in zip(jobs, agree([job.ready for job in jobs], group)):
         if not ok:
@@ -54,4 +105,6 @@ def adopt(pool, group=None) -> int:
     watermark = math.ceil(pool.cfg.daemon_hot_watermark * pool.num_hot_pages)
     pool._relieve(watermark)
     client.pump()
+    pool.swaps.flush(_rank(group))
     return installed
+
