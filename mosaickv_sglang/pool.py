@@ -32,7 +32,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from .codec.basis import inverse, unrotate
-from .codec.layer import Candidates, CompressedLayer, segment_bytes
+from .codec.layer import Candidates, CompressedLayer, own_storage, segment_bytes
 from .codec.pages import build_page_meta
 from .codec.seal import BasisPair, SealedPage, seal_group, worst_encoded_bytes, worst_page_bytes
 from .codec.strategies import parse_strategy
@@ -245,17 +245,20 @@ class MosaicKVPool(MHATokenToKVPool):
     def _seal_now(self, group: list[tuple[int, int, int]], bases: BasisPair | None) -> None:
         """Seal on this thread from the hot buffer (the codec code the worker runs too)."""
         pages = [p for _, p, _ in group]
-        sealed = seal_group(lambda i, local: self._page_kv(local, pages[i]),
-                            [pos for pos, _, _ in group], bases, self.layer_num, self.cfg,
-                            self.cands, self.dense)
-        for page, sp in zip(pages, sealed):
-            self._install(page, sp)
+        sealed = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
+                            [pos for pos, _, _ in group], bases, self.cfg, self.cands, self.dense)
+        self._install(pages, sealed)
 
-    def _page_kv(self, local: int, page: int):
-        phys = self.hot_page_of[page] * self.page_size + torch.arange(self.page_size)
-        k = self.k_buffer[local][phys].transpose(0, 1).float()  # [H, S, D]
-        v = self.v_buffer[local][phys].transpose(0, 1).float()
-        return k, v
+    def _read_pages(self, pages: list[int]):
+        """Hot pages' K and V, all layers, [P, L, H, S, D] each: one gather per layer and kind."""
+        ps = self.page_size
+        phys = (self.hot_page_of[pages][:, None] * ps + torch.arange(ps)).flatten()
+        phys = phys.to(self.device)
+        out = []
+        for buf in (self.k_buffer, self.v_buffer):
+            x = torch.stack([layer[phys] for layer in buf])  # [L, P*S, H, D]
+            out.append(x.view(len(buf), len(pages), ps, *x.shape[2:]).permute(1, 0, 3, 2, 4))
+        return out
 
     def _copy_page(self, page: int, dst: torch.Tensor) -> None:
         """A hot page's K/V, all layers, into a daemon slot [layers, 2, H, S, D]."""
@@ -265,23 +268,32 @@ class MosaicKVPool(MHATokenToKVPool):
             dst[local, 0].copy_(self.k_buffer[local][phys].transpose(0, 1), non_blocking=True)
             dst[local, 1].copy_(self.v_buffer[local][phys].transpose(0, 1), non_blocking=True)
 
-    def _install(self, page: int, sealed: SealedPage) -> None:
-        """The one place a sealed page enters ``self.sealed`` (``release_pages``/``clear`` are the
-        only exits): account its bytes and give its hot page back."""
-        if page in self.sealed:
-            raise RuntimeError(f"MosaicKV: page {page} sealed twice")
-        self.sealed[page] = sealed
-        for seg in sealed.segments:
-            for kind, c in (("k", seg.k), ("v", seg.v)):
-                key = f"{kind}:{c.strategy.spec}"
-                self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
-                self.counters.over_budget += c.reason == "over-budget"
-        for local, seg in enumerate(sealed.segments):
-            self.store.install(local, page, seg)
-        self._account(sealed, +1)
-        self.free_hot_pages.append(int(self.hot_page_of[page]))
-        self.hot_page_of[page] = -1
-        self.counters.sealed_pages += 1
+    def _install(self, pages: list[int], sealed: list[SealedPage]) -> None:
+        """The one place sealed pages enter ``self.sealed`` (``release_pages``/``clear`` are the
+        only exits): store each layer's segments of all `pages` in one batch, account their
+        bytes and give their hot pages back."""
+        for page in pages:
+            if page in self.sealed:
+                raise RuntimeError(f"MosaicKV: page {page} sealed twice")
+        if len(set(pages)) != len(pages):
+            raise RuntimeError(f"MosaicKV: pages {pages} installed twice in one batch")
+        for page, sp in zip(pages, sealed):
+            self.sealed[page] = sp
+            for seg in sp.segments:
+                for kind, c in (("k", seg.k), ("v", seg.v)):
+                    key = f"{kind}:{c.strategy.spec}"
+                    self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
+                    self.counters.over_budget += c.reason == "over-budget"
+        for local in range(self.layer_num):
+            segs = [sp.segments[local] for sp in sealed]
+            for seg, stored in zip(segs, self.store.install(local, pages, segs)):
+                if not stored:  # kept in its own tensors, not in views of the sealing batch
+                    own_storage(seg)
+        for page, sp in zip(pages, sealed):
+            self._account(sp, +1)
+            self.free_hot_pages.append(int(self.hot_page_of[page]))
+            self.hot_page_of[page] = -1
+            self.counters.sealed_pages += 1
 
     # ---- daemon -------------------------------------------------------------------------
     def _start_daemon(self):
@@ -317,14 +329,14 @@ class MosaicKVPool(MHATokenToKVPool):
         if sealed is None and live:
             pages = [job.pages[i] for i in live]
             sealed = [None] * len(job.pages)
-            done = seal_group(lambda i, local: self._page_kv(local, pages[i]),
+            done = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
                               [job.positions[i] for i in live],
-                              job.bases if job.bases_given else None, self.layer_num, self.cfg,
-                              self.cands, self.dense)
+                              job.bases if job.bases_given else None, self.cfg, self.cands,
+                              self.dense)
             for i, sp in zip(live, done):
                 sealed[i] = sp
-        for i in live:
-            self._install(job.pages[i], sealed[i])
+        if live:
+            self._install([job.pages[i] for i in live], [sealed[i] for i in live])
         self.daemon.counters.discarded_pages += len(job.pages) - len(live)
         waiting = [(pos, p, g) for pos, p, g in self.deferred.pop(job.first, ())
                    if self.page_gen[p] == g]

@@ -125,11 +125,16 @@ class BlockLayout:
 
     def header(self, base: int, layout_id: int = 0) -> torch.Tensor:
         """int32 [HEADER_WIDTH] for a segment whose block starts at byte `base`."""
-        if base % ALIGN or base > MAX_ARENA_BYTES:
-            raise ValueError(f"segment base {base} must be a multiple of {ALIGN} below "
-                             f"{MAX_ARENA_BYTES} (int32 header in {ALIGN}-byte units)")
+        return self.headers([base], layout_id)[0]
+
+    def headers(self, bases: list[int], layout_id: int = 0) -> torch.Tensor:
+        """int32 [len(bases), HEADER_WIDTH]: `header` of each base, built from one row."""
+        for base in bases:
+            if base % ALIGN or base > MAX_ARENA_BYTES:
+                raise ValueError(f"segment base {base} must be a multiple of {ALIGN} below "
+                                 f"{MAX_ARENA_BYTES} (int32 header in {ALIGN}-byte units)")
         row = torch.zeros(HEADER_WIDTH, dtype=torch.int32)
-        row[HDR["tokens"]], row[HDR["base16"]] = self.tokens, base // ALIGN
+        row[HDR["tokens"]] = self.tokens
         row[HDR["head_stride"]], row[HDR["layout"]] = self.head_bytes, layout_id
         for kind, band in (("k", self.k), ("v", self.v)):
             for bits, n in band_channels(band, self.head_dim).items():
@@ -137,7 +142,9 @@ class BlockLayout:
             row[HDR[f"{kind}_group"]] = band.group
             for part in KIND_FIELDS[4:]:
                 row[HDR[f"{kind}_{part}"]] = self.offsets.get(f"{kind}.{part}", 0)
-        return row
+        rows = row.repeat(len(bases), 1)
+        rows[:, HDR["base16"]] = torch.tensor(bases, dtype=torch.int64) // ALIGN
+        return rows
 
 
 @dataclass
@@ -209,22 +216,44 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def write_block(block: torch.Tensor, lay: BlockLayout, seg) -> dict[tuple[str, str], torch.Tensor]:
     """Copy a segment's K and V band tensors into its (segment, head) blocks `block` (uint8
-    [H, lay.head_bytes]) at the layout's offsets; returns, per (kind, name), a view of the copy
-    with the original tensor's dtype and shape. Shared by `pack_layer` and the serving store."""
-    h = block.shape[0]
+    [H, lay.head_bytes]) at the layout's offsets; returns `block_views` of the copy."""
+    write_blocks(block[None], lay, [seg])
+    return block_views(block, lay, seg)
+
+
+def write_blocks(blocks: torch.Tensor, lay: BlockLayout, segs: list) -> None:
+    """`write_block` for M segments of one layout at once (blocks uint8 [M, H, lay.head_bytes]):
+    one copy per part for all M. Shared by `pack_layer` and the serving store."""
+    m, h = blocks.shape[:2]
+    if m != len(segs):
+        raise ValueError(f"write_blocks: {m} blocks for {len(segs)} segments")
+    for kind in ("k", "v"):
+        names = getattr(segs[0], kind).encoded.tensors.keys()
+        for name in names:
+            want = torch.uint8 if name.startswith("codes") else SCALE_DTYPE
+            key = f"{kind}.{name}"
+            flats = []
+            for seg in segs:
+                t = getattr(seg, kind).encoded.tensors[name]
+                if t.dtype != want:
+                    raise ValueError(f"pack_layer: {key} is {t.dtype}, expected {want}")
+                flat = t.contiguous().view(torch.uint8).reshape(h, -1)
+                if flat.shape[1] != lay.sizes[key]:
+                    raise ValueError(f"pack_layer: {key} holds {flat.shape[1]} bytes per head, "
+                                     f"layout expects {lay.sizes[key]}")
+                flats.append(flat)
+            part = blocks[:, :, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]]
+            part.copy_(flats[0][None] if m == 1 else torch.stack(flats))
+
+
+def block_views(block: torch.Tensor, lay: BlockLayout, seg) -> dict[tuple[str, str], torch.Tensor]:
+    """Per (kind, name), a view of `block` (uint8 [H, lay.head_bytes]) where `write_blocks` put
+    that tensor of `seg`, with the tensor's dtype and shape."""
     views = {}
     for kind, choice in (("k", seg.k), ("v", seg.v)):
         for name, t in choice.encoded.tensors.items():
-            want = torch.uint8 if name.startswith("codes") else SCALE_DTYPE
-            if t.dtype != want:
-                raise ValueError(f"pack_layer: {kind}.{name} is {t.dtype}, expected {want}")
-            flat = t.contiguous().view(torch.uint8).reshape(h, -1)
             key = f"{kind}.{name}"
-            if flat.shape[1] != lay.sizes[key]:
-                raise ValueError(f"pack_layer: {key} holds {flat.shape[1]} bytes per head, "
-                                 f"layout expects {lay.sizes[key]}")
             part = block[:, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]]
-            part.copy_(flat)
             views[kind, name] = part.view(t.dtype).view(t.shape)
     return views
 
