@@ -32,9 +32,10 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from .codec.basis import inverse, unrotate
-from .codec.layer import Candidates, CompressedLayer, own_storage, segment_bytes
+from .codec.layer import Candidates, CompressedLayer, segment_bytes
 from .codec.pages import build_page_meta
-from .codec.seal import BasisPair, SealedPage, seal_group, worst_encoded_bytes, worst_page_bytes
+from .codec.seal import (BasisPair, SealedPage, gather_pages, seal_group, worst_encoded_bytes,
+                         worst_page_bytes)
 from .codec.strategies import parse_strategy
 from .config import MosaicConfig, check_fits
 from .segment_store import SegmentStore
@@ -250,15 +251,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self._install(pages, sealed)
 
     def _read_pages(self, pages: list[int]):
-        """Hot pages' K and V, all layers, [P, L, H, S, D] each: one gather per layer and kind."""
-        ps = self.page_size
-        phys = (self.hot_page_of[pages][:, None] * ps + torch.arange(ps)).flatten()
-        phys = phys.to(self.device)
-        out = []
-        for buf in (self.k_buffer, self.v_buffer):
-            x = torch.stack([layer[phys] for layer in buf])  # [L, P*S, H, D]
-            out.append(x.view(len(buf), len(pages), ps, *x.shape[2:]).permute(1, 0, 3, 2, 4))
-        return out
+        return gather_pages(self.k_buffer, self.v_buffer, self.hot_page_of[pages], self.page_size)
 
     def _copy_page(self, page: int, dst: torch.Tensor) -> None:
         """A hot page's K/V, all layers, into a daemon slot [layers, 2, H, S, D]."""
@@ -284,11 +277,7 @@ class MosaicKVPool(MHATokenToKVPool):
                     key = f"{kind}:{c.strategy.spec}"
                     self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
                     self.counters.over_budget += c.reason == "over-budget"
-        for local in range(self.layer_num):
-            segs = [sp.segments[local] for sp in sealed]
-            for seg, stored in zip(segs, self.store.install(local, pages, segs)):
-                if not stored:  # kept in its own tensors, not in views of the sealing batch
-                    own_storage(seg)
+        self.store.install_pages(pages, [sp.segments for sp in sealed])
         for page, sp in zip(pages, sealed):
             self._account(sp, +1)
             self.free_hot_pages.append(int(self.hot_page_of[page]))

@@ -18,7 +18,7 @@ import torch
 from mosaickv_kernels.page_select import PackedPageMeta
 
 from .codec.arena import ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout, block_views, write_blocks
-from .codec.layer import Segment
+from .codec.layer import Segment, own_storage
 from .codec.strategies.band import Band
 
 
@@ -45,7 +45,8 @@ class SegmentStore:
         self.free: list[dict[int, list[int]]] = [{} for _ in range(layers)]  # size -> bases
         self.top = [0] * layers  # bump pointer per layer
         self.live_bytes = 0
-        self.layouts: dict[tuple, int] = {}
+        self.layouts: dict[tuple, int] = {}  # BlockLayout.key() -> layout id (plans row)
+        self._layout_of: dict[tuple, BlockLayout] = {}  # (K spec, V spec, tokens) -> layout
         self._plans: list[torch.Tensor] = []
         self.plans = torch.zeros(1, 2, len(PLAN_FIELDS), head_dim, dtype=torch.int32, device=device)
         self.min_group = segment_tokens
@@ -62,6 +63,15 @@ class SegmentStore:
                 for _ in range(layers)]
 
     # ---- install / release ----------------------------------------------------------------
+    def install_pages(self, pages: list[int], segments: list[list[Segment]]) -> None:
+        """Sealed pages (each one segment per layer) in, one `install` batch per layer; the
+        segments the arena does not take get their own storage (`own_storage`)."""
+        for layer in range(len(self.data)):
+            segs = [page_segs[layer] for page_segs in segments]
+            for seg, stored in zip(segs, self.install(layer, pages, segs)):
+                if not stored:  # kept in its own tensors, not in views of the sealing batch
+                    own_storage(seg)
+
     def install(self, layer: int, pages: list[int], segs: list[Segment]) -> list[bool]:
         """Copy one layer's segments (one per logical page) into the arena and re-point their
         tensors at the copy; per segment, False (nothing stored) when the kernel cannot read it
@@ -76,7 +86,11 @@ class SegmentStore:
             if self.meta is not None and (seg.pages is None or not seg.pages_rotated):
                 raise ValueError("SegmentStore: selection is on but a band segment came without "
                                  "page metadata in its K basis")
-            lay = BlockLayout.of(seg.k.strategy, seg.v.strategy, seg.tokens, self.head_dim)
+            key = (seg.k.strategy.spec, seg.v.strategy.spec, seg.tokens)
+            lay = self._layout_of.get(key)
+            if lay is None:
+                lay = self._layout_of[key] = BlockLayout.of(seg.k.strategy, seg.v.strategy,
+                                                            seg.tokens, self.head_dim)
             base = self._alloc(layer, self.heads * lay.head_bytes)
             if base is None:
                 self.arena_full += 1
@@ -100,8 +114,7 @@ class SegmentStore:
         self.data[layer].view(-1, ALIGN).index_copy_(0, rows.flatten().to(self.device),
                                                      staged.view(-1, ALIGN))
         for seg, base in zip(segs, bases):
-            block = self.data[layer][base:base + size].view(self.heads, lay.head_bytes)
-            for (kind, name), view in block_views(block, lay, seg).items():
+            for (kind, name), view in block_views(self.data[layer], base, lay, seg).items():
                 (seg.k if kind == "k" else seg.v).encoded.tensors[name] = view
         if lay.key() not in self.layouts:
             self.layouts[lay.key()] = len(self._plans)

@@ -133,7 +133,7 @@ class BlockLayout:
             if base % ALIGN or base > MAX_ARENA_BYTES:
                 raise ValueError(f"segment base {base} must be a multiple of {ALIGN} below "
                                  f"{MAX_ARENA_BYTES} (int32 header in {ALIGN}-byte units)")
-        row = torch.zeros(HEADER_WIDTH, dtype=torch.int32)
+        row = [0] * HEADER_WIDTH  # built in Python: one tensor op for all rows, not one per field
         row[HDR["tokens"]] = self.tokens
         row[HDR["head_stride"]], row[HDR["layout"]] = self.head_bytes, layout_id
         for kind, band in (("k", self.k), ("v", self.v)):
@@ -142,9 +142,10 @@ class BlockLayout:
             row[HDR[f"{kind}_group"]] = band.group
             for part in KIND_FIELDS[4:]:
                 row[HDR[f"{kind}_{part}"]] = self.offsets.get(f"{kind}.{part}", 0)
-        rows = row.repeat(len(bases), 1)
-        rows[:, HDR["base16"]] = torch.tensor(bases, dtype=torch.int64) // ALIGN
-        return rows
+        rows = [list(row) for _ in bases]
+        for r, base in zip(rows, bases):
+            r[HDR["base16"]] = base // ALIGN
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(bases), HEADER_WIDTH)
 
 
 @dataclass
@@ -214,48 +215,55 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def write_block(block: torch.Tensor, lay: BlockLayout, seg) -> dict[tuple[str, str], torch.Tensor]:
-    """Copy a segment's K and V band tensors into its (segment, head) blocks `block` (uint8
-    [H, lay.head_bytes]) at the layout's offsets; returns `block_views` of the copy."""
-    write_blocks(block[None], lay, [seg])
-    return block_views(block, lay, seg)
-
-
 def write_blocks(blocks: torch.Tensor, lay: BlockLayout, segs: list) -> None:
-    """`write_block` for M segments of one layout at once (blocks uint8 [M, H, lay.head_bytes]):
-    one copy per part for all M. Shared by `pack_layer` and the serving store."""
+    """Copy M segments' K and V band tensors into their (segment, head) blocks (`blocks` uint8
+    [M, H, lay.head_bytes]) at the layout's offsets: one copy per part for all M. Shared by
+    `pack_layer` and the serving store."""
     m, h = blocks.shape[:2]
     if m != len(segs):
         raise ValueError(f"write_blocks: {m} blocks for {len(segs)} segments")
     for kind in ("k", "v"):
-        names = getattr(segs[0], kind).encoded.tensors.keys()
-        for name in names:
+        for name in getattr(segs[0], kind).encoded.tensors:
             want = torch.uint8 if name.startswith("codes") else SCALE_DTYPE
             key = f"{kind}.{name}"
-            flats = []
-            for seg in segs:
-                t = getattr(seg, kind).encoded.tensors[name]
+            parts = [getattr(seg, kind).encoded.tensors[name] for seg in segs]
+            for t in parts:
                 if t.dtype != want:
                     raise ValueError(f"pack_layer: {key} is {t.dtype}, expected {want}")
-                flat = t.contiguous().view(torch.uint8).reshape(h, -1)
-                if flat.shape[1] != lay.sizes[key]:
-                    raise ValueError(f"pack_layer: {key} holds {flat.shape[1]} bytes per head, "
-                                     f"layout expects {lay.sizes[key]}")
-                flats.append(flat)
-            part = blocks[:, :, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]]
-            part.copy_(flats[0][None] if m == 1 else torch.stack(flats))
+                if t.numel() * t.element_size() != h * lay.sizes[key]:
+                    raise ValueError(f"pack_layer: {key} holds {t.numel() * t.element_size() / h:g}"
+                                     f" bytes per head, layout expects {lay.sizes[key]}")
+            src = parts[0][None] if m == 1 else torch.stack(parts)
+            blocks[:, :, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]].copy_(
+                src.contiguous().view(torch.uint8).reshape(m, h, -1))
 
 
-def block_views(block: torch.Tensor, lay: BlockLayout, seg) -> dict[tuple[str, str], torch.Tensor]:
-    """Per (kind, name), a view of `block` (uint8 [H, lay.head_bytes]) where `write_blocks` put
-    that tensor of `seg`, with the tensor's dtype and shape."""
+def block_views(arena: torch.Tensor, base: int, lay: BlockLayout,
+                seg) -> dict[tuple[str, str], torch.Tensor]:
+    """Per (kind, name), a view of the uint8 `arena` (1-D, from its storage's start) where
+    `write_blocks` put that tensor of `seg` (its first dim the heads) in the block at byte
+    `base`, with the tensor's dtype and shape: one `as_strided` each, as this runs for every part
+    of every sealed segment."""
+    typed = {torch.uint8: arena}
     views = {}
     for kind, choice in (("k", seg.k), ("v", seg.v)):
         for name, t in choice.encoded.tensors.items():
-            key = f"{kind}.{name}"
-            part = block[:, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]]
-            views[kind, name] = part.view(t.dtype).view(t.shape)
+            if t.dtype not in typed:
+                typed[t.dtype] = arena.view(t.dtype)
+            size = t.element_size()
+            views[kind, name] = typed[t.dtype].as_strided(
+                t.shape, _contiguous_strides(t.shape[1:], lay.head_bytes // size),
+                (base + lay.offsets[f"{kind}.{name}"]) // size)
     return views
+
+
+def _contiguous_strides(shape, outer: int) -> tuple[int, ...]:
+    """Strides of [outer-strided dim, *shape] with `shape` contiguous."""
+    strides, n = [], 1
+    for dim in reversed(shape):
+        strides.append(n)
+        n *= dim
+    return (outer, *reversed(strides))
 
 
 def _check_segment(i: int, b: int, seg, page_tokens: int, basis: int) -> tuple[Band, Band]:
@@ -335,7 +343,7 @@ def pack_layer(layers: list[CompressedLayer], page_tokens: int = 32) -> PackedAr
         codes, scales = lay.payload_bytes()
         payload["codes"] += h * codes
         payload["scales"] += h * scales
-        write_block(data[base:base + h * lay.head_bytes].view(h, lay.head_bytes), lay, seg)
+        write_blocks(data[base:base + h * lay.head_bytes].view(1, h, lay.head_bytes), lay, [seg])
 
     counts = torch.tensor([len(layer.segments) for layer in layers], dtype=torch.int32)
     seg_indptr = torch.zeros(len(layers) + 1, dtype=torch.int32)

@@ -101,6 +101,20 @@ def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None
     return BasisPair(*out)
 
 
+def gather_pages(k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],
+                 pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `PageReader`'s read of a dense cache (one [rows, H, D] tensor per layer, pages of
+    `page_size` rows; `pages` the page numbers in it) -> K and V [P, L, H, S, D], one gather per
+    layer and kind."""
+    rows = (pages.long()[:, None] * page_size + torch.arange(page_size)).flatten()
+    rows = rows.to(k_buffer[0].device)
+    out = []
+    for buf in (k_buffer, v_buffer):
+        x = torch.stack([layer[rows] for layer in buf])  # [L, P*S, H, D]
+        out.append(x.view(len(buf), len(pages), page_size, *x.shape[2:]).permute(1, 0, 3, 2, 4))
+    return out[0], out[1]
+
+
 def seal_group(read: PageReader, positions: list[int], bases: BasisPair | None,
                cfg: MosaicConfig, cands: Candidates, dense: Strategy,
                timer=None) -> list[SealedPage]:
