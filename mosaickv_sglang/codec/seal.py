@@ -66,11 +66,16 @@ class HostSolvers(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in self.OPS or args[0].device.type == "cpu":
             return func(*args, **kwargs)
-        x = args[0].cpu()
-        parts = x.tensor_split(min(self.threads, x.shape[0]))
-        with ThreadPoolExecutor(len(parts)) as pool:
-            outs = list(pool.map(lambda t: func(t, *args[1:], **kwargs), parts))
-        return type(outs[0])([torch.cat(ts).to(args[0].device) for ts in zip(*outs)])
+        out = solve_split(func, args[0].cpu(), self.threads, *args[1:], **kwargs)
+        return type(out)([t.to(args[0].device) for t in out])
+
+
+def solve_split(func, x: torch.Tensor, threads: int, *args, **kwargs):
+    """func(x) for a batched solver returning a tuple (eigh, qr), the batch split over threads."""
+    parts = x.tensor_split(max(1, min(threads, x.shape[0])))
+    with ThreadPoolExecutor(len(parts)) as pool:
+        outs = list(pool.map(lambda t: func(t, *args, **kwargs), parts))
+    return type(outs[0])([torch.cat(ts) for ts in zip(*outs)])
 
 
 def host_threads() -> int:
