@@ -113,8 +113,8 @@ class SegmentStore:
         rows = (torch.tensor(bases)[:, None] + torch.arange(0, size, ALIGN)) // ALIGN
         self.data[layer].view(-1, ALIGN).index_copy_(0, rows.flatten().to(self.device),
                                                      staged.view(-1, ALIGN))
-        for seg, base in zip(segs, bases):
-            for (kind, name), view in block_views(self.data[layer], base, lay, seg).items():
+        for seg, views in zip(segs, block_views(self.data[layer], bases, lay, segs)):
+            for (kind, name), view in views.items():
                 (seg.k if kind == "k" else seg.v).encoded.tensors[name] = view
         if lay.key() not in self.layouts:
             self.layouts[lay.key()] = len(self._plans)

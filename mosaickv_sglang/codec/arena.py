@@ -238,23 +238,24 @@ def write_blocks(blocks: torch.Tensor, lay: BlockLayout, segs: list) -> None:
                 src.contiguous().view(torch.uint8).reshape(m, h, -1))
 
 
-def block_views(arena: torch.Tensor, base: int, lay: BlockLayout,
-                seg) -> dict[tuple[str, str], torch.Tensor]:
-    """Per (kind, name), a view of the uint8 `arena` (1-D, from its storage's start) where
-    `write_blocks` put that tensor of `seg` (its first dim the heads) in the block at byte
-    `base`, with the tensor's dtype and shape: one `as_strided` each, as this runs for every part
-    of every sealed segment."""
+def block_views(arena: torch.Tensor, bases: list[int], lay: BlockLayout,
+                segs: list) -> list[dict[tuple[str, str], torch.Tensor]]:
+    """Per segment (of one layout, its block at byte `bases[i]` of the 1-D uint8 `arena`), per
+    (kind, name), a view of where `write_blocks` put that tensor (its first dim the heads), with
+    the tensor's dtype and shape: one `as_strided` each, as this runs for every part of every
+    sealed segment."""
     typed = {torch.uint8: arena}
-    views = {}
-    for kind, choice in (("k", seg.k), ("v", seg.v)):
+    parts = []  # (kind, name, dtype, shape, strides, byte offset, element size)
+    for kind, choice in (("k", segs[0].k), ("v", segs[0].v)):
         for name, t in choice.encoded.tensors.items():
             if t.dtype not in typed:
                 typed[t.dtype] = arena.view(t.dtype)
             size = t.element_size()
-            views[kind, name] = typed[t.dtype].as_strided(
-                t.shape, _contiguous_strides(t.shape[1:], lay.head_bytes // size),
-                (base + lay.offsets[f"{kind}.{name}"]) // size)
-    return views
+            parts.append((kind, name, typed[t.dtype], t.shape,
+                          _contiguous_strides(t.shape[1:], lay.head_bytes // size),
+                          lay.offsets[f"{kind}.{name}"], size))
+    return [{(kind, name): typed_arena.as_strided(shape, strides, (base + off) // size)
+             for kind, name, typed_arena, shape, strides, off, size in parts} for base in bases]
 
 
 def _contiguous_strides(shape, outer: int) -> tuple[int, ...]:

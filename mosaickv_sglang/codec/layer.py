@@ -221,17 +221,26 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
         dec = fallback.decode(Encoded(kind, (m * h, s, d), tensors)).reshape(m, h, s, d)
         fb = (fallback, tensors, _errors(dec, src).tolist(), dec,
               {i: j for j, i in enumerate(missing)})
+    rows_of = {}  # candidate -> per segment row, its tensors as views (made once per candidate)
+
+    def views(c, tensors, rows):
+        if c not in rows_of:
+            per_name = {name: t.reshape(rows, h, *t.shape[1:]).unbind(0)
+                        for name, t in tensors.items()}
+            rows_of[c] = [dict(zip(per_name, row)) for row in zip(*per_name.values())]
+        return rows_of[c]
+
     choices, decoded = [], []
     for i in range(n):
         if picks[i] is not None:
             _, strat, tensors, _, dec = tried[picks[i]]
-            row, rows, e, why = i, n, errs[picks[i]][i], reason
+            c, row, rows, e, why = picks[i], i, n, errs[picks[i]][i], reason
         else:
             strat, tensors, fb_errs, dec, where = fb
-            row, rows, e = where[i], len(missing), fb_errs[where[i]]
+            c, row, rows, e = -1, where[i], len(missing), fb_errs[where[i]]
             # With no candidates at all, dense is the configured choice, not a missed budget.
             why = "over-budget" if candidates else reason
-        part = {name: t.reshape(rows, h, *t.shape[1:])[row] for name, t in tensors.items()}
+        part = views(c, tensors, rows)[row]
         choices.append(Choice(strat, Encoded(kind, (h, s, d), part), e, why))
         if need_decoded:
             decoded.append(dec[row])
