@@ -91,11 +91,12 @@ def _read_one(kbuf, vbuf, page, layer):
     return kbuf[layer][rows].transpose(0, 1).float(), vbuf[layer][rows].transpose(0, 1).float()
 
 
-def test_fit_bases_over_layers_equals_layer_by_layer(seed):
+@pytest.mark.parametrize("solver", ["host", "device"])  # on the CPU: all layers / one at a time
+def test_fit_bases_equals_layer_by_layer(seed, solver):
     gen = torch.Generator().manual_seed(seed)
     kbuf, vbuf = _hot_buffer(gen)
     k, v = gather_pages(kbuf, vbuf, torch.arange(P) + 1, S)
-    bases = fit_bases(k, v, "host")
+    bases = fit_bases(k, v, solver)
     for layer in range(L):
         kv = [_read_one(kbuf, vbuf, p, layer) for p in range(P)]
         for got, x in ((bases.k[layer], [a for a, _ in kv]), (bases.v[layer], [b for _, b in kv])):

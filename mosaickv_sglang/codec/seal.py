@@ -85,14 +85,20 @@ def host_threads() -> int:
 
 def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None) -> BasisPair:
     """Bases of a basis block, fitted on the pages of its first sealed group: K and V
-    [P, L, H, S, D] -> per layer [H, D, D]. One `fit_basis` call per kind fits the heads of
-    several layers at once ([layers*H, P*S, D], as many layers as keep that within SEAL_BATCH
-    segments); every head is fitted alone, so this equals fitting layer by layer. `solver`: where
-    eigh/qr run for device tensors ("host": HostSolvers, "device": cuSOLVER)."""
+    [P, L, H, S, D] -> per layer [H, D, D]. `solver` says where eigh/qr run for device tensors:
+
+    * "host": one `fit_basis` call per kind fits the heads of several layers at once
+      ([layers*H, P*S, D], as many layers as keep that within SEAL_BATCH segments), its solvers
+      on the CPU over host threads (HostSolvers): a few transfers per block instead of cuSOLVER's
+      per-matrix calls;
+    * "device": cuSOLVER, one call per layer as before (cuSOLVER loops over matrices anyway,
+      and the covariance GEMMs keep the batch shape, hence the bits, they had).
+
+    Every head is fitted alone, so on the CPU both equal fitting layer by layer, bit for bit."""
     if solver not in FIT_SOLVERS:
         raise ValueError(f"fit_bases: solver={solver!r}; choose one of {FIT_SOLVERS}")
     p, layers, h, s, d = k.shape
-    step = max(1, SEAL_BATCH // p)
+    step = max(1, SEAL_BATCH // p) if solver == "host" else 1
     out = ([], [])
     with phase(timer, "fit_bases"):
         for x, bases in zip((k, v), out):
