@@ -63,13 +63,13 @@ class Setup:
         self.cfg, self.args = cfg, args
         self.ps = cfg.segment_tokens
         self.pages = args.tokens // self.ps
-        g = torch.Generator().manual_seed(args.seed)
-        scale = torch.logspace(0.5, -1, args.head_dim)
-        rows = (self.pages + 1) * self.ps
-        self.k = [(torch.randn(rows, args.heads, args.head_dim, generator=g) * scale)
-                  .to(torch.bfloat16).to(args.device) for _ in range(args.layers)]
-        self.v = [(torch.randn(rows, args.heads, args.head_dim, generator=g) * scale.flip(0))
-                  .to(torch.bfloat16).to(args.device) for _ in range(args.layers)]
+        g = torch.Generator(args.device).manual_seed(args.seed)
+        scale = torch.logspace(0.5, -1, args.head_dim, device=args.device)
+        shape = ((self.pages + 1) * self.ps, args.heads, args.head_dim)
+        self.k = [(torch.randn(shape, generator=g, device=args.device) * scale)
+                  .to(torch.bfloat16) for _ in range(args.layers)]
+        self.v = [(torch.randn(shape, generator=g, device=args.device) * scale.flip(0))
+                  .to(torch.bfloat16) for _ in range(args.layers)]
         self.cands = Candidates.from_config(cfg)
         self.dense = parse_strategy("dense")
         self.block = cfg.basis_block_tokens // self.ps
@@ -85,8 +85,10 @@ class Setup:
         return gather_pages(self.k, self.v, torch.tensor(pages) + 1, self.ps)
 
     def blocks(self, limit: int | None = None):
-        for first in range(0, self.pages if limit is None else min(limit, self.pages), self.block):
-            yield list(range(first, min(first + self.block, self.pages)))
+        """Page numbers per basis block, of the first `limit` pages (default: all)."""
+        end = self.pages if limit is None else min(limit, self.pages)
+        for first in range(0, end, self.block):
+            yield list(range(first, min(first + self.block, end)))
 
     def seal(self, store: SegmentStore, timer=None, limit: int | None = None):
         """The pool's `_seal_now` for every basis block of the prompt -> sealed pages."""
