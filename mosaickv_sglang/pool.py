@@ -251,6 +251,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self._install(pages, sealed)
 
     def _read_pages(self, pages: list[int]):
+        """Hot logical pages' K and V, all layers, [P, L, H, S, D] (the `seal_group` reader)."""
         return gather_pages(self.k_buffer, self.v_buffer, self.hot_page_of[pages], self.page_size)
 
     def _copy_page(self, page: int, dst: torch.Tensor) -> None:

@@ -54,8 +54,8 @@ class HostSolvers(TorchFunctionMode):
     """Runs `fit_basis`'s dense solvers (eigh, qr) of device tensors on the CPU: one copy of their
     [N, D, D] input to the host and of the results back, the batch split over host threads
     (LAPACK solves one matrix at a time; every matrix is solved alone either way, so the split
-    does not change a bit). cuSOLVER runs these per matrix too (syevj for fp32 D in [32, 512]),
-    each a chain of small launches. fit_basis itself stays the one definition of a basis."""
+    does not change a bit). cuSOLVER also solves one matrix per call (torch picks syevj for fp32
+    D in [32, 512]). fit_basis itself stays the one definition of a basis."""
     OPS = (torch.linalg.eigh, torch.linalg.qr)
 
     def __init__(self, threads: int):
