@@ -203,10 +203,16 @@ def main() -> None:
     sync(args.device)
     timed_total = time.perf_counter() - t0
     store = setup.store()  # untimed: no synchronization between phases
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        base_mem = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     t0, c0 = time.perf_counter(), time.process_time()
     setup.seal(store)
     sync(args.device)
     total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # transient device memory of sealing a prompt: above what was allocated before (store incl.)
+    peak_gb = (torch.cuda.max_memory_allocated() - base_mem) / 2**30 if cuda else None
 
     with LaunchCount() as count:
         setup.seal(setup.store(), limit=setup.block)
@@ -222,7 +228,8 @@ def main() -> None:
         "fit_solver": cfg.fit_solver,
         "total_s": total, "segments_per_s": segments / total, "ms_per_segment": total / segments * 1e3,
         "timed_total_s": timed_total,
-        "process_cpu_s": cpu,  # this process's CPU time (all threads): steadier on a shared box
+        "process_cpu_s": cpu,
+        "peak_transient_gib": peak_gb,  # this process's CPU time (all threads): steadier on a shared box
         "phases_s": {p: timer.seconds.get(p, 0.0) for p in PHASES},
         "launching_ops_per_segment": sum(count.ops.values()) / counted,
         "top_ops": dict(count.ops.most_common(10)),
@@ -248,6 +255,8 @@ def main() -> None:
           f"device {fs['device_s'] * 1e3:.1f} ms (bitwise equal: {fs['bitwise_equal']})")
     if args.check:
         print("check batched == one at a time:", result["check"])
+    if cuda:
+        print(f"peak device memory while sealing, above the store and the cache: {peak_gb:.2f} GiB")
     print(f"launching torch ops per segment: {result['launching_ops_per_segment']:.1f} "
           f"(top: {dict(count.ops.most_common(5))})")
     print(f"\n{'phase (synchronized)':<22}{'s':>9}{'%':>7}{'ms/segment':>12}")
