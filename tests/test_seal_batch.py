@@ -81,7 +81,7 @@ def _hot_buffer(gen, dtype=torch.bfloat16):
     scale = torch.logspace(0.5, -1, D)
     k = [torch.randn(rows, H, D, generator=gen) * scale for _ in range(L)]
     v = [torch.randn(rows, H, D, generator=gen) * scale.flip(0) for _ in range(L)]
-    k[1][2 * S:3 * S] *= (2 * torch.randn(S, H, D, generator=gen)).exp()
+    k[1][2 * S:3 * S] *= (3 * torch.randn(S, H, D, generator=gen)).exp()
     return [t.to(dtype) for t in k], [t.to(dtype) for t in v]
 
 
