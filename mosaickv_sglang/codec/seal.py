@@ -105,7 +105,8 @@ def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None
             for first in range(0, layers, step):
                 part = x[:, first:first + step]
                 n = part.shape[1]
-                flat = part.permute(1, 2, 0, 3, 4).reshape(n * h, p * s, d)
+                # contiguous, like the per-layer concatenation the fit always got
+                flat = part.permute(1, 2, 0, 3, 4).reshape(n * h, p * s, d).contiguous()
                 with HostSolvers(host_threads()) if solver == "host" else nullcontext():
                     b = fit_basis(flat)
                 bases.extend(b.reshape(n, h, *b.shape[1:]).unbind(0))
@@ -155,7 +156,10 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int], bases: Ba
             with phase(timer, "gather"):
                 pj = torch.tensor([j for j, _ in part], device=k.device)
                 pl = torch.tensor([local for _, local in part], device=k.device)
-                kk, vv = k[pj, pl].float(), v[pj, pl].float()
+                # contiguous like the per-segment stacks before (the index keeps the gather's
+                # token-major strides): the chooser's kernels then see the layout they always saw
+                kk, vv = (x[pj, pl].to(torch.float32, memory_format=torch.contiguous_format)
+                          for x in (k, v))
                 kb, vb = kbs[pl], vbs[pl]
             sealed = seal_segments(kk, vv, kb, vb, 0, [positions[j] for j, _ in part], cfg, cands,
                                    sink, cfg.select.enabled, dense, timer)
