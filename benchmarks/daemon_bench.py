@@ -124,10 +124,10 @@ def main() -> None:
             os.sched_setaffinity(w.proc.pid, cores[1:] or cores)
 
     # backpressure cost: one page sealed on this thread (what a backpressure seal costs a step)
-    read = lambda i, local: (hot[0][local, 0].float(), hot[0][local, 1].float())  # noqa: E731
+    read = lambda idx: (hot[0][None, :, 0], hot[0][None, :, 1])  # noqa: E731  (one page)
     cands = Candidates.from_config(cfg)
     t0 = time.perf_counter()
-    seal_group(read, [tokens * 5], None, layers, cfg, cands, dense)
+    seal_group(read, [tokens * 5], None, cfg, cands, dense)
     inline_fit_ms = (time.perf_counter() - t0) * 1e3
 
     work = Work(device, args.step_ms)

@@ -33,6 +33,7 @@ DEFAULT_SINK_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 
 
 DECODE_KERNELS = ("auto", "triton", "reference")
+FIT_SOLVERS = ("host", "device")
 
 
 @dataclass
@@ -87,6 +88,10 @@ class MosaicConfig:
     # hot gather, selection, kernels, merge) with a device sync between phases; 0 = off. The
     # syncs slow the sampled steps only; totals are in stats()["decode"]["profile"].
     decode_profile_every: int = 0
+    # Where a basis fit on GPU pages runs its eigh/qr: "host" (one copy to the CPU, LAPACK over
+    # host threads) or "device" (cuSOLVER, one matrix at a time). A guess to confirm on the H200
+    # (benchmarks/seal_bench.py measures both); CPU pages are fitted on the CPU either way.
+    fit_solver: str = "host"
 
     def __post_init__(self):
         if isinstance(self.select, dict):
@@ -126,6 +131,9 @@ class MosaicConfig:
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"mosaickv config: decode_kernel={self.decode_kernel!r} must be one "
                              f"of {list(DECODE_KERNELS)}")
+        if self.fit_solver not in FIT_SOLVERS:
+            raise ValueError(f"mosaickv config: fit_solver={self.fit_solver!r} must be one of "
+                             f"{list(FIT_SOLVERS)}")
         if self.daemon not in DAEMON_MODES:
             raise ValueError(f"mosaickv config: daemon={self.daemon!r}; choose one of "
                              f"{DAEMON_MODES}")

@@ -34,7 +34,8 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 from .codec.basis import unrotate
 from .codec.layer import Candidates, CompressedLayer, segment_bytes
 from .codec.pages import build_page_meta
-from .codec.seal import BasisPair, SealedPage, seal_group, worst_encoded_bytes, worst_page_bytes
+from .codec.seal import (BasisPair, SealedPage, gather_pages, seal_group, worst_encoded_bytes,
+                         worst_page_bytes)
 from .codec.strategies import parse_strategy
 from .config import MosaicConfig, check_fits
 from .daemon.swaplog import SwapLog
@@ -267,17 +268,13 @@ class MosaicKVPool(MHATokenToKVPool):
     def _seal_now(self, group: list[tuple[int, int, int]], bases: BasisPair | None) -> None:
         """Seal on this thread from the hot buffer (the codec code the worker runs too)."""
         pages = [p for _, p, _ in group]
-        sealed = seal_group(lambda i, local: self._page_kv(local, pages[i]),
-                            [pos for pos, _, _ in group], bases, self.layer_num, self.cfg,
-                            self.cands, self.dense)
-        for page, sp in zip(pages, sealed):
-            self._install(page, sp)
+        sealed = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
+                            [pos for pos, _, _ in group], bases, self.cfg, self.cands, self.dense)
+        self._install(pages, sealed)
 
-    def _page_kv(self, local: int, page: int):
-        phys = self.hot_page_of[page] * self.page_size + torch.arange(self.page_size)
-        k = self.k_buffer[local][phys].transpose(0, 1).float()  # [H, S, D]
-        v = self.v_buffer[local][phys].transpose(0, 1).float()
-        return k, v
+    def _read_pages(self, pages: list[int]):
+        """Hot logical pages' K and V, all layers, [P, L, H, S, D] (the `seal_group` reader)."""
+        return gather_pages(self.k_buffer, self.v_buffer, self.hot_page_of[pages], self.page_size)
 
     def _copy_page(self, page: int, dst: torch.Tensor) -> None:
         """A hot page's K/V, all layers, into a daemon slot [layers, 2, H, S, D]."""
@@ -287,26 +284,31 @@ class MosaicKVPool(MHATokenToKVPool):
             dst[local, 0].copy_(self.k_buffer[local][phys].transpose(0, 1), non_blocking=True)
             dst[local, 1].copy_(self.v_buffer[local][phys].transpose(0, 1), non_blocking=True)
 
-    def _install(self, page: int, sealed: SealedPage) -> None:
-        """The one place a sealed page enters ``self.sealed`` (``release_pages``/``clear`` are the
-        only exits): account its bytes and give its hot page back."""
-        if page in self.sealed:
-            raise RuntimeError(f"MosaicKV: page {page} sealed twice")
-        self.sealed[page] = sealed
-        for seg in sealed.segments:
-            for kind, c in (("k", seg.k), ("v", seg.v)):
-                key = f"{kind}:{c.strategy.spec}"
-                self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
-                self.counters.over_budget += c.reason == "over-budget"
-        for local, seg in enumerate(sealed.segments):
-            self.store.install(local, page, seg)
-        self._account(sealed, +1)
-        self.free_hot_pages.append(int(self.hot_page_of[page]))
-        self.hot_page_of[page] = -1
-        self.counters.sealed_pages += 1
-        _bump(self.counters.sealed_by_position, sealed.position // self.page_size)
-        if self.swaps is not None:
-            self.swaps.add(page, self.page_gen[page])
+    def _install(self, pages: list[int], sealed: list[SealedPage]) -> None:
+        """The one place sealed pages enter ``self.sealed`` (``release_pages``/``clear`` are the
+        only exits): store each layer's segments of all `pages` in one batch, account their
+        bytes and give their hot pages back."""
+        for page in pages:
+            if page in self.sealed:
+                raise RuntimeError(f"MosaicKV: page {page} sealed twice")
+        if len(set(pages)) != len(pages):
+            raise RuntimeError(f"MosaicKV: pages {pages} installed twice in one batch")
+        for page, sp in zip(pages, sealed):
+            self.sealed[page] = sp
+            for seg in sp.segments:
+                for kind, c in (("k", seg.k), ("v", seg.v)):
+                    key = f"{kind}:{c.strategy.spec}"
+                    self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
+                    self.counters.over_budget += c.reason == "over-budget"
+        self.store.install_pages(pages, [sp.segments for sp in sealed])
+        for page, sp in zip(pages, sealed):
+            self._account(sp, +1)
+            self.free_hot_pages.append(int(self.hot_page_of[page]))
+            self.hot_page_of[page] = -1
+            self.counters.sealed_pages += 1
+            _bump(self.counters.sealed_by_position, sp.position // self.page_size)
+            if self.swaps is not None:
+                self.swaps.add(page, self.page_gen[page])
 
     def count_reuse(self, page_slots: list[int]) -> int:
         """A request got these pages (first slot of each, in position order from 0) from the
@@ -353,14 +355,14 @@ class MosaicKVPool(MHATokenToKVPool):
         if sealed is None and live:
             pages = [job.pages[i] for i in live]
             sealed = [None] * len(job.pages)
-            done = seal_group(lambda i, local: self._page_kv(local, pages[i]),
+            done = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
                               [job.positions[i] for i in live],
-                              job.bases if job.bases_given else None, self.layer_num, self.cfg,
-                              self.cands, self.dense)
+                              job.bases if job.bases_given else None, self.cfg, self.cands,
+                              self.dense)
             for i, sp in zip(live, done):
                 sealed[i] = sp
-        for i in live:
-            self._install(job.pages[i], sealed[i])
+        if live:
+            self._install([job.pages[i] for i in live], [sealed[i] for i in live])
         self.daemon.counters.discarded_pages += len(job.pages) - len(live)
         waiting = [(pos, p, g) for pos, p, g in self.deferred.pop(job.first, ())
                    if self.page_gen[p] == g]

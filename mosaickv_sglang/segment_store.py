@@ -18,8 +18,8 @@ import torch
 from mosaickv_kernels.band_decode import band_width_classes
 from mosaickv_kernels.page_select import PackedPageMeta
 
-from .codec.arena import ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout, write_block
-from .codec.layer import Segment
+from .codec.arena import ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout, block_views, write_blocks
+from .codec.layer import Segment, own_storage
 from .codec.strategies.band import Band
 
 
@@ -46,7 +46,8 @@ class SegmentStore:
         self.free: list[dict[int, list[int]]] = [{} for _ in range(layers)]  # size -> bases
         self.top = [0] * layers  # bump pointer per layer
         self.live_bytes = 0
-        self.layouts: dict[tuple, int] = {}
+        self.layouts: dict[tuple, int] = {}  # BlockLayout.key() -> layout id (plans row)
+        self._layout_of: dict[tuple, BlockLayout] = {}  # (K spec, V spec, tokens) -> layout
         self._plans: list[torch.Tensor] = []
         self.plans = torch.zeros(1, 2, len(PLAN_FIELDS), head_dim, dtype=torch.int32, device=device)
         self.width_classes: list[tuple[int, ...]] = []  # of the layouts in plans, for the kernel
@@ -64,40 +65,78 @@ class SegmentStore:
                 for _ in range(layers)]
 
     # ---- install / release ----------------------------------------------------------------
-    def install(self, layer: int, page: int, seg: Segment) -> bool:
-        """Copy one layer's segment into the arena and re-point its tensors at the copy.
-        Returns False (nothing stored) when the kernel cannot read it."""
-        if not packable(seg, self.page_tokens):
-            return False
-        lay = BlockLayout.of(seg.k.strategy, seg.v.strategy, seg.tokens, self.head_dim)
+    def install_pages(self, pages: list[int], segments: list[list[Segment]]) -> None:
+        """Sealed pages (each one segment per layer) in, one `install` batch per layer; the
+        segments the arena does not take get their own storage (`own_storage`)."""
+        for layer in range(len(self.data)):
+            segs = [page_segs[layer] for page_segs in segments]
+            for seg, stored in zip(segs, self.install(layer, pages, segs)):
+                if not stored:  # kept in its own tensors, not in views of the sealing batch
+                    own_storage(seg)
+
+    def install(self, layer: int, pages: list[int], segs: list[Segment]) -> list[bool]:
+        """Copy one layer's segments (one per logical page) into the arena and re-point their
+        tensors at the copy; per segment, False (nothing stored) when the kernel cannot read it
+        or the arena is full. Blocks are taken in segment order; the copies go per layout, a
+        few for the whole batch (staged blocks, one scatter into the arena, headers and page
+        metadata in one write each), not a few per segment."""
+        stored = [False] * len(segs)
+        groups: dict[tuple, tuple[BlockLayout, list[int], list[int]]] = {}
+        for i, seg in enumerate(segs):
+            if not packable(seg, self.page_tokens):
+                continue
+            if self.meta is not None and (seg.pages is None or not seg.pages_rotated):
+                raise ValueError("SegmentStore: selection is on but a band segment came without "
+                                 "page metadata in its K basis")
+            key = (seg.k.strategy.spec, seg.v.strategy.spec, seg.tokens)
+            lay = self._layout_of.get(key)
+            if lay is None:
+                lay = self._layout_of[key] = BlockLayout.of(seg.k.strategy, seg.v.strategy,
+                                                            seg.tokens, self.head_dim)
+            base = self._alloc(layer, self.heads * lay.head_bytes)
+            if base is None:
+                self.arena_full += 1
+                continue
+            stored[i] = True
+            groups.setdefault(lay.key(), (lay, [], []))
+            groups[lay.key()][1].append(i)
+            groups[lay.key()][2].append(base)
+        for lay, idx, bases in groups.values():
+            self._write(layer, lay, [pages[i] for i in idx], [segs[i] for i in idx], bases)
+        return stored
+
+    def _write(self, layer: int, lay: BlockLayout, pages: list[int], segs: list[Segment],
+               bases: list[int]) -> None:
+        """The copies of `install` for segments of one layout, their blocks at `bases`."""
         size = self.heads * lay.head_bytes
-        base = self._alloc(layer, size)
-        if base is None:
-            self.arena_full += 1
-            return False
-        block = self.data[layer][base:base + size].view(self.heads, lay.head_bytes)
-        for (kind, name), view in write_block(block, lay, seg).items():
-            (seg.k if kind == "k" else seg.v).encoded.tensors[name] = view
+        staged = torch.zeros(len(segs), self.heads, lay.head_bytes, dtype=torch.uint8,
+                             device=self.device)
+        write_blocks(staged, lay, segs)
+        rows = (torch.tensor(bases)[:, None] + torch.arange(0, size, ALIGN)) // ALIGN
+        self.data[layer].view(-1, ALIGN).index_copy_(0, rows.flatten().to(self.device),
+                                                     staged.view(-1, ALIGN))
+        for seg, views in zip(segs, block_views(self.data[layer], bases, lay, segs)):
+            for (kind, name), view in views.items():
+                (seg.k if kind == "k" else seg.v).encoded.tensors[name] = view
         if lay.key() not in self.layouts:
             self.layouts[lay.key()] = len(self._plans)
             self._plans.append(lay.channel_plan())
             self.plans = torch.stack(self._plans).to(self.device)
             self.width_classes = band_width_classes(torch.stack(self._plans))  # host copy
             self.min_group = min(self.min_group, lay.k.group, lay.v.group)
-        self.headers[layer][page] = lay.header(base, self.layouts[lay.key()]).to(self.device)
+        at = torch.tensor(pages, device=self.device)
+        self.headers[layer][at] = lay.headers(bases, self.layouts[lay.key()]).to(self.device)
         if self.meta is not None:
-            if seg.pages is None or not seg.pages_rotated:
-                raise ValueError("SegmentStore: selection is on but a band segment came without "
-                                 "page metadata in its K basis")
             table = self.meta[layer]
-            table.channels[page] = seg.pages.channels.to(torch.int32)
+            table.channels[at] = torch.stack([seg.pages.channels for seg in segs]).to(torch.int32)
             for name in ("lo", "hi", "rest_norm"):
-                getattr(table, name)[page] = getattr(seg.pages, name)
-                setattr(seg.pages, name, getattr(table, name)[page])  # one copy: a view
-        self.packed[layer, page] = True
-        self.blocks[(layer, page)] = (base, size)
-        self.live_bytes += size
-        return True
+                getattr(table, name)[at] = torch.stack([getattr(seg.pages, name) for seg in segs])
+                for seg, page in zip(segs, pages):
+                    setattr(seg.pages, name, getattr(table, name)[page])  # one copy: a view
+        self.packed[layer, pages] = True
+        for page, base in zip(pages, bases):
+            self.blocks[(layer, page)] = (base, size)
+        self.live_bytes += size * len(segs)
 
     def release(self, page: int) -> None:
         for layer in range(len(self.data)):

@@ -1,11 +1,16 @@
-"""Batched sealing (`seal_segments`, N segments per chooser call) gives exactly what sealing each
-segment alone gives: same strategies, same bytes, same page metadata, same dense fallbacks."""
+"""Batched sealing gives exactly what sealing each segment alone gives: same strategies, same
+bytes, same page metadata, same dense fallbacks, for `seal_segments` (N segments per chooser
+call) and for the pool's whole path (one gather per group, bases fitted over all layers at once,
+a layer's segments installed into the arena in one batch)."""
 import pytest
 import torch
 
+from conftest import repro
 from mosaickv_sglang.codec.basis import fit_basis
 from mosaickv_sglang.codec.layer import DENSE, Candidates, _choose_batch, seal_segments
+from mosaickv_sglang.codec.seal import fit_bases, gather_pages, seal_group, solve_split
 from mosaickv_sglang.config import MosaicConfig
+from mosaickv_sglang.segment_store import SegmentStore
 
 H, S, D = 2, 128, 64
 
@@ -62,3 +67,112 @@ def test_fallback_applies_only_to_segments_over_budget():
     assert [c.strategy.name for c in choices] == ["dense" if i == worst else "lowbit"
                                                   for i in range(4)]
     assert choices[worst].error < 0.01  # the dense (bf16) fallback: rounding error only
+
+
+# ---- the serving path: one gather per group, bases over all layers, a layer's batch installed --
+
+L, P = 3, 5
+
+
+def _hot_buffer(gen, dtype=torch.bfloat16):
+    """SGLang-like dense cache: one [rows, H, D] tensor per layer, page p at rows (p+1)*S, some
+    pages heavy-tailed (dense fallbacks: segments the store leaves unpacked)."""
+    rows = (P + 1) * S
+    scale = torch.logspace(0.5, -1, D)
+    k = [torch.randn(rows, H, D, generator=gen) * scale for _ in range(L)]
+    v = [torch.randn(rows, H, D, generator=gen) * scale.flip(0) for _ in range(L)]
+    k[1][2 * S:3 * S] *= (3 * torch.randn(S, H, D, generator=gen)).exp()
+    return [t.to(dtype) for t in k], [t.to(dtype) for t in v]
+
+
+def _read_one(kbuf, vbuf, page, layer):
+    """The previous reader: one (page, layer) at a time, [H, S, D] float."""
+    rows = (page + 1) * S + torch.arange(S)
+    return kbuf[layer][rows].transpose(0, 1).float(), vbuf[layer][rows].transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("solver", ["host", "device"])  # on the CPU: all layers / one at a time
+def test_fit_bases_equals_layer_by_layer(seed, solver):
+    gen = torch.Generator().manual_seed(seed)
+    kbuf, vbuf = _hot_buffer(gen)
+    k, v = gather_pages(kbuf, vbuf, torch.arange(P) + 1, S)
+    bases = fit_bases(k, v, solver)
+    for layer in range(L):
+        kv = [_read_one(kbuf, vbuf, p, layer) for p in range(P)]
+        for got, x in ((bases.k[layer], [a for a, _ in kv]), (bases.v[layer], [b for _, b in kv])):
+            assert torch.equal(got, fit_basis(torch.cat(x, 1))), repro(seed)
+
+
+def test_host_solvers_split_over_threads_is_bitwise(seed):
+    x = torch.randn(7, D, 2 * D)
+    cov = x @ x.transpose(1, 2)
+    for func in (torch.linalg.eigh, torch.linalg.qr):
+        whole = func(cov)
+        split = solve_split(func, cov, 3)
+        assert type(split) is type(whole)
+        assert all(torch.equal(a, b) for a, b in zip(split, whole)), repro(seed)
+
+
+@pytest.mark.parametrize("select", [True, False])
+def test_sealing_a_group_equals_one_segment_at_a_time(seed, select):
+    """seal_group + install_pages (the pool's path) against the previous one-by-one path: per
+    (page, layer) reads, per-layer fit_basis, one chooser call and one install per segment."""
+    gen = torch.Generator().manual_seed(seed)
+    kbuf, vbuf = _hot_buffer(gen)
+    cfg = MosaicConfig(k_error_budget=0.05, select={"enabled": select})
+    cands, dense = Candidates.from_config(cfg), DENSE
+    positions = [S * p for p in range(P)]  # page 0 is the sink page
+    pages = [p + 1 for p in range(P)]  # logical page ids (0: SGLang's padding page)
+
+    def store():
+        return SegmentStore(L, P + 2, H, D, S, cfg.page_tokens, "cpu",
+                            cfg.select.meta_channels if select else None, 1 << 22)
+
+    batched = seal_group(lambda idx: gather_pages(kbuf, vbuf, torch.tensor(idx) + 1, S),
+                         positions, None, cfg, cands, dense)
+    sa = store()
+    sa.install_pages(pages, [sp.segments for sp in batched])
+
+    sb = store()
+    for layer in range(L):
+        kv = [_read_one(kbuf, vbuf, p, layer) for p in range(P)]
+        kb = fit_basis(torch.cat([a for a, _ in kv], 1))
+        vb = fit_basis(torch.cat([b for _, b in kv], 1))
+        assert torch.equal(batched[0].bases.k[layer], kb), repro(seed)
+        assert torch.equal(batched[0].bases.v[layer], vb), repro(seed)
+        for p, (k, v) in enumerate(kv):
+            sink = positions[p] // S < cfg.sink_segments
+            seg = seal_segments(k[None], v[None], kb[None], vb[None], 0, [positions[p]], cfg,
+                                cands, sink, select, dense)[0]
+            got = batched[p].segments[layer]
+            assert (got.k.strategy.spec, got.v.strategy.spec, got.k.reason, got.v.reason) == \
+                (seg.k.strategy.spec, seg.v.strategy.spec, seg.k.reason, seg.v.reason), repro(seed)
+            assert (got.k.error, got.v.error) == (seg.k.error, seg.v.error), repro(seed)
+            for a, b in ((got.k, seg.k), (got.v, seg.v)):
+                assert a.encoded.tensors.keys() == b.encoded.tensors.keys()
+                for name in a.encoded.tensors:
+                    assert torch.equal(a.encoded.tensors[name], b.encoded.tensors[name]), \
+                        f"{name} {repro(seed)}"
+            assert torch.equal(got.header, seg.header) and got.pages_rotated == seg.pages_rotated
+            if select:
+                for ta, tb in zip(got.pages.tensors().values(), seg.pages.tensors().values()):
+                    assert torch.equal(ta, tb), repro(seed)
+            sb.install(layer, [pages[p]], [seg])
+    kinds = {s.k.strategy.name for sp in batched for s in sp.segments}
+    assert "dense" in kinds and "band" in kinds, kinds  # both store paths ran
+    assert sa.blocks == sb.blocks and sa.arena_full == sb.arena_full
+    assert torch.equal(sa.packed, sb.packed) and sa.live_bytes == sb.live_bytes
+    for layer in range(L):
+        assert torch.equal(sa.headers[layer], sb.headers[layer])
+        if select:
+            for name in ("channels", "lo", "hi", "rest_norm"):
+                assert torch.equal(getattr(sa.meta[layer], name), getattr(sb.meta[layer], name))
+    # unpacked segments own their memory (not views keeping the chooser's batch alive)
+    for sp in batched:
+        for layer, seg in enumerate(sp.segments):
+            stored = bool(sa.packed[layer, pages[batched.index(sp)]])
+            for t in seg.k.encoded.tensors.values():
+                owner = sa.data[layer].untyped_storage().data_ptr()
+                assert (t.untyped_storage().data_ptr() == owner) == stored
+                if not stored:
+                    assert t.untyped_storage().nbytes() == t.numel() * t.element_size()

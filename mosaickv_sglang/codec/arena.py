@@ -124,11 +124,16 @@ class BlockLayout:
 
     def header(self, base: int, layout_id: int = 0) -> torch.Tensor:
         """int32 [HEADER_WIDTH] for a segment whose block starts at byte `base`."""
-        if base % ALIGN or base > MAX_ARENA_BYTES:
-            raise ValueError(f"segment base {base} must be a multiple of {ALIGN} below "
-                             f"{MAX_ARENA_BYTES} (int32 header in {ALIGN}-byte units)")
-        row = torch.zeros(HEADER_WIDTH, dtype=torch.int32)
-        row[HDR["tokens"]], row[HDR["base16"]] = self.tokens, base // ALIGN
+        return self.headers([base], layout_id)[0]
+
+    def headers(self, bases: list[int], layout_id: int = 0) -> torch.Tensor:
+        """int32 [len(bases), HEADER_WIDTH]: `header` of each base, built from one row."""
+        for base in bases:
+            if base % ALIGN or base > MAX_ARENA_BYTES:
+                raise ValueError(f"segment base {base} must be a multiple of {ALIGN} below "
+                                 f"{MAX_ARENA_BYTES} (int32 header in {ALIGN}-byte units)")
+        row = [0] * HEADER_WIDTH  # built in Python: one tensor op for all rows, not one per field
+        row[HDR["tokens"]] = self.tokens
         row[HDR["head_stride"]], row[HDR["layout"]] = self.head_bytes, layout_id
         for kind, band in (("k", self.k), ("v", self.v)):
             for bits, n in band_channels(band, self.head_dim).items():
@@ -136,7 +141,10 @@ class BlockLayout:
             row[HDR[f"{kind}_group"]] = band.group
             for part in KIND_FIELDS[4:]:
                 row[HDR[f"{kind}_{part}"]] = self.offsets.get(f"{kind}.{part}", 0)
-        return row
+        rows = [list(row) for _ in bases]
+        for r, base in zip(rows, bases):
+            r[HDR["base16"]] = base // ALIGN
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(bases), HEADER_WIDTH)
 
 
 @dataclass
@@ -206,26 +214,56 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def write_block(block: torch.Tensor, lay: BlockLayout, seg) -> dict[tuple[str, str], torch.Tensor]:
-    """Copy a segment's K and V band tensors into its (segment, head) blocks `block` (uint8
-    [H, lay.head_bytes]) at the layout's offsets; returns, per (kind, name), a view of the copy
-    with the original tensor's dtype and shape. Shared by `pack_layer` and the serving store."""
-    h = block.shape[0]
-    views = {}
-    for kind, choice in (("k", seg.k), ("v", seg.v)):
-        for name, t in choice.encoded.tensors.items():
+def write_blocks(blocks: torch.Tensor, lay: BlockLayout, segs: list) -> None:
+    """Copy M segments' K and V band tensors into their (segment, head) blocks (`blocks` uint8
+    [M, H, lay.head_bytes]) at the layout's offsets: one copy per part for all M. Shared by
+    `pack_layer` and the serving store."""
+    m, h = blocks.shape[:2]
+    if m != len(segs):
+        raise ValueError(f"write_blocks: {m} blocks for {len(segs)} segments")
+    for kind in ("k", "v"):
+        for name in getattr(segs[0], kind).encoded.tensors:
             want = torch.uint8 if name.startswith("codes") else SCALE_DTYPE
-            if t.dtype != want:
-                raise ValueError(f"pack_layer: {kind}.{name} is {t.dtype}, expected {want}")
-            flat = t.contiguous().view(torch.uint8).reshape(h, -1)
             key = f"{kind}.{name}"
-            if flat.shape[1] != lay.sizes[key]:
-                raise ValueError(f"pack_layer: {key} holds {flat.shape[1]} bytes per head, "
-                                 f"layout expects {lay.sizes[key]}")
-            part = block[:, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]]
-            part.copy_(flat)
-            views[kind, name] = part.view(t.dtype).view(t.shape)
-    return views
+            parts = [getattr(seg, kind).encoded.tensors[name] for seg in segs]
+            for t in parts:
+                if t.dtype != want:
+                    raise ValueError(f"pack_layer: {key} is {t.dtype}, expected {want}")
+                if t.numel() * t.element_size() != h * lay.sizes[key]:
+                    raise ValueError(f"pack_layer: {key} holds {t.numel() * t.element_size() / h:g}"
+                                     f" bytes per head, layout expects {lay.sizes[key]}")
+            src = parts[0][None] if m == 1 else torch.stack(parts)
+            blocks[:, :, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]].copy_(
+                src.contiguous().view(torch.uint8).reshape(m, h, -1))
+
+
+def block_views(arena: torch.Tensor, bases: list[int], lay: BlockLayout,
+                segs: list) -> list[dict[tuple[str, str], torch.Tensor]]:
+    """Per segment (of one layout, its block at byte `bases[i]` of the 1-D uint8 `arena`), per
+    (kind, name), a view of where `write_blocks` put that tensor (its first dim the heads), with
+    the tensor's dtype and shape: one `as_strided` each, as this runs for every part of every
+    sealed segment."""
+    typed = {torch.uint8: arena}
+    parts = []  # (kind, name, dtype, shape, strides, byte offset, element size)
+    for kind, choice in (("k", segs[0].k), ("v", segs[0].v)):
+        for name, t in choice.encoded.tensors.items():
+            if t.dtype not in typed:
+                typed[t.dtype] = arena.view(t.dtype)
+            size = t.element_size()
+            parts.append((kind, name, typed[t.dtype], t.shape,
+                          _contiguous_strides(t.shape[1:], lay.head_bytes // size),
+                          lay.offsets[f"{kind}.{name}"], size))
+    return [{(kind, name): typed_arena.as_strided(shape, strides, (base + off) // size)
+             for kind, name, typed_arena, shape, strides, off, size in parts} for base in bases]
+
+
+def _contiguous_strides(shape, outer: int) -> tuple[int, ...]:
+    """Strides of [outer-strided dim, *shape] with `shape` contiguous."""
+    strides, n = [], 1
+    for dim in reversed(shape):
+        strides.append(n)
+        n *= dim
+    return (outer, *reversed(strides))
 
 
 def _check_segment(i: int, b: int, seg, page_tokens: int, basis: int) -> tuple[Band, Band]:
@@ -305,7 +343,7 @@ def pack_layer(layers: list[CompressedLayer], page_tokens: int = 32) -> PackedAr
         codes, scales = lay.payload_bytes()
         payload["codes"] += h * codes
         payload["scales"] += h * scales
-        write_block(data[base:base + h * lay.head_bytes].view(h, lay.head_bytes), lay, seg)
+        write_blocks(data[base:base + h * lay.head_bytes].view(1, h, lay.head_bytes), lay, [seg])
 
     counts = torch.tensor([len(layer.segments) for layer in layers], dtype=torch.int32)
     seg_indptr = torch.zeros(len(layers) + 1, dtype=torch.int32)

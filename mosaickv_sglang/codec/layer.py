@@ -15,6 +15,7 @@ from ..config import MosaicConfig
 from .basis import fit_basis, write_transform
 from .pages import PageMeta, build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy, strategy_id
+from .timing import phase
 
 HEADER_FIELDS = ("k_strategy", "v_strategy", "k_basis", "v_basis", "start", "tokens")
 DENSE = parse_strategy("dense")
@@ -142,34 +143,50 @@ def seal_segment(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.T
 
 def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
                   basis_id: int, starts: list[int], cfg: MosaicConfig, cands: Candidates,
-                  sink: bool, select_meta: bool, fallback: Strategy = DENSE) -> list[Segment]:
+                  sink: bool, select_meta: bool, fallback: Strategy = DENSE,
+                  timer=None) -> list[Segment]:
     """N segments' K and V [N, H, S, D] (float) with their bases [N, H, D, D] -> N sealed
     Segments: the chooser's strategies, page metadata in the space its scores are computed in,
     and the header. Each candidate is encoded once for all N (segments are independent: every
     strategy works per head, and the batch rides on the head axis), which is what makes sealing
-    a whole request (pages x layers) cheap. Shared by the offline codec and the serving pool."""
+    a whole request (pages x layers) cheap. A segment's tensors are views of the batch's (no
+    copy per segment): the serving store copies them into its arena, and whatever keeps a
+    segment elsewhere calls `own_storage`. Shared by the offline codec and the serving pool."""
     budgets = (cfg.sink_error_budget,) * 2 if sink else (cfg.k_error_budget, cfg.v_error_budget)
     k_cands, v_cands = (cands.sink, cands.sink) if sink else (cands.k, cands.v)
     reason = "sink" if sink else "within-budget"
-    kc, k_dec = _choose_batch(k, _rotate_batch(k, kb), "k", k_cands, budgets[0], reason, fallback,
-                              need_decoded=select_meta)
-    vc, _ = _choose_batch(v, _rotate_batch(v, vb), "v", v_cands, budgets[1], reason, fallback)
-    metas = [None] * len(starts)
-    if select_meta:  # see codec/pages.py
-        n, h, s, d = k.shape
-        flat = build_page_meta(k_dec.reshape(n * h, s, d), cfg.page_tokens, cfg.select.meta_channels)
-        metas = [PageMeta(*(t.reshape(n, h, *t.shape[1:])[i].clone() for t in
-                            (flat.channels, flat.lo, flat.hi, flat.rest_norm)))
-                 for i in range(n)]
-    out = []
-    for i, start in enumerate(starts):
-        header = torch.tensor([strategy_id(kc[i].strategy.name), strategy_id(vc[i].strategy.name),
-                               basis_id if kc[i].strategy.rot else -1,
-                               basis_id if vc[i].strategy.rot else -1, start, k.shape[2]],
-                              dtype=torch.int32)
-        out.append(Segment(start, k.shape[2], kc[i], vc[i], basis_id, metas[i],
-                           metas[i] is not None and kc[i].strategy.rot, header))
-    return out
+    with phase(timer, "choose_encode"):
+        kc, k_dec = _choose_batch(k, _rotate_batch(k, kb), "k", k_cands, budgets[0], reason,
+                                  fallback, need_decoded=select_meta)
+        vc, _ = _choose_batch(v, _rotate_batch(v, vb), "v", v_cands, budgets[1], reason, fallback)
+    n, h, s, d = k.shape
+    metas = [None] * n
+    with phase(timer, "page_meta"):
+        if select_meta:  # see codec/pages.py
+            flat = build_page_meta(k_dec.reshape(n * h, s, d), cfg.page_tokens,
+                                   cfg.select.meta_channels)
+            parts = [t.reshape(n, h, *t.shape[1:]).unbind(0) for t in
+                     (flat.channels, flat.lo, flat.hi, flat.rest_norm)]
+            metas = [PageMeta(*meta) for meta in zip(*parts)]
+        headers = torch.tensor([[strategy_id(kc[i].strategy.name), strategy_id(vc[i].strategy.name),
+                                 basis_id if kc[i].strategy.rot else -1,
+                                 basis_id if vc[i].strategy.rot else -1, start, s]
+                                for i, start in enumerate(starts)], dtype=torch.int32)
+    return [Segment(start, s, kc[i], vc[i], basis_id, metas[i],
+                    metas[i] is not None and kc[i].strategy.rot, headers[i])
+            for i, start in enumerate(starts)]
+
+
+def own_storage(seg: Segment) -> None:
+    """Give a segment's tensors their own memory: `seal_segments` hands out views of its batch
+    tensors, which would keep the whole batch alive for as long as the segment is kept."""
+    for choice in (seg.k, seg.v):
+        choice.encoded.tensors = {name: t.clone() for name, t in choice.encoded.tensors.items()}
+    if seg.pages is not None:
+        seg.pages = PageMeta(*(t.clone() for t in
+                               (seg.pages.channels, seg.pages.lo, seg.pages.hi,
+                                seg.pages.rest_norm)))
+    seg.header = seg.header.clone()
 
 
 def _rotate_batch(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -179,19 +196,20 @@ def _rotate_batch(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 
 def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded=False):
     """`choose` for N segments [N, H, S, D] at once -> (N Choices, the chosen reconstructions
-    [N, H, S, D] in each choice's own space, when need_decoded)."""
+    [N, H, S, D] in each choice's own space, when need_decoded). The errors of all candidates
+    come to the host in one transfer; each Choice's tensors are views of its candidate's batch."""
     n, h, s, d = x.shape
     tried = []
     for strat in candidates:
         src = x_rot if strat.rot else x
         tensors = strat.encode(src.reshape(n * h, s, d), kind)
         dec = strat.decode(Encoded(kind, (n * h, s, d), tensors)).reshape(n, h, s, d)
-        err = (dec - src).flatten(1).norm(dim=1) / src.flatten(1).norm(dim=1).clamp_min(1e-12)
         tried.append((sum(t.numel() * t.element_size() for t in tensors.values()), strat,
-                      tensors, err.tolist(), dec))
+                      tensors, _errors(dec, src), dec))
     tried.sort(key=lambda item: item[0])
+    errs = torch.stack([err for *_, err, _ in tried]).tolist() if tried else []
     picks = [None] * n
-    for c, (_, _, _, err, _) in enumerate(tried):
+    for c, err in enumerate(errs):
         for i in range(n):
             if picks[i] is None and err[i] <= budget:
                 picks[i] = c
@@ -201,23 +219,37 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
         m = len(missing)
         tensors = fallback.encode(src.reshape(m * h, s, d), kind)
         dec = fallback.decode(Encoded(kind, (m * h, s, d), tensors)).reshape(m, h, s, d)
-        err = ((dec - src).flatten(1).norm(dim=1) / src.flatten(1).norm(dim=1).clamp_min(1e-12))
-        fb = (fallback, tensors, err.tolist(), dec, {i: j for j, i in enumerate(missing)})
+        fb = (fallback, tensors, _errors(dec, src).tolist(), dec,
+              {i: j for j, i in enumerate(missing)})
+    rows_of = {}  # candidate -> per segment row, its tensors as views (made once per candidate)
+
+    def views(c, tensors, rows):
+        if c not in rows_of:
+            per_name = {name: t.reshape(rows, h, *t.shape[1:]).unbind(0)
+                        for name, t in tensors.items()}
+            rows_of[c] = [dict(zip(per_name, row)) for row in zip(*per_name.values())]
+        return rows_of[c]
+
     choices, decoded = [], []
     for i in range(n):
         if picks[i] is not None:
-            _, strat, tensors, err, dec = tried[picks[i]]
-            row, rows, e, why = i, n, err[i], reason
+            _, strat, tensors, _, dec = tried[picks[i]]
+            c, row, rows, e, why = picks[i], i, n, errs[picks[i]][i], reason
         else:
-            strat, tensors, errs, dec, where = fb
-            row, rows, e = where[i], len(missing), errs[where[i]]
+            strat, tensors, fb_errs, dec, where = fb
+            c, row, rows, e = -1, where[i], len(missing), fb_errs[where[i]]
             # With no candidates at all, dense is the configured choice, not a missed budget.
             why = "over-budget" if candidates else reason
-        part = {name: t.reshape(rows, h, *t.shape[1:])[row].clone() for name, t in tensors.items()}
+        part = views(c, tensors, rows)[row]
         choices.append(Choice(strat, Encoded(kind, (h, s, d), part), e, why))
         if need_decoded:
             decoded.append(dec[row])
     return choices, torch.stack(decoded) if need_decoded else None
+
+
+def _errors(dec: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Relative reconstruction error per segment, [N] (on the device)."""
+    return (dec - src).flatten(1).norm(dim=1) / src.flatten(1).norm(dim=1).clamp_min(1e-12)
 
 
 def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,

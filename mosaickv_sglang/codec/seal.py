@@ -8,19 +8,25 @@ process).
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-from ..config import MosaicConfig
+from ..config import FIT_SOLVERS, MosaicConfig
 from .basis import fit_basis
 from .layer import Candidates, Segment, seal_segments, segment_bytes
 from .pages import build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy
+from .timing import phase
 
-# (page index in the group, local layer) -> (K, V) as float [H, S, D]
-PageReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+# page indices of a group -> its K and V, all layers, each [P, L, H, S, D] in the cache's dtype:
+# one gather per group, read once for the basis fit and for the chooser
+PageReader = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -41,39 +47,105 @@ class SealedPage:
     nbytes: int = 0
 
 
-def fit_bases(read: PageReader, n_pages: int, layers: int) -> BasisPair:
-    """Bases of a basis block, fitted on the pages of its first sealed group."""
-    ks, vs = [], []
-    for local in range(layers):
-        kv = [read(i, local) for i in range(n_pages)]
-        ks.append(fit_basis(torch.cat([k for k, _ in kv], 1)))
-        vs.append(fit_basis(torch.cat([v for _, v in kv], 1)))
-    return BasisPair(ks, vs)
-
-
 SEAL_BATCH = 256  # segments (page x layer) encoded per chooser call: bounds the transient memory
 
 
-def seal_page(read: PageReader, index: int, position: int, bases: BasisPair, layers: int,
-              cfg: MosaicConfig, cands: Candidates, dense: Strategy) -> SealedPage:
-    """One page (all layers) -> SealedPage; `position` decides whether it is a sink page."""
-    return seal_pages(read, [index], [position], bases, layers, cfg, cands, dense)[0]
+class HostSolvers(TorchFunctionMode):
+    """Runs `fit_basis`'s dense solvers (eigh, qr) of device tensors on the CPU: one copy of their
+    [N, D, D] input to the host and of the results back, the batch split over host threads
+    (LAPACK solves one matrix at a time; every matrix is solved alone either way, so the split
+    does not change a bit). cuSOLVER also solves one matrix per call (torch picks syevj for fp32
+    D in [32, 512]). fit_basis itself stays the one definition of a basis."""
+    OPS = (torch.linalg.eigh, torch.linalg.qr)
+
+    def __init__(self, threads: int):
+        super().__init__()
+        self.threads = threads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.OPS or args[0].device.type == "cpu":
+            return func(*args, **kwargs)
+        out = solve_split(func, args[0].cpu(), self.threads, *args[1:], **kwargs)
+        return type(out)([t.to(args[0].device) for t in out])
 
 
-def seal_group(read: PageReader, positions: list[int], bases: BasisPair | None, layers: int,
-               cfg: MosaicConfig, cands: Candidates, dense: Strategy) -> list[SealedPage]:
-    """Pages of one basis block (positions in request order); bases fitted here if None."""
+def solve_split(func, x: torch.Tensor, threads: int, *args, **kwargs):
+    """func(x) for a batched solver returning a tuple (eigh, qr), the batch split over threads."""
+    parts = x.tensor_split(max(1, min(threads, x.shape[0])))
+    with ThreadPoolExecutor(len(parts)) as pool:
+        outs = list(pool.map(lambda t: func(t, *args, **kwargs), parts))
+    return type(outs[0])([torch.cat(ts) for ts in zip(*outs)])
+
+
+def host_threads() -> int:
+    """Host threads for HostSolvers: the cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None) -> BasisPair:
+    """Bases of a basis block, fitted on the pages of its first sealed group: K and V
+    [P, L, H, S, D] -> per layer [H, D, D]. `solver` says where eigh/qr run for device tensors:
+
+    * "host": one `fit_basis` call per kind fits the heads of several layers at once
+      ([layers*H, P*S, D], as many layers as keep that within SEAL_BATCH segments), its solvers
+      on the CPU over host threads (HostSolvers): a few transfers per block instead of cuSOLVER's
+      per-matrix calls;
+    * "device": cuSOLVER, one call per layer as before (cuSOLVER loops over matrices anyway,
+      and the covariance GEMMs keep the batch shape, hence the bits, they had).
+
+    Every head is fitted alone, so on the CPU both equal fitting layer by layer, bit for bit."""
+    if solver not in FIT_SOLVERS:
+        raise ValueError(f"fit_bases: solver={solver!r}; choose one of {FIT_SOLVERS}")
+    p, layers, h, s, d = k.shape
+    step = max(1, SEAL_BATCH // p) if solver == "host" else 1
+    out = ([], [])
+    with phase(timer, "fit_bases"):
+        for x, bases in zip((k, v), out):
+            for first in range(0, layers, step):
+                part = x[:, first:first + step]
+                n = part.shape[1]
+                # contiguous, like the per-layer concatenation the fit always got
+                flat = part.permute(1, 2, 0, 3, 4).reshape(n * h, p * s, d).contiguous()
+                with HostSolvers(host_threads()) if solver == "host" else nullcontext():
+                    b = fit_basis(flat)
+                bases.extend(b.reshape(n, h, *b.shape[1:]).unbind(0))
+    return BasisPair(*out)
+
+
+def gather_pages(k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],
+                 pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `PageReader`'s read of a dense cache (one [rows, H, D] tensor per layer, pages of
+    `page_size` rows; `pages` the page numbers in it) -> K and V [P, L, H, S, D], one gather per
+    layer and kind."""
+    rows = (pages.long()[:, None] * page_size + torch.arange(page_size)).flatten()
+    rows = rows.to(k_buffer[0].device)
+    out = []
+    for buf in (k_buffer, v_buffer):
+        x = torch.stack([layer[rows] for layer in buf])  # [L, P*S, H, D]
+        out.append(x.view(len(buf), len(pages), page_size, *x.shape[2:]).permute(1, 0, 3, 2, 4))
+    return out[0], out[1]
+
+
+def seal_group(read: PageReader, positions: list[int], bases: BasisPair | None,
+               cfg: MosaicConfig, cands: Candidates, dense: Strategy,
+               timer=None) -> list[SealedPage]:
+    """Pages of one basis block (positions in request order) read in one gather; bases fitted
+    here if None."""
+    with phase(timer, "read"):
+        k, v = read(list(range(len(positions))))
     if bases is None:
-        bases = fit_bases(read, len(positions), layers)
-    return seal_pages(read, list(range(len(positions))), positions, bases, layers, cfg, cands,
-                      dense)
+        bases = fit_bases(k, v, cfg.fit_solver, timer)
+    return seal_pages(k, v, positions, bases, cfg, cands, dense, timer)
 
 
-def seal_pages(read: PageReader, indices: list[int], positions: list[int], bases: BasisPair,
-               layers: int, cfg: MosaicConfig, cands: Candidates,
-               dense: Strategy) -> list[SealedPage]:
-    """Pages (all layers) sharing `bases` -> SealedPages, the (page, layer) segments batched
-    through the chooser (`seal_segments`) SEAL_BATCH at a time, sink pages apart."""
+def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int], bases: BasisPair,
+               cfg: MosaicConfig, cands: Candidates, dense: Strategy,
+               timer=None) -> list[SealedPage]:
+    """Pages K and V [P, L, H, S, D] sharing `bases` -> SealedPages, the (page, layer) segments
+    batched through the chooser (`seal_segments`) SEAL_BATCH at a time, sink pages apart."""
+    layers = k.shape[1]
+    kbs, vbs = torch.stack(bases.k), torch.stack(bases.v)
     segs = {}
     for sink in (True, False):
         todo = [(j, local) for j, pos in enumerate(positions)
@@ -81,18 +153,23 @@ def seal_pages(read: PageReader, indices: list[int], positions: list[int], bases
                 for local in range(layers)]
         for c in range(0, len(todo), SEAL_BATCH):
             part = todo[c:c + SEAL_BATCH]
-            kv = [read(indices[j], local) for j, local in part]
-            sealed = seal_segments(
-                torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]),
-                torch.stack([bases.k[local] for _, local in part]),
-                torch.stack([bases.v[local] for _, local in part]), 0,
-                [positions[j] for j, _ in part], cfg, cands, sink, cfg.select.enabled, dense)
+            with phase(timer, "gather"):
+                pj = torch.tensor([j for j, _ in part], device=k.device)
+                pl = torch.tensor([local for _, local in part], device=k.device)
+                # contiguous like the per-segment stacks before (the index keeps the gather's
+                # token-major strides): the chooser's kernels then see the layout they always saw
+                kk, vv = (x[pj, pl].to(torch.float32, memory_format=torch.contiguous_format)
+                          for x in (k, v))
+                kb, vb = kbs[pl], vbs[pl]
+            sealed = seal_segments(kk, vv, kb, vb, 0, [positions[j] for j, _ in part], cfg, cands,
+                                   sink, cfg.select.enabled, dense, timer)
             segs.update(zip(part, sealed))
-    pages = []
-    for j, pos in enumerate(positions):
-        page_segs = [segs[(j, local)] for local in range(layers)]
-        pages.append(SealedPage(pos, page_segs, bases,
-                                sum(sum(segment_bytes(x).values()) for x in page_segs)))
+    with phase(timer, "bookkeeping"):
+        pages = []
+        for j, pos in enumerate(positions):
+            page_segs = [segs[(j, local)] for local in range(layers)]
+            pages.append(SealedPage(pos, page_segs, bases,
+                                    sum(sum(segment_bytes(x).values()) for x in page_segs)))
     return pages
 
 

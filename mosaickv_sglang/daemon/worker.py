@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from ..codec.layer import Candidates
-from ..codec.seal import BasisPair, fit_bases, seal_page
+from ..codec.seal import BasisPair, fit_bases, seal_pages
 from ..codec.strategies import parse_strategy
 from ..config import MosaicConfig
 from .channel import Channel, ChannelSpec, dump
@@ -63,18 +63,18 @@ class Worker:
         """Seal the job's pages; one result message per page, as soon as it is done."""
         slots, layers = job["slots"], self.channel.spec.layers
 
-        def read(i: int, local: int):
-            kv = self.channel.kv(slots[i])
-            return kv[local, 0].float(), kv[local, 1].float()
-
         t0 = time.perf_counter()
         if job["fit"]:
-            bases = fit_bases(read, len(slots), layers)
+            kv = torch.stack([self.channel.kv(slot) for slot in slots])  # [P, L, 2, H, S, D]
+            bases = fit_bases(kv[:, :, 0], kv[:, :, 1], self.cfg.fit_solver)
+            del kv
         else:
             b = self.channel.bases(slots[0])
             bases = BasisPair([b[i, 0] for i in range(layers)], [b[i, 1] for i in range(layers)])
         for i, position in enumerate(job["positions"]):
-            page = seal_page(read, i, position, bases, layers, self.cfg, self.cands, self.dense)
+            kv = self.channel.kv(slots[i])[None]  # one page at a time: each result goes out
+            page = seal_pages(kv[:, :, 0], kv[:, :, 1], [position], bases, self.cfg, self.cands,
+                              self.dense)[0]
             # the bases travel once (first page of a fit job); elsewhere the scheduler has them
             refs = {} if job["fit"] and i == 0 else {id(bases): "bases"}
             offset, length = dump(page, self.channel.result(slots[i]), refs)

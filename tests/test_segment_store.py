@@ -1,0 +1,87 @@
+"""SegmentStore.install takes one layer's batch of segments with a few copies per layout: the
+arena, headers, page metadata, block allocation (free lists, a full arena) and the re-pointed
+segment tensors are what installing the same segments one at a time gives."""
+import copy
+
+import torch
+
+from conftest import repro
+from mosaickv_sglang.codec.arena import BlockLayout
+from mosaickv_sglang.codec.basis import fit_basis
+from mosaickv_sglang.codec.layer import Candidates, seal_segments
+from mosaickv_sglang.config import MosaicConfig
+from mosaickv_sglang.segment_store import SegmentStore
+
+H, S, D, N = 2, 128, 64, 12
+
+
+def _segments(seed):
+    """N segments interleaving two band layouts and dense K (a zero error budget)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(N, H, S, D, generator=gen) * torch.logspace(0, -1, D)
+    v = torch.randn(N, H, S, D, generator=gen)
+    kb = torch.stack([fit_basis(x) for x in k])
+    vb = torch.stack([fit_basis(x) for x in v])
+    cfgs = [MosaicConfig(k_candidates=["band:b8=4,b4=44,b2=16,group=128"], k_error_budget=1.0),
+            MosaicConfig(k_candidates=["band:b8=16,b4=48,b2=0,group=64"], k_error_budget=1.0),
+            MosaicConfig(k_error_budget=0.0)]
+    segs = [None] * N
+    for c, cfg in enumerate(cfgs):
+        idx = list(range(c, N, len(cfgs)))
+        for i, seg in zip(idx, seal_segments(k[idx], v[idx], kb[idx], vb[idx], 0,
+                                             [S * (i + 1) for i in idx], cfg,
+                                             Candidates.from_config(cfg), False, True)):
+            segs[i] = seg
+    return segs
+
+
+def _store(capacity):
+    return SegmentStore(1, N + 1, H, D, S, 32, "cpu", 8, capacity)
+
+
+def _same_store(a, b, seed):
+    assert a.blocks == b.blocks and a.arena_full == b.arena_full, repro(seed)
+    assert a.live_bytes == b.live_bytes and torch.equal(a.packed, b.packed)
+    assert torch.equal(a.headers[0], b.headers[0]) and torch.equal(a.plans, b.plans)
+    for name in ("channels", "lo", "hi", "rest_norm"):
+        assert torch.equal(getattr(a.meta[0], name), getattr(b.meta[0], name)), name
+
+
+def test_batch_install_equals_one_at_a_time(seed):
+    segs = _segments(seed)
+    want = copy.deepcopy(segs)  # the tensors before the store re-points them
+    size = H * max(BlockLayout.of(s.k.strategy, s.v.strategy, S, D).head_bytes for s in segs
+                   if s.k.strategy.name == "band")
+    capacity = size * (N // 2)  # the arena fills up part-way through the batch
+    a, b = _store(capacity), _store(capacity)
+    one = copy.deepcopy(segs)
+    pages = list(range(1, N + 1))
+    stored = a.install(0, pages, segs)
+    assert stored == [b.install(0, [p], [s])[0] for p, s in zip(pages, one)]
+    assert any(stored) and not all(stored) and a.arena_full > 0
+    _same_store(a, b, seed)
+    for seg, ref, ok in zip(segs, want, stored):
+        for got, exp in ((seg.k, ref.k), (seg.v, ref.v)):
+            for name, t in got.encoded.tensors.items():
+                assert torch.equal(t, exp.encoded.tensors[name]), f"{name} {repro(seed)}"
+                in_arena = t.untyped_storage().data_ptr() == a.data[0].untyped_storage().data_ptr()
+                assert in_arena == ok
+        for ta, tb in zip(seg.pages.tensors().values(), ref.pages.tensors().values()):
+            assert torch.equal(ta, tb)
+    # freed blocks are reused, in the same order either way
+    for page in pages[::3]:
+        a.release(page)
+        b.release(page)
+    again = pages[::3]
+    fresh, fresh_one = copy.deepcopy(want[:len(again)]), copy.deepcopy(want[:len(again)])
+    stored = a.install(0, again, fresh)
+    assert stored == [b.install(0, [p], [s])[0] for p, s in zip(again, fresh_one)]
+    _same_store(a, b, seed)
+
+
+def test_headers_of_a_batch_equal_header_per_base():
+    segs = _segments(0)
+    seg = next(s for s in segs if s.k.strategy.name == "band")
+    lay = BlockLayout.of(seg.k.strategy, seg.v.strategy, S, D)
+    bases = [0, 4096, 16 * 12345]
+    assert torch.equal(lay.headers(bases, 3), torch.stack([lay.header(b, 3) for b in bases]))
