@@ -30,6 +30,10 @@ DEFAULT_V_CANDIDATES = (
 # The attention-sink segment: 8 bits on every rotated channel (per channel per 32 tokens, as the
 # packed kernel reads it) if that is within sink_error_budget, else dense bf16.
 DEFAULT_SINK_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
+# Tried for a segment no candidate fits, before the dense fallback: an 8-bit band is ~2x smaller
+# than bf16 and, unlike dense, readable by the decode kernel (a dense segment sends its whole
+# request to the torch reference path on the GPU).
+DEFAULT_RESCUE_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 
 
 DECODE_KERNELS = ("auto", "triton", "reference")
@@ -66,6 +70,9 @@ class MosaicConfig:
     sink_error_budget: float = 0.01  # over it (or with no candidates) a sink segment stays dense
     k_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_K_CANDIDATES))
     v_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_V_CANDIDATES))
+    # Segments that no K/V/sink candidate fits try these (same budget) before going dense; chosen
+    # ones are counted as "rescued" (reason), the rest as over-budget.
+    rescue_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_RESCUE_CANDIDATES))
     k_error_budget: float = 0.08  # max relative reconstruction error per segment
     v_error_budget: float = 0.12
     select: SelectionConfig = field(default_factory=SelectionConfig)
@@ -117,11 +124,12 @@ class MosaicConfig:
         for key in ("k_error_budget", "v_error_budget", "sink_error_budget"):
             if not 0 <= getattr(self, key):
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 0")
-        for key in ("k_candidates", "v_candidates", "sink_candidates"):
+        for key in ("k_candidates", "v_candidates", "sink_candidates", "rescue_candidates"):
             specs = getattr(self, key)
-            if not isinstance(specs, (list, tuple)) or (not specs and key != "sink_candidates"):
+            may_be_empty = key in ("sink_candidates", "rescue_candidates")
+            if not isinstance(specs, (list, tuple)) or (not specs and not may_be_empty):
                 raise ValueError(f"mosaickv config: {key} must be a non-empty list of strategy specs")
-            kinds = {"k_candidates": "k", "v_candidates": "v", "sink_candidates": "kv"}[key]
+            kinds = {"k_candidates": "k", "v_candidates": "v"}.get(key, "kv")
             for i, spec in enumerate(specs):
                 try:  # parse, then encode dummy segments: catches specs that can never fit
                     check_encodable(spec, kinds, self.segment_tokens, MAX_HEAD_DIM)
@@ -193,7 +201,8 @@ def check_encodable(spec: str, kinds: str, segment_tokens: int, head_dim: int) -
 
 def check_fits(cfg: "MosaicConfig", head_dim: int, segment_tokens: int | None = None) -> None:
     """Every candidate must encode this model's K/V: a clear error at start-up, naming the key."""
-    for key, kinds in (("k_candidates", "k"), ("v_candidates", "v"), ("sink_candidates", "kv")):
+    for key, kinds in (("k_candidates", "k"), ("v_candidates", "v"), ("sink_candidates", "kv"),
+                       ("rescue_candidates", "kv")):
         for spec in getattr(cfg, key):
             try:
                 check_encodable(spec, kinds, segment_tokens or cfg.segment_tokens, head_dim)

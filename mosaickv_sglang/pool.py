@@ -53,6 +53,7 @@ class PoolCounters:
     reused_pages: int = 0  # sealed pages handed to requests by a radix-tree prefix match
     freed_pages: int = 0
     over_budget: int = 0  # segment kinds kept dense because no candidate met the budget
+    rescued: int = 0  # segment kinds no candidate fitted, kept by a rescue candidate instead
     arena_over_budget: int = 0  # seals that left the packed bytes above the start-up sizing
     strategies: dict = field(default_factory=dict)
     # Per page position in its request (index i: tokens [i*page, (i+1)*page)): pages sealed there
@@ -300,6 +301,7 @@ class MosaicKVPool(MHATokenToKVPool):
                     key = f"{kind}:{c.strategy.spec}"
                     self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
                     self.counters.over_budget += c.reason == "over-budget"
+                    self.counters.rescued += c.reason == "rescued"
         self.store.install_pages(pages, [sp.segments for sp in sealed])
         for page, sp in zip(pages, sealed):
             self._account(sp, +1)

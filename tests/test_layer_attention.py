@@ -427,6 +427,7 @@ def test_sink_segments_use_sink_candidates(sink_segments, seed):
     k, v = kv(h, t, d)
     base = dict(segment_tokens=seg, page_tokens=pt, basis_block_tokens=2 * seg, hot_tokens=hot,
                 sink_segments=sink_segments, k_candidates=["lowbit:bits=2,group=32"],
+                rescue_candidates=[],  # head_dim 32: the default 8-bit band rescue does not fit
                 v_candidates=["topr:r=4,val=int4"], k_error_budget=math.inf,
                 v_error_budget=math.inf)
     layer = compress_layer(k, v, MosaicConfig(**base, sink_candidates=["lowbit:bits=8,group=32"],

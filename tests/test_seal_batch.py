@@ -69,6 +69,31 @@ def test_fallback_applies_only_to_segments_over_budget():
     assert choices[worst].error < 0.01  # the dense (bf16) fallback: rounding error only
 
 
+
+def test_rescue_candidate_comes_before_the_dense_fallback():
+    """A segment no candidate fits takes the first rescue candidate that meets the budget
+    (reason 'rescued'); only one no rescue fits either goes dense ('over-budget')."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    x = torch.randn(4, H, S, D, generator=gen)
+    x[1] *= torch.randn(S, D, generator=gen).exp()  # heavy-tailed: 2-bit misses, 8-bit fits
+    cands = Candidates.from_config(MosaicConfig(k_candidates=["lowbit:bits=2,group=32"],
+                                                rescue_candidates=["lowbit:bits=8,group=32"]))
+    two = [c.error for c in _choose_batch(x, x, "k", cands.k, float("inf"), "r", DENSE)[0]]
+    eight = [c.error for c in _choose_batch(x, x, "k", cands.rescue, float("inf"), "r", DENSE)[0]]
+    worst = max(range(4), key=two.__getitem__)
+    budget = (two[worst] + sorted(two)[-2]) / 2  # only the worst segment misses the 2-bit
+    assert eight[worst] < budget, (eight, budget)  # ... and 8 bits fit it
+    choices, _ = _choose_batch(x, x, "k", cands.k, budget, "within-budget", DENSE,
+                               rescue=cands.rescue)
+    assert [c.reason for c in choices] == ["rescued" if i == worst else "within-budget"
+                                           for i in range(4)]
+    assert choices[worst].strategy.spec == cands.rescue[0].spec
+    assert abs(choices[worst].error - eight[worst]) < 1e-6
+    # a budget the rescue misses too: dense
+    choices, _ = _choose_batch(x, x, "k", cands.k, 0.0, "within-budget", DENSE,
+                               rescue=cands.rescue)
+    assert all(c.reason == "over-budget" and c.strategy.name == "dense" for c in choices)
+
 # ---- the serving path: one gather per group, bases over all layers, a layer's batch installed --
 
 L, P = 3, 5
@@ -119,7 +144,8 @@ def test_sealing_a_group_equals_one_segment_at_a_time(seed, select):
     (page, layer) reads, per-layer fit_basis, one chooser call and one install per segment."""
     gen = torch.Generator().manual_seed(seed)
     kbuf, vbuf = _hot_buffer(gen)
-    cfg = MosaicConfig(k_error_budget=0.05, select={"enabled": select})
+    # no rescue candidate: the heavy-tailed pages must fall back to dense (the unpacked store path)
+    cfg = MosaicConfig(k_error_budget=0.05, select={"enabled": select}, rescue_candidates=[])
     cands, dense = Candidates.from_config(cfg), DENSE
     positions = [S * p for p in range(P)]  # page 0 is the sink page
     pages = [p + 1 for p in range(P)]  # logical page ids (0: SGLang's padding page)

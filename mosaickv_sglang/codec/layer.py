@@ -126,11 +126,13 @@ class Candidates:
     k: list[Strategy]
     v: list[Strategy]
     sink: list[Strategy]
+    rescue: list[Strategy] = field(default_factory=list)  # before the dense fallback
 
     @classmethod
     def from_config(cls, cfg: MosaicConfig) -> "Candidates":
         parse = lambda specs: [parse_strategy(s) for s in specs]  # noqa: E731
-        return cls(parse(cfg.k_candidates), parse(cfg.v_candidates), parse(cfg.sink_candidates))
+        return cls(parse(cfg.k_candidates), parse(cfg.v_candidates), parse(cfg.sink_candidates),
+                   parse(cfg.rescue_candidates))
 
 
 def seal_segment(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
@@ -157,8 +159,9 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
     reason = "sink" if sink else "within-budget"
     with phase(timer, "choose_encode"):
         kc, k_dec = _choose_batch(k, _rotate_batch(k, kb), "k", k_cands, budgets[0], reason,
-                                  fallback, need_decoded=select_meta)
-        vc, _ = _choose_batch(v, _rotate_batch(v, vb), "v", v_cands, budgets[1], reason, fallback)
+                                  fallback, need_decoded=select_meta, rescue=cands.rescue)
+        vc, _ = _choose_batch(v, _rotate_batch(v, vb), "v", v_cands, budgets[1], reason, fallback,
+                              rescue=cands.rescue)
     n, h, s, d = k.shape
     metas = [None] * n
     with phase(timer, "page_meta"):
@@ -194,10 +197,12 @@ def _rotate_batch(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return x.float() @ write_transform(basis)
 
 
-def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded=False):
+def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded=False,
+                  rescue=()):
     """`choose` for N segments [N, H, S, D] at once -> (N Choices, the chosen reconstructions
     [N, H, S, D] in each choice's own space, when need_decoded). The errors of all candidates
-    come to the host in one transfer; each Choice's tensors are views of its candidate's batch."""
+    come to the host in one transfer; each Choice's tensors are views of its candidate's batch.
+    Segments no candidate fits try `rescue` (reason "rescued"), then get `fallback`."""
     n, h, s, d = x.shape
     tried = []
     for strat in candidates:
@@ -214,6 +219,18 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
             if picks[i] is None and err[i] <= budget:
                 picks[i] = c
     missing = [i for i in range(n) if picks[i] is None]
+    rescued = {}  # segment -> (key, strategy, tensors, row, rows, error, reconstruction)
+    for r, strat in enumerate(rescue if candidates else ()):
+        if not missing:
+            break
+        src = (x_rot if strat.rot else x)[missing]
+        m = len(missing)
+        tensors = strat.encode(src.reshape(m * h, s, d), kind)
+        dec = strat.decode(Encoded(kind, (m * h, s, d), tensors)).reshape(m, h, s, d)
+        for j, e in enumerate(_errors(dec, src).tolist()):
+            if e <= budget:
+                rescued[missing[j]] = (("rescue", r), strat, tensors, j, m, e, dec)
+        missing = [i for i in missing if i not in rescued]
     if missing:  # no candidate met the budget: the fallback (dense), for those segments only
         src = x[missing]
         m = len(missing)
@@ -235,6 +252,9 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
         if picks[i] is not None:
             _, strat, tensors, _, dec = tried[picks[i]]
             c, row, rows, e, why = picks[i], i, n, errs[picks[i]][i], reason
+        elif i in rescued:
+            c, strat, tensors, row, rows, e, dec = rescued[i]
+            why = "rescued"
         else:
             strat, tensors, fb_errs, dec, where = fb
             c, row, rows, e = -1, where[i], len(missing), fb_errs[where[i]]
