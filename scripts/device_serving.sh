@@ -30,8 +30,8 @@ rm -f /tmp/bg_done
     echo "GPU tests (rc $?) in $((SECONDS - t1)) s: $(tail -1 "$OUT/gpu_tests.log")" > "$OUT/gpu_tests.summary"
   fi
   if [ "${SEAL_BENCH:-0}" = 1 ]; then
-    timeout "${SEAL_LIMIT_S:-120}" python3 benchmarks/seal_bench.py --device cuda \
-        --json "$OUT/seal_bench.json" > "$OUT/seal_bench.log" 2>&1
+    timeout "${SEAL_LIMIT_S:-120}" python3 benchmarks/seal_bench.py --device cuda --check \
+        --tokens "${SEAL_TOKENS:-8192}" --json "$OUT/seal_bench.json" > "$OUT/seal_bench.log" 2>&1
     echo "seal bench rc $?" >> "$OUT/seal_bench.log"
   fi
   touch /tmp/bg_done
@@ -44,6 +44,11 @@ args=(--make-llama8b /tmp/llama8b --tokenizer .device/tok --load-format dummy
       --server-arg=--sampling-backend --server-arg=pytorch
       --wait-for /tmp/bg_done --logs "$OUT/logs" --json "$OUT/serving.json")
 [ "${PARALLEL:-0}" = 1 ] && args+=(--parallel-start)
+# AGENT=1: the multi-turn agent workload (benchmarks/agent_bench.py) on each server after its rows
+[ "${AGENT:-0}" = 1 ] && args+=(--after-bench "timeout ${AGENT_LIMIT_S:-80} python3 \
+benchmarks/agent_bench.py --url {url} --systems {system} --model /tmp/llama8b --tokenizer .device/tok \
+--workloads ${AGENT_WORKLOADS:-native,dsl} --sessions ${AGENT_SESSIONS:-16} --turns ${AGENT_TURNS:-4} \
+--system-tokens 16384 --user-tokens 64 --output 16 --logs $OUT/agent_logs --json $OUT/agent_{system}.json")
 [ -n "${MOSAICKV_CONFIG:-}" ] && args+=(--mosaickv-config "$MOSAICKV_CONFIG")
 for a in ${EXTRA_ARGS:-}; do args+=("--server-arg=$a"); done
 timeout "${LIMIT_S:-540}" python3 benchmarks/serving_bench.py "${args[@]}"
@@ -55,7 +60,15 @@ if [ "${DAEMON_BENCH:-0}" = 1 ]; then
       --json "$OUT/daemon_bench.json" > "$OUT/daemon_bench.log" 2>&1
   echo "daemon bench rc $?"; tail -15 "$OUT/daemon_bench.log"
 fi
-cat "$OUT/gpu_tests.summary" 2>/dev/null; tail -12 "$OUT/seal_bench.log" 2>/dev/null
+cat "$OUT/gpu_tests.summary" 2>/dev/null; tail -14 "$OUT/seal_bench.log" 2>/dev/null
+for f in "$OUT"/agent_*.json; do [ -f "$f" ] && python3 - "$f" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    mk = {k: v for k, v in (r.get("mosaickv") or {}).items() if "by_prefix" not in k}
+    print({k: r.get(k) for k in ("system", "workload", "error", "wall_s", "output_tok_s",
+                                 "cached_ratio") if k in r}, mk)
+PY
+done
 for f in "$OUT"/logs/*.log; do
   echo "== $f"; grep -E "Error|error|Traceback|MosaicKV|max_total_num_tokens|Capture cuda graph end" "$f" | tail -5 | cut -c1-300
 done
