@@ -126,6 +126,9 @@ class MosaicKVPool(MHATokenToKVPool):
         self.page_gen = [0] * (self.num_logical_pages + 1)
         self.pending: dict[int, object] = {}
         self.deferred: dict[int, list[tuple[int, int, int]]] = {}
+        # page -> the page before it in its request: readers need a request's sealed pages to be
+        # a prefix, so a daemon job installs only after the pages before its own (installable)
+        self.prev_page: dict[int, int] = {}
         self.daemon = self._start_daemon() if mosaic_config.daemon == "process" else None
         self.swaps = SwapLog() if self.daemon is not None else None  # flushed by adopt()
         logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense)",
@@ -238,6 +241,9 @@ class MosaicKVPool(MHATokenToKVPool):
                 if p not in self.sealed and p not in self.pending]
         if not todo:
             return 0
+        for i, p in todo:  # a page may enter `sealed` only after the page before it
+            if i:
+                self.prev_page[p] = pages[i - 1]
         block = self.cfg.basis_block_tokens // ps
         for blk in sorted({i // block for i, _ in todo}):
             group = [(i * ps, p, self.page_gen[p]) for i, p in todo if i // block == blk]
@@ -261,8 +267,10 @@ class MosaicKVPool(MHATokenToKVPool):
             self.daemon.counters.sync_seals_fallback += len(group)
             self._seal_now(group, bases)
             return
+        mine = {p for _, p, _ in group}
+        needs = sorted({self.prev_page[p] for p in mine if p in self.prev_page} - mine)
         job = self.daemon.submit([p for _, p, _ in group], [g for _, _, g in group],
-                                 [pos for pos, _, _ in group], first, bases)
+                                 [pos for pos, _, _ in group], first, bases, needs)
         for _, p, _ in group:
             self.pending[p] = job
 
@@ -375,6 +383,12 @@ class MosaicKVPool(MHATokenToKVPool):
             self._seal(waiting, self.sealed[first].bases if first in self.sealed else None, first)
         return len(live)
 
+    def installable(self, job) -> bool:
+        """A job's pages may enter `sealed` once every page before them is sealed (or no longer
+        on its way: freed), which keeps each request's sealed pages a prefix whatever order the
+        workers finish in. Deterministic in the pool's state: every TP rank decides alike."""
+        return all(p in self.sealed or p not in self.pending for p in job.needs)
+
     def _relieve(self, want_free: int) -> int:
         """Backpressure: seal the oldest pending jobs on this thread until `want_free` hot pages
         are free (or nothing is pending). Counted and logged; returns pages sealed."""
@@ -383,8 +397,9 @@ class MosaicKVPool(MHATokenToKVPool):
             jobs = self.daemon.open_jobs()
             if not jobs:
                 break
-            self.daemon.cancel(jobs[0])  # a result still on its way is dropped when it comes
-            n = self._finish(jobs[0], None)
+            job = next((j for j in jobs if self.installable(j)), jobs[0])  # oldest position first
+            self.daemon.cancel(job)  # a result still on its way is dropped when it comes
+            n = self._finish(job, None)
             self.daemon.counters.sync_seals_backpressure += n
             done += n
         if done:
@@ -399,6 +414,7 @@ class MosaicKVPool(MHATokenToKVPool):
         for page in pages:
             self.page_gen[page] += 1  # a result still in flight for it will be discarded
             self.pending.pop(page, None)
+            self.prev_page.pop(page, None)
             sealed = self.sealed.pop(page, None)
             if sealed is not None:
                 self._account(sealed, -1)
@@ -415,6 +431,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.page_gen = [g + 1 for g in self.page_gen]
         self.pending.clear()
         self.deferred.clear()
+        self.prev_page.clear()
         if self.daemon is not None:
             for job in self.daemon.open_jobs():
                 self.daemon.cancel(job)

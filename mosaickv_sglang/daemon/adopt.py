@@ -87,9 +87,11 @@ def adopt(pool, group=None) -> int:
                      "sealed on the scheduler thread here too (counted as sync_seals_fallback), "
                      "so every rank switches the same pages at the same step")
     installed = 0
-    for job, ok in zip(jobs, agree([job.ready for job in jobs], group)):
-        if not ok:
-            continue
+    agreed = [job for job, ok in zip(jobs, agree([job.ready for job in jobs], group)) if ok]
+    # In request order: a job whose earlier pages are still on their way waits (installable),
+    # and may become installable within this loop once the job before it is in.
+    while job := next((j for j in agreed if pool.installable(j)), None):
+        agreed.remove(job)
         if job.error is not None:
             client.counters.sync_seals_fallback += len(job.pages)
             installed += pool._finish(job, None)
@@ -98,7 +100,8 @@ def adopt(pool, group=None) -> int:
             client.counters.adopted_pages += n
             installed += n
     if client.broken:  # restarting did not help: seal what is left here (logged by the client)
-        for job in client.open_jobs():
+        while open_jobs := client.open_jobs():
+            job = next((j for j in open_jobs if pool.installable(j)), open_jobs[0])
             client.cancel(job)
             client.counters.sync_seals_fallback += len(job.pages)
             installed += pool._finish(job, None)

@@ -54,6 +54,7 @@ class Job:
     first: int  # the basis block's first page: deferred pages of the block wait on this job
     bases: BasisPair | None  # None: the worker fits them on these pages
     bases_given: bool = False  # the bases came from the pool (not fitted by a worker)
+    needs: list[int] = field(default_factory=list)  # pages to be sealed first (pool.installable)
     slots: list[int] = field(default_factory=list)
     worker: int = -1
     event: object = None  # CUDA event after the copies into the slots
@@ -185,8 +186,9 @@ class DaemonClient:
 
     # ---- jobs -----------------------------------------------------------------------------
     def submit(self, pages: list[int], gens: list[int], positions: list[int], first: int,
-               bases: BasisPair | None) -> Job:
-        job = Job(self._next_id, pages, gens, positions, first, bases, bases is not None)
+               bases: BasisPair | None, needs: list[int] = ()) -> Job:
+        job = Job(self._next_id, pages, gens, positions, first, bases, bases is not None,
+                  list(needs))
         self._next_id += 1
         self.open[job.id] = job
         self.waiting.append(job)
