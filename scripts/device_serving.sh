@@ -8,7 +8,8 @@
 # vs MosaicKV) on a Llama-3.1-8B-shaped dummy-weight model; then, with DAEMON_BENCH=1, the
 # recompression daemon benchmark. Results under $OUT (JSON, logs).
 # Env: SYSTEMS, CONTEXTS, BATCHES, OUTPUT, LIMIT_S, MOSAICKV_CONFIG (JSON), PARALLEL=1 (start the
-# servers at once, each with MEM_FRACTION of the GPU), MEM_FRACTION (default 0.85), EXTRA_ARGS.
+# servers at once, each with MEM_FRACTION of the GPU), MEM_FRACTION (default 0.85), CUDA_GRAPH_ARGS
+# (default --cuda-graph-max-bs 8), EXTRA_ARGS (more server arguments), AGENT=1, DAEMON_BENCH=1.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 t0=$SECONDS
@@ -40,7 +41,6 @@ args=(--make-llama8b /tmp/llama8b --tokenizer .device/tok --load-format dummy
       --contexts "${CONTEXTS:-32768}" --systems "${SYSTEMS:-dense,mosaickv}"
       --batches "${BATCHES:-1,8}" --output "${OUTPUT:-64}"
       --server-arg=--mem-fraction-static --server-arg="${MEM_FRACTION:-0.85}"
-      --server-arg=--cuda-graph-max-bs --server-arg=8
       --server-arg=--sampling-backend --server-arg=pytorch
       --wait-for /tmp/bg_done --logs "$OUT/logs" --json "$OUT/serving.json")
 [ "${PARALLEL:-0}" = 1 ] && args+=(--parallel-start)
@@ -50,7 +50,7 @@ benchmarks/agent_bench.py --url {url} --systems {system} --model /tmp/llama8b --
 --workloads ${AGENT_WORKLOADS:-native,dsl} --sessions ${AGENT_SESSIONS:-16} --turns ${AGENT_TURNS:-4} \
 --system-tokens 16384 --user-tokens 64 --output 16 --logs $OUT/agent_logs --json $OUT/agent_{system}.json")
 [ -n "${MOSAICKV_CONFIG:-}" ] && args+=(--mosaickv-config "$MOSAICKV_CONFIG")
-for a in ${EXTRA_ARGS:-}; do args+=("--server-arg=$a"); done
+for a in ${CUDA_GRAPH_ARGS:---cuda-graph-max-bs 8} ${EXTRA_ARGS:-}; do args+=("--server-arg=$a"); done
 timeout "${LIMIT_S:-540}" python3 benchmarks/serving_bench.py "${args[@]}"
 rc=$?
 wait
