@@ -307,9 +307,12 @@ def _band_decode_stage2(
     tl.store(LSE + row, m_ref + tl.log(l_tot), mask=mask_g)
 
 
-def _tile_width(channels: int) -> int:
-    """Columns of a band's register tile: a power of two, at least the 16 a tl.dot needs."""
-    return max(16, triton.next_power_of_2(channels))
+def _tile_width(channels: int, bits: int) -> int:
+    """Columns of a band's register tile: a power of two, at least the 16 a tl.dot needs, and
+    for a 2-bit band at least 32 (8 bytes a row): with 4-byte rows ([N, 4] -> interleaved to
+    [N, 16]) the compiled kernel unpacked wrong codes on the H200 (Triton 3.6; every layout with
+    a 16-channel 2-bit band at head_dim 64 was off by ~60%, while the interpreter was exact)."""
+    return max(32 if bits == 2 else 16, triton.next_power_of_2(channels))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -498,7 +501,7 @@ class BandDecodeWrapper:
                 G=g, D=d, BLOCK_N=PAGE_TOKENS if sel is not None else self.block_n,
                 HDR_W=HEADER_WIDTH, BASE_COL=HDR["base16"], STRIDE_COL=HDR["head_stride"],
                 KC=HDR["k_b8"], VC=HDR["v_b8"], K8=k8, K4=k4, K2=k2, V8=v8, V4=v4, V2=v2,
-                **{f"W{name}": _tile_width(n) for name, n in
+                **{f"W{name}": _tile_width(n, int(name[1])) for name, n in
                    (("K8", k8), ("K4", k4), ("K2", k2), ("V8", v8), ("V4", v4), ("V2", v2))},
                 BLOCK_G=max(16, triton.next_power_of_2(g)),
                 BLOCK_D=max(16, triton.next_power_of_2(d)), HAS_SELECT=sel is not None,
