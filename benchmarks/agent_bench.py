@@ -33,7 +33,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from serving_bench import make_llama8b, percentile, save, stream_one, system_args
+from serving_bench import (add_server_args, make_llama8b, percentile, save, stream_one,
+                           system_args)
 
 from mosaickv_sglang.launch import flush_cache, request, running_server  # noqa: E402 (path set)
 
@@ -284,12 +285,7 @@ def main() -> None:
     ap.add_argument("--user-tokens", type=int, default=64)
     ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--server-arg", action="append", default=[],
-                    help="extra argument for every server (repeat; e.g. --server-arg=--dtype)")
-    ap.add_argument("--mosaickv-config", default=None)
-    ap.add_argument("--dense-backend", default="triton",
-                    help="attention backend of the dense server (torch_native on a CPU)")
+    add_server_args(ap)
     ap.add_argument("--logs", type=Path, default=Path("agent_logs"))
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()

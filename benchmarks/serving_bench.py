@@ -49,6 +49,16 @@ def system_args(system: str, dense_backend: str) -> list[str]:
     return ["--kv-backend", "default", "--attention-backend", dense_backend, *SYSTEMS[system]]
 
 
+def add_server_args(ap: argparse.ArgumentParser) -> None:
+    """The server options the serving and agent benchmarks share."""
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra argument for every server (repeat; e.g. --server-arg=--dtype)")
+    ap.add_argument("--mosaickv-config", default=None)
+    ap.add_argument("--dense-backend", default="triton",
+                    help="attention backend of the dense server (torch_native on a CPU)")
+
+
 def make_llama8b(out: Path, tokenizer: Path, max_positions: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
@@ -163,12 +173,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="32768")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--output", type=int, default=64)
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--server-arg", action="append", default=[],
-                    help="extra argument for every server (repeat; e.g. --server-arg=--dtype)")
-    ap.add_argument("--mosaickv-config", default=None)
-    ap.add_argument("--dense-backend", default="triton",
-                    help="attention backend of the dense server (torch_native on a CPU)")
+    add_server_args(ap)
     ap.add_argument("--parallel-start", action="store_true",
                     help="start every system's server at once (start-up overlaps; give each a "
                          "share of the GPU with --server-arg=--mem-fraction-static), then "

@@ -5,6 +5,12 @@ from pathlib import Path
 from mosaickv_sglang.launch import (SMOLLM2, flush_cache, free_port, mosaickv_stats,  # noqa: F401
                                     request, running_server, server_env, stop)
 
+# Lossless sealing (fp32 dense, no sink/selection) through the daemon: greedy ids must equal dense.
+LOSSLESS_DAEMON_CONFIG = {"k_candidates": ["dense:val=fp32"], "v_candidates": ["dense:val=fp32"],
+                          "sink_candidates": [], "hot_tokens": 0, "select": {"enabled": False},
+                          "hot_buffer_fraction": 0.5, "daemon": "process", "daemon_workers": 1,
+                          "daemon_queue_segments": 32}
+
 
 def make_tiny_llama(out: Path, head_dim: int = 16, kv_heads: int = 2) -> Path:
     """A 2-layer random Llama with the SmolLM2 tokenizer and peaked logits (no greedy ties);

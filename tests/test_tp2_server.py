@@ -10,16 +10,14 @@ import threading
 import pytest
 
 from mosaickv_sglang.daemon.swaplog import compare, parse
-from server_utils import SMOLLM2, make_tiny_llama, mosaickv_stats, request, running_server
+from server_utils import (LOSSLESS_DAEMON_CONFIG, SMOLLM2, make_tiny_llama, mosaickv_stats,
+                          request, running_server)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(),
                                  reason="SmolLM2 assets not built: run bash scripts/setup.sh")]
 
-CONFIG = {"k_candidates": ["dense:val=fp32"], "v_candidates": ["dense:val=fp32"],
-          "sink_candidates": [], "hot_tokens": 0, "select": {"enabled": False},
-          "hot_buffer_fraction": 0.5, "daemon": "process", "daemon_workers": 1,
-          "daemon_queue_segments": 32}
+CONFIG = LOSSLESS_DAEMON_CONFIG
 
 
 @pytest.fixture(scope="module")
