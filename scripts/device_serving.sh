@@ -6,7 +6,8 @@
 # before any measurement (GPU_TESTS=1: the kernel/decode tests; SEAL_BENCH=1: the sealing
 # benchmark) while the servers start; then the serving benchmark (dense SGLang, triton backend,
 # vs MosaicKV) on a Llama-3.1-8B-shaped dummy-weight model; then, with DAEMON_BENCH=1, the
-# recompression daemon benchmark. Results under $OUT (JSON, logs).
+# recompression daemon benchmark. Results under $OUT (JSON, logs): keep it to a few files, the
+# device returns only so many (a run lost serving.json that way); agent logs stay in /tmp.
 # Env: SYSTEMS, CONTEXTS, BATCHES, OUTPUT, LIMIT_S, MOSAICKV_CONFIG (JSON), PARALLEL=1 (start the
 # servers at once, each with MEM_FRACTION of the GPU), MEM_FRACTION (default 0.85), CUDA_GRAPH_ARGS
 # (default --cuda-graph-max-bs 8), EXTRA_ARGS (more server arguments), AGENT=1, DAEMON_BENCH=1.
@@ -48,7 +49,7 @@ args=(--make-llama8b /tmp/llama8b --tokenizer .device/tok --load-format dummy
 [ "${AGENT:-0}" = 1 ] && args+=(--after-bench "timeout ${AGENT_LIMIT_S:-80} python3 \
 benchmarks/agent_bench.py --url {url} --systems {system} --model /tmp/llama8b --tokenizer .device/tok \
 --workloads ${AGENT_WORKLOADS:-native,dsl} --sessions ${AGENT_SESSIONS:-16} --turns ${AGENT_TURNS:-4} \
---system-tokens 16384 --user-tokens 64 --output 16 --logs $OUT/agent_logs --json $OUT/agent_{system}.json")
+--system-tokens 16384 --user-tokens 64 --output 16 --logs /tmp/agent_logs --json $OUT/agent_{system}.json")
 [ -n "${MOSAICKV_CONFIG:-}" ] && args+=(--mosaickv-config "$MOSAICKV_CONFIG")
 for a in ${CUDA_GRAPH_ARGS:---cuda-graph-max-bs 8} ${EXTRA_ARGS:-}; do args+=("--server-arg=$a"); done
 timeout "${LIMIT_S:-540}" python3 benchmarks/serving_bench.py "${args[@]}"
