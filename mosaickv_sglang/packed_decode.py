@@ -46,6 +46,7 @@ class StepPlan:
     hot_lens: torch.Tensor  # int32 [R]
     rows: RowSelection | None  # the selector's row layout, when some request needs selection
     merge: bool  # some request spans several rows
+    req_rows: torch.Tensor  # int64 [K, max rows] (device): each kernel request's rows (pad: R)
 
 
 class PhaseTimer:
@@ -161,6 +162,12 @@ class PackedDecode:
             hot_index[r, :h.numel()] = h
         indptr = torch.zeros(len(row_pages) + 1, dtype=torch.int32)
         indptr[1:] = torch.tensor([len(p) for p in row_pages], dtype=torch.int32).cumsum(0)
+        req_rows = [[] for _ in kernel_reqs]  # rows are appended request by request
+        slot_of = {b: k for k, b in enumerate(kernel_reqs)}
+        for r, b in enumerate(row_req):
+            req_rows[slot_of[b]].append(r)
+        width = max([len(x) for x in req_rows] + [1])
+        req_rows = [x + [len(row_req)] * (width - len(x)) for x in req_rows]
         rows = None
         if needs_select:
             pps = ps // self.cfg.page_tokens
@@ -172,7 +179,8 @@ class PackedDecode:
             indptr.to(dev),
             torch.tensor([p for run in row_pages for p in run], dtype=torch.int32).to(dev),
             hot_index.to(dev), torch.tensor([h.numel() for h in hot_rows], dtype=torch.int32).to(dev),
-            rows, len(row_req) > len(kernel_reqs))
+            rows, len(row_req) > len(kernel_reqs),
+            torch.tensor(req_rows, dtype=torch.long).reshape(len(kernel_reqs), width).to(dev))
         self.kernel_requests += len(kernel_reqs)
         if reference_slots:
             if not self.reference_requests:
@@ -202,32 +210,29 @@ class PackedDecode:
                               width_classes=pool.store.width_classes)
         timer.lap("arena")
         q_rows = q[st.row_req]
+        queries = self.wrapper.queries(q_rows, arena)  # shared by the selector and the kernels
         sel = {}
         if st.rows is not None:  # some request exceeds the budget: the GPU selector
             sel = dict(zip(("page_ids", "page_counts"), self.wrapper.select(
                 q_rows, arena, pool.store.meta[layer.layer_id - pool.start_layer],
                 budget_pages=self.budget_pages, sink_pages=self.sink_pages,
-                recent_pages=self.recent_pages, rows=st.rows)))
+                recent_pages=self.recent_pages, rows=st.rows, queries=queries)))
         timer.lap("select")
-        o_rows = self.wrapper.run(q_rows, arena, out_dtype=torch.float32, **sel)
+        o_rows = self.wrapper.run(q_rows, arena, out_dtype=torch.float32, queries=queries, **sel)
         timer.lap("kernels")
         if not st.merge:
             out[st.row_req] = o_rows.to(out.dtype)
             timer.lap("merge")
             return
-        # Rows of one request: weights softmax(lse) over its rows (empty rows weigh 0).
-        hq, d = q.shape[1], q.shape[2]
+        # Rows of one request: weights softmax(lse) over its rows, gathered [K, rows, Hq] through
+        # the step's padded row table (pad: an appended -inf row); empty rows weigh 0 and their
+        # (possibly NaN) outputs are never read into the sum.
+        hq = q.shape[1]
         lse = self.wrapper.lse.reshape(len(st.row_req), hq)
-        top = torch.full((q.shape[0], hq), float("-inf"), device=q.device).scatter_reduce(
-            0, st.row_req[:, None].expand(-1, hq), lse, "amax")
-        w = torch.exp(lse - top[st.row_req])
-        w = torch.where(torch.isfinite(lse), w, torch.zeros_like(w))
-        num = torch.zeros(q.shape[0], hq, d, device=q.device)
-        den = torch.zeros(q.shape[0], hq, device=q.device)
-        num.index_add_(0, st.row_req, torch.where(w[..., None] > 0, o_rows * w[..., None], 0.0))
-        den.index_add_(0, st.row_req, w)
-        idx = st.kernel_reqs
-        out[idx] = (num[idx] / den[idx, :, None]).to(out.dtype)
+        lse = torch.cat([lse, lse.new_full((1, hq), float("-inf"))])[st.req_rows]
+        w = torch.softmax(lse, dim=1)[..., None]  # every request has a non-empty row
+        o = o_rows[st.req_rows.clamp_max(len(st.row_req) - 1)]  # pad rows: weight 0, any row
+        out[st.kernel_reqs] = torch.where(w > 0, o * w, 0.0).sum(1).to(out.dtype)
         timer.lap("merge")
 
     def _arena(self, local: int) -> PackedArena:

@@ -455,14 +455,16 @@ class BandDecodeWrapper:
     def run(self, q: torch.Tensor, arena: PackedArena, *, page_keep: torch.Tensor | None = None,
             page_ids: torch.Tensor | None = None, page_counts: torch.Tensor | None = None,
             hot_partial: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None,
+            queries: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [B, Hq, D] (fp32/bf16/fp16) -> out [B, Hq, D] (out_dtype, default q.dtype).
 
         Selection (optional), per (request, KV head) over the request's compressed pages in
         token order: `page_keep` bool [B, H, P] (pages >= the request's page count must be
         False), or a list: `page_ids` int32 [B, H, P'] with the first `page_counts` [B, H]
         entries valid. `hot_partial` = (m [B, Hq], l [B, Hq], acc [B, Hq, D]) float32, scores
-        scaled by sm_scale, replaces the hot-buffer kernel.
+        scaled by sm_scale, replaces the hot-buffer kernel. `queries`: `self.queries(q, arena)`
+        when the caller computed them already (for `select` of the same layer).
         """
         if not self._planned:
             raise RuntimeError("run: call plan() first")
@@ -480,8 +482,7 @@ class BandDecodeWrapper:
                 raise ValueError("run: page_keep selects pages past a request's last compressed "
                                  f"page (pages per request: {self.valid_pages.sum(1).tolist()})")
 
-        qs = (q.float() * self.sm_scale).view(bsz, h, g, d).contiguous()
-        q_rot = torch.matmul(qs, arena.k_basis).contiguous()  # [B, H, G, D] in the K basis
+        qs, q_rot = queries if queries is not None else self.queries(q, arena)
         if hot_partial is None:
             hot = dense_decode_partial(qs, arena.hot_k, arena.hot_v, arena.hot_lens, self.hot)
         else:
@@ -518,7 +519,8 @@ class BandDecodeWrapper:
 
     def select(self, q: torch.Tensor, arena: PackedArena, meta: PackedPageMeta, *,
                budget_pages: int, sink_pages: int, recent_pages: int,
-               rows: RowSelection | None = None):
+               rows: RowSelection | None = None,
+               queries: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Query-aware page list on the device (`page_select`): bounds of every compressed page
         from `meta` (the arena's segments' page metadata, by segment id), then the top pages per
         (arena row, KV head) -> (page_ids, page_counts) for `run`. When a request spans several
@@ -526,18 +528,24 @@ class BandDecodeWrapper:
         if not self._planned:
             raise RuntimeError("select: call plan() first")
         self._check_arena(arena)
-        bsz, h, g, d = self.batch, self.kv_heads, self.group, self.head_dim
+        h = self.kv_heads
         if meta.pages_per_segment != self.pages_per_seg or meta.channels.shape[1] != h:
             raise ValueError(f"select: meta has {meta.pages_per_segment} pages/segment and "
                              f"{meta.channels.shape[1]} heads; the arena {self.pages_per_seg} "
                              f"and {h}")
-        qs = (q.float() * self.sm_scale).view(bsz, h, g, d)
-        q_rot = torch.matmul(qs, arena.k_basis).contiguous()
+        _, q_rot = queries if queries is not None else self.queries(q, arena)
         bounds = page_bounds(q_rot, meta, arena.seg_indptr, arena.seg_ids, self.max_pages)
         if rows is not None:
             return rows.select(bounds, budget_pages, sink_pages, recent_pages)
         num_pages = (arena.seg_indptr[1:] - arena.seg_indptr[:-1]) * self.pages_per_seg
         return select_page_list(bounds, num_pages, budget_pages, sink_pages, recent_pages)
+
+    def queries(self, q: torch.Tensor, arena: PackedArena) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q scaled by sm_scale in the raw basis, the same in the K basis), fp32 [B, H, G, D]:
+        what `select` and `run` read; compute once per layer and pass both as `queries=`."""
+        bsz, h, g, d = self.batch, self.kv_heads, self.group, self.head_dim
+        qs = (q.float() * self.sm_scale).view(bsz, h, g, d).contiguous()
+        return qs, torch.matmul(qs, arena.k_basis).contiguous()
 
     def _check_hot(self, hot_partial):
         bsz, h, g, d = self.batch, self.kv_heads, self.group, self.head_dim
