@@ -6,12 +6,15 @@ into a silently different (or dense) cache.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+import logging
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
 from .codec.strategies import parse_strategy
+
+logger = logging.getLogger(__name__)
 
 # Candidates the chooser may pick from, cheapest-first is decided by measured bytes, not order.
 # Candidates for ordinary segments (the chooser takes the cheapest, by measured bytes, whose
@@ -200,15 +203,30 @@ def check_encodable(spec: str, kinds: str, segment_tokens: int, head_dim: int) -
 
 
 def check_fits(cfg: "MosaicConfig", head_dim: int, segment_tokens: int | None = None) -> None:
-    """Every candidate must encode this model's K/V: a clear error at start-up, naming the key."""
-    for key, kinds in (("k_candidates", "k"), ("v_candidates", "v"), ("sink_candidates", "kv"),
-                       ("rescue_candidates", "kv")):
+    """Every candidate must encode this model's K/V: a clear error at start-up, naming the key.
+    Rescue candidates are optional: `fit_rescue` drops those that do not fit, logged."""
+    for key, kinds in (("k_candidates", "k"), ("v_candidates", "v"), ("sink_candidates", "kv")):
         for spec in getattr(cfg, key):
             try:
                 check_encodable(spec, kinds, segment_tokens or cfg.segment_tokens, head_dim)
             except ValueError as exc:
                 raise ValueError(f"mosaickv config: {key} '{spec}' does not fit this model "
                                  f"(head_dim {head_dim}): {exc}") from None
+
+
+def fit_rescue(cfg: "MosaicConfig", head_dim: int) -> "MosaicConfig":
+    """`cfg` with only the rescue candidates that encode this model's head_dim (the default
+    8-bit band needs a multiple of 64); a dropped one is logged once here, and its segments go
+    dense as they would without it (counted as over-budget)."""
+    keep = []
+    for spec in cfg.rescue_candidates:
+        try:
+            check_encodable(spec, "kv", cfg.segment_tokens, head_dim)
+            keep.append(spec)
+        except ValueError as exc:
+            logger.warning("MosaicKV: rescue candidate '%s' does not fit head_dim %d (%s): not "
+                           "used; segments no candidate fits stay dense", spec, head_dim, exc)
+    return cfg if keep == list(cfg.rescue_candidates) else replace(cfg, rescue_candidates=keep)
 
 
 _FIELD_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool, "list[str]": (list, tuple),

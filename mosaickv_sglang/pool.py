@@ -37,7 +37,7 @@ from .codec.pages import build_page_meta
 from .codec.seal import (BasisPair, SealedPage, gather_pages, seal_group, worst_encoded_bytes,
                          worst_page_bytes)
 from .codec.strategies import parse_strategy
-from .config import MosaicConfig, check_fits
+from .config import MosaicConfig, check_fits, fit_rescue
 from .daemon.swaplog import SwapLog
 from .segment_store import SegmentStore
 
@@ -96,6 +96,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.num_logical_pages = size // page_size + 1
         hot_pages = max(2, int(self.num_logical_pages * mosaic_config.hot_buffer_fraction))
         super().__init__(hot_pages * page_size, page_size, *args, **kwargs)
+        self.cfg = mosaic_config = fit_rescue(mosaic_config, self.head_dim)
         self.num_hot_pages = hot_pages
         # logical page -> hot page (-1: none). Hot page 0 is the parent's padding page.
         self.hot_page_of = torch.full((self.num_logical_pages + 1,), -1, dtype=torch.long)

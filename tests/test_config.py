@@ -8,7 +8,7 @@ import math
 import pytest
 
 from mosaickv_sglang.codec.strategies import parse_strategy
-from mosaickv_sglang.config import (check_fits, DEFAULT_K_CANDIDATES, DEFAULT_SINK_CANDIDATES,
+from mosaickv_sglang.config import (check_fits, fit_rescue, DEFAULT_K_CANDIDATES, DEFAULT_SINK_CANDIDATES,
                                     DEFAULT_V_CANDIDATES, MosaicConfig, SelectionConfig)
 
 
@@ -235,8 +235,11 @@ def test_rescue_candidates_are_validated_and_may_be_empty():
     assert MosaicConfig(rescue_candidates=[]).rescue_candidates == []
     with pytest.raises(ValueError, match=r"rescue_candidates\[0\]"):
         MosaicConfig(rescue_candidates=["band:b8=99,b4=0,b2=0,group=32"])
-    with pytest.raises(ValueError, match="rescue_candidates"):
-        # every K/V candidate fits head_dim 32, the default 8-bit band rescue does not
-        check_fits(MosaicConfig(k_candidates=["lowbit:bits=4,group=32"],
-                                v_candidates=["lowbit:bits=4,group=32"], sink_candidates=[]),
-                   head_dim=32)
+    # head_dim 32: every K/V candidate fits, the default 8-bit band rescue does not; the start-up
+    # check passes and fit_rescue drops the rescue (logged), keeping what fits
+    cfg = MosaicConfig(k_candidates=["lowbit:bits=4,group=32"],
+                       v_candidates=["lowbit:bits=4,group=32"], sink_candidates=[],
+                       rescue_candidates=["band:b8=64,b4=0,b2=0,group=32", "lowbit:bits=8,group=32"])
+    check_fits(cfg, head_dim=32)
+    assert fit_rescue(cfg, 32).rescue_candidates == ["lowbit:bits=8,group=32"]
+    assert fit_rescue(cfg, 64) is cfg
