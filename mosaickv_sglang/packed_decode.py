@@ -27,7 +27,7 @@ from mosaickv_kernels.page_select import RowSelection
 
 from .codec.arena import PackedArena
 from .codec.attention import decode_attention
-from .codec.basis import BASIS_DTYPE
+from .codec.basis import BASIS_DTYPE, kernel_transform
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +119,7 @@ class PackedDecode:
         # One device->host copy: the first slot of every page of every request.
         page_slots = req_to_token[forward_batch.req_pool_indices[:bsz], :max(seq_lens):ps].cpu()
         kernel_reqs, reference_slots = [], {}
-        row_req, row_blk, row_pages, hot_rows, needs_select = [], [], [], [], False
-        blk_of: dict[int, int] = {}
-        blocks = []
+        row_req, row_pages, hot_rows, needs_select = [], [], [], False
         for i, seq_len in enumerate(seq_lens):
             pages = (page_slots[i, :-(-seq_len // ps)] // ps).tolist()
             n = 0
@@ -146,15 +144,11 @@ class PackedDecode:
             for r, run in enumerate(runs or [[]]):
                 row_req.append(i)
                 row_pages.append(run)
-                if run:
-                    bases = pool.sealed[run[0]].bases
-                    if id(bases) not in blk_of:
-                        blk_of[id(bases)] = len(blocks)
-                        blocks.append(bases)
-                    row_blk.append(blk_of[id(bases)])
-                else:
-                    row_blk.append(-1)  # no pages: the identity, appended after the blocks
                 hot_rows.append(hot if r == max(len(runs) - 1, 0) else hot[:0])
+        # Each row's basis block; a row without pages reads the identity, appended after them.
+        blocks, index = pool.basis_blocks([run[0] for run in row_pages if run])
+        index = iter(index)
+        row_block = [next(index) if run else len(blocks) for run in row_pages]
         dev = pool.device
         t_max = max([h.numel() for h in hot_rows] + [1])
         hot_index = torch.zeros(len(hot_rows), t_max, dtype=torch.long)
@@ -175,7 +169,7 @@ class PackedDecode:
         self.step = StepPlan(
             torch.tensor(kernel_reqs, dtype=torch.long).to(dev), reference_slots,
             torch.tensor(row_req, dtype=torch.long).to(dev), blocks,
-            torch.tensor([len(blocks) if b < 0 else b for b in row_blk], dtype=torch.long).to(dev),
+            torch.tensor(row_block, dtype=torch.long).to(dev),
             indptr.to(dev),
             torch.tensor([p for run in row_pages for p in run], dtype=torch.int32).to(dev),
             hot_index.to(dev), torch.tensor([h.numel() for h in hot_rows], dtype=torch.int32).to(dev),
@@ -247,8 +241,7 @@ class PackedDecode:
         self.timer.lap("hot_gather")
         store = pool.store
         return PackedArena(store.data[local], store.headers[local], st.seg_indptr, st.seg_ids,
-                           k_basis.float().transpose(-1, -2).contiguous(),
-                           v_basis.float().transpose(-1, -2).contiguous(),
+                           kernel_transform(k_basis), kernel_transform(v_basis),
                            hot_k, hot_v, st.hot_lens, store.plans,
                            segment_tokens=pool.page_size, page_tokens=self.cfg.page_tokens,
                            payload={"codes": 0, "scales": 0}, min_group=store.min_group)
@@ -258,22 +251,15 @@ class PackedDecode:
         """K, V [len(pages) * page_size, H, D] (cache dtype, raw basis) of packed sealed pages,
         token-major in `pages` order: one `band_unpack` launch reading the arena in place."""
         pool, dev = self.pool, self.pool.device
-        blocks, blk_of, seg_req = [], {}, []
-        for p in pages:
-            bases = pool.sealed[p].bases
-            if id(bases) not in blk_of:
-                blk_of[id(bases)] = len(blocks)
-                blocks.append(bases)
-            seg_req.append(blk_of[id(bases)])
+        blocks, seg_req = pool.basis_blocks(pages)
         h, d, n = pool.head_num, pool.head_dim, len(blocks)
         store = pool.store
-        # unpack_segments writes x_rot @ basis^T: the stored read transform R, transposed.
         arena = PackedArena(
             store.data[local], store.headers[local],
             torch.zeros(n + 1, dtype=torch.int32, device=dev),  # no segment lists: only bases
             torch.zeros(0, dtype=torch.int32, device=dev),
-            torch.stack([b.k[local] for b in blocks]).float().transpose(-1, -2).contiguous(),
-            torch.stack([b.v[local] for b in blocks]).float().transpose(-1, -2).contiguous(),
+            kernel_transform(torch.stack([b.k[local] for b in blocks])),
+            kernel_transform(torch.stack([b.v[local] for b in blocks])),
             *(torch.zeros(n, h, 1, d, dtype=pool.dtype, device=dev),) * 2,
             torch.zeros(n, dtype=torch.int32, device=dev), store.plans,
             segment_tokens=pool.page_size, page_tokens=self.cfg.page_tokens,

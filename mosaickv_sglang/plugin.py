@@ -35,7 +35,7 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from . import wiring
-from .config import MosaicConfig, check_fits, fit_rescue
+from .config import MosaicConfig, check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,6 @@ def _check_server_args(result, self):
         check_fits(get_config(self), model_config.head_dim)
     except ValueError as exc:
         raise MosaicKVUnsupported(str(exc)) from None
-    setattr(self, CONFIG_ATTR, fit_rescue(get_config(self), model_config.head_dim))
     _require_backend()
     return None
 

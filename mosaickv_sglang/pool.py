@@ -166,8 +166,8 @@ class MosaicKVPool(MHATokenToKVPool):
         loc, _, _ = unwrap_write_loc(loc_info)
         # Every layer of a forward writes the same slots: map them once, at the first layer
         # (which allocates hot pages), and reuse the mapping for the others (no host sync).
-        if layer.layer_id == self.start_layer or self._write_map[0] is not loc:
-            first = layer.layer_id == self.start_layer
+        first = layer.layer_id == self.start_layer
+        if first or self._write_map[0] is not loc:
             self._write_map = (loc, self.physical_loc(loc, allocate=first))
         phys = self._write_map[1]
         super().set_kv_buffer(layer, phys, cache_k, cache_v, *args, **kwargs)
@@ -194,16 +194,24 @@ class MosaicKVPool(MHATokenToKVPool):
         """One request's sealed segments + hot rows as a CompressedLayer for the codec."""
         pages, hot_k, hot_v, hot_start = self.request_view(layer_id, slots)
         local = layer_id - self.start_layer
-        view = CompressedLayer(hot_k=hot_k, hot_v=hot_v, hot_start=hot_start)
-        basis_index: dict[int, int] = {}
-        for page in map(self.sealed.__getitem__, pages):
-            key = id(page.bases)
-            if key not in basis_index:
-                basis_index[key] = len(view.k_bases)
-                view.k_bases.append(page.bases.k[local])
-                view.v_bases.append(page.bases.v[local])
-            view.segments.append(replace(page.segments[local], basis=basis_index[key]))
-        return view
+        blocks, index = self.basis_blocks(pages)
+        return CompressedLayer(
+            segments=[replace(self.sealed[p].segments[local], basis=i)
+                      for p, i in zip(pages, index)],
+            k_bases=[b.k[local] for b in blocks], v_bases=[b.v[local] for b in blocks],
+            hot_k=hot_k, hot_v=hot_v, hot_start=hot_start)
+
+    def basis_blocks(self, pages: list[int]) -> tuple[list[BasisPair], list[int]]:
+        """The distinct bases of sealed `pages` (first use first) and each page's index into
+        them: a request's basis blocks, as the codec view, decode rows and prefill read them."""
+        blocks, index, of = [], [], {}
+        for p in pages:
+            bases = self.sealed[p].bases
+            if id(bases) not in of:
+                of[id(bases)] = len(blocks)
+                blocks.append(bases)
+            index.append(of[id(bases)])
+        return blocks, index
 
     def dense_kv(self, layer_id: int, slots: torch.Tensor):
         """Decompress one request's K/V [T, H, D] into a workspace (prefill over a prefix): with

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 
+from .basis import kernel_transform
 from .layer import CompressedLayer
 from .quant import SCALE_DTYPE
 from .strategies.band import BAND_BITS, Band
@@ -353,10 +354,9 @@ def pack_layer(layers: list[CompressedLayer], page_tokens: int = 32) -> PackedAr
     for b, layer in enumerate(layers):
         blk = layer.segments[0].basis if layer.segments else None
         eye = torch.eye(d).expand(h, d, d)
-        # The wrapper reads q @ k_basis and o_rot @ v_basis^T, i.e. q R^T and o_rot R: both
-        # are the stored read transforms transposed (see codec/basis.py).
-        k_basis[b] = eye if blk is None else layer.k_bases[blk].float().transpose(1, 2)
-        v_basis[b] = eye if blk is None else layer.v_bases[blk].float().transpose(1, 2)
+        # The wrapper reads q @ k_basis and o_rot @ v_basis^T, i.e. q R^T and o_rot R.
+        k_basis[b] = eye if blk is None else kernel_transform(layer.k_bases[blk])
+        v_basis[b] = eye if blk is None else kernel_transform(layer.v_bases[blk])
     hot_lens = torch.tensor([layer.hot_k.shape[1] for layer in layers], dtype=torch.int32)
     t_max = max(int(hot_lens.max()), 1)
     hot_k = torch.zeros(len(layers), h, t_max, d, dtype=torch.bfloat16)

@@ -60,6 +60,12 @@ def unrotate(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
     return (x.float().reshape(h, -1, d) @ basis.float()).reshape(x.shape)
 
 
+def kernel_transform(basis: torch.Tensor) -> torch.Tensor:
+    """R^T in fp32, contiguous, batched over leading dims: the kernels read q @ it (into the
+    basis), o_rot @ it^T and x_rot @ it^T (back from it)."""
+    return basis.float().transpose(-1, -2).contiguous()
+
+
 def rotate_query(q: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
     """A query into the basis so that (q R^T) . (k R^-1) == q . k exactly: q @ R^T."""
     if basis is None:
