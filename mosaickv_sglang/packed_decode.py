@@ -49,7 +49,7 @@ class StepPlan:
     req_rows: torch.Tensor  # int64 [K, max rows] (device): each kernel request's rows (pad: R)
 
 
-class PhaseTimer:
+class StepProfiler:
     """Wall time per decode phase on sampled steps, the device synced at each phase boundary
     (`decode_profile_every`); off, it costs one attribute check per phase. Phases cover the
     whole step: "outside_attention" is everything between two attention calls (projections,
@@ -105,7 +105,7 @@ class PackedDecode:
         self.kernel_requests = 0  # request-steps decoded by the kernel
         self.reference_requests = 0  # request-steps sent to the reference path (unpacked pages)
         self.prefill_unpacked_segments = 0  # (page, layer)s decompressed by the unpack kernel
-        self.timer = PhaseTimer(self.cfg.decode_profile_every, pool.device)
+        self.timer = StepProfiler(self.cfg.decode_profile_every, pool.device)
         h, d = pool.head_num, pool.head_dim
         self.eye = torch.eye(d, dtype=BASIS_DTYPE, device=pool.device).expand(h, d, d)
 
