@@ -33,10 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mosaickv_sglang.launch import request, running_server  # noqa: E402
 
 
+# Dense servers keep decode CUDA graphs but not SGLang 0.5.17's prefill (piecewise) graphs: their
+# capture walks every token count up to the chunked-prefill size, ~40 s each at 128K on an H200
+# (298 sizes: a start-up of hours); a long prefill is compute bound, so TTFT barely depends on it.
+NO_PREFILL_GRAPHS = ["--disable-prefill-cuda-graph"]
 SYSTEMS = {  # name -> what it adds to the common server arguments
-    "dense": [],  # SGLang's own cache, CUDA graphs on
+    "dense": NO_PREFILL_GRAPHS,  # SGLang's own cache, decode CUDA graphs on
     "dense_eager": ["--disable-cuda-graph"],  # the same without CUDA graphs (as MosaicKV runs)
-    "fp8": ["--kv-cache-dtype", "fp8_e4m3"],  # SGLang's built-in FP8 KV cache
+    "fp8": ["--kv-cache-dtype", "fp8_e4m3", *NO_PREFILL_GRAPHS],  # SGLang's built-in FP8 cache
     "mosaickv": ["--kv-backend", "mosaickv"],
 }
 

@@ -2,9 +2,11 @@
 decode point at TP=2, dense vs MosaicKV. Every server starts at once (start-up dominates a short
 run); the small ones stop once checked, before anything is timed.
 
-1. Correctness: greedy ids of MosaicKV with the lossless config (fp32, dense candidates, no
-   selection) and ``daemon: process``, TP=2 vs TP=1, plus TP=2 dense SGLang (torch_native) as a
-   control; then the two ranks' swap lines (daemon/swaplog.py) compared. The model has the
+1. Correctness: greedy ids of MosaicKV with the lossless config (dense fp32 candidates, no
+   selection) and ``daemon: process``, TP=2 vs TP=1, plus dense SGLang (torch_native) at TP=1 and
+   TP=2 as controls (does SGLang's own TP change the ids?); then the two ranks' swap lines
+   (daemon/swaplog.py) compared. The model runs in bf16 on a GPU (``--check-dtype``): SGLang's
+   CUDA RMSNorm (sgl_kernel) has no fp32 kernel, and an fp32 server dies on its first forward. The model has the
    Llama-3.1-8B attention shape (32 q / 8 KV heads, head_dim 128, hidden 4096) with 4 layers and
    *saved* random weights: ``--load-format dummy`` cannot be compared across TP sizes, SGLang
    seeds each rank's weight shard alike (the values depend only on the shard's size), so TP=1
@@ -34,8 +36,6 @@ LOSSLESS_DAEMON = {"k_candidates": ["dense:val=fp32"], "v_candidates": ["dense:v
                    "sink_candidates": [], "hot_tokens": 0, "select": {"enabled": False},
                    "hot_buffer_fraction": 0.5, "decode_kernel": "reference",
                    "daemon": "process", "daemon_workers": 2, "daemon_queue_segments": 32}
-# Prompts stay inside one 4096-token basis block: with the daemon, a request spanning two blocks
-# can have its second block adopted before its first and crash the server (NOTES, issue 8).
 
 
 class Background:
@@ -129,15 +129,18 @@ def check(servers: dict, vocab: int) -> dict:
     rng = random.Random(0)
     jobs = [([rng.randrange(100, vocab) for _ in range(n)], 40) for n in (300, 700, 1500, 260)]
     got, res = {}, {}
-    for name in ("mk_tp1", "mk_tp2", "dense_tp2"):
+    for name in ("mk_tp1", "mk_tp2", "dense_tp1", "dense_tp2"):
         try:
             got[name] = outputs(servers[name].wait(), jobs)
         except Exception as exc:  # reported; the other comparisons still count
             res[f"{name}_error"] = repr(exc)[-2000:]
-    for other, key in (("mk_tp1", "tp1"), ("dense_tp2", "dense_tp2")):
-        if "mk_tp2" in got and other in got:
-            res[f"tp2_equals_{key}"] = got["mk_tp2"] == got[other]
-            res[f"first_diff_tp2_vs_{key}"] = first_diff(got["mk_tp2"], got[other])
+    for a, b, key in (("mk_tp2", "mk_tp1", "tp2_equals_tp1"),
+                      ("mk_tp2", "dense_tp2", "tp2_equals_dense_tp2"),
+                      ("mk_tp1", "dense_tp1", "tp1_equals_dense_tp1"),
+                      ("dense_tp2", "dense_tp1", "dense_tp2_equals_dense_tp1")):
+        if a in got and b in got:
+            res[key] = got[a] == got[b]
+            res[f"first_diff_{key}"] = first_diff(got[a], got[b])
     res["requests"] = 2 * len(jobs)
     if "mk_tp2" in got:
         daemon = mosaickv_stats(servers["mk_tp2"].url)["daemon"]
@@ -162,6 +165,8 @@ def main() -> None:
                     help="1: sealing a 128K prompt takes ~100 s at ~3 ms per (page, layer)")
     ap.add_argument("--check-layers", type=int, default=4)
     ap.add_argument("--check-only", action="store_true", help="skip the 128K servers")
+    ap.add_argument("--check-dtype", default="bfloat16",
+                    help="dtype of the check servers (float32 works on a CPU, not on CUDA)")
     ap.add_argument("--deadline-s", type=float, default=360,
                     help="start no serving point after this many seconds")
     args = ap.parse_args()
@@ -178,7 +183,7 @@ def main() -> None:
     # Every server is capped by --max-total-tokens so that they fit the GPUs together; the
     # fraction only bounds each one's profiling (weights + pool + graphs).
     common = ["--grammar-backend", "none", "--mem-fraction-static", "0.85"]
-    check_args = [*common, "--dtype", "float32", "--context-length", "4096",
+    check_args = [*common, "--dtype", args.check_dtype, "--context-length", "4096",
                   "--max-total-tokens", "32768"]
     span = args.context + 1024
     bench_args = [*common, "--load-format", "dummy", "--tp", "2", "--context-length", str(span),
@@ -188,7 +193,8 @@ def main() -> None:
                    json.dumps(LOSSLESS_DAEMON), *check_args),
         "mk_tp2": (small, "--tp", "2", "--kv-backend", "mosaickv", "--mosaickv-config",
                    json.dumps(LOSSLESS_DAEMON), *check_args),
-        # the control uses torch SDPA like MosaicKV's prefill and fp32 reference decode
+        # the controls use torch SDPA like MosaicKV's prefill and fp32 reference decode
+        "dense_tp1": (small, *system_args("dense", "torch_native"), *check_args),
         "dense_tp2": (small, "--tp", "2", *system_args("dense", "torch_native"),
                       *check_args),
         # CUDA graphs only for the batch sizes measured (capture is most of a dense start-up)
@@ -213,7 +219,7 @@ def main() -> None:
         except Exception as exc:  # reported; the serving points still run
             result["check"] = {"error": repr(exc)[-3000:]}
             print(f"[check] FAILED: {exc!r}"[-3000:], flush=True)
-        checked = [servers[name] for name in ("mk_tp1", "mk_tp2", "dense_tp2")]
+        checked = [servers[name] for name in ("mk_tp1", "mk_tp2", "dense_tp1", "dense_tp2")]
         for s in checked:
             s.stop(wait=False)
         for s in checked:
@@ -244,7 +250,9 @@ def main() -> None:
         path.write_text(json.dumps(result, indent=1))
     c = result["check"] or {}
     print(f"\ncheck: tp2==tp1 {c.get('tp2_equals_tp1')}, tp2==dense_tp2 "
-          f"{c.get('tp2_equals_dense_tp2')}, swap logs agree {c.get('swap_logs_agree')} "
+          f"{c.get('tp2_equals_dense_tp2')}, tp1==dense_tp1 {c.get('tp1_equals_dense_tp1')}, "
+          f"dense tp2==tp1 {c.get('dense_tp2_equals_dense_tp1')}, "
+          f"swap logs agree {c.get('swap_logs_agree')} "
           f"({c.get('swap_report') or c.get('error', '')[:200]})")
     print("start-up s:", {k: v if v is None else round(v) for k, v in result["startup_s"].items()})
     print_table(result["serving"])

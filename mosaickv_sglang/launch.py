@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,10 +33,38 @@ def server_env() -> dict:
     return env
 
 
+PORT_BASE, PORT_SPAN = 20000, 2000  # below Linux's ephemeral range (32768+)
+_ports_given: set[int] = set()
+_ports_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free HTTP port for a server, PORT_SPAN apart from every other one this process gave.
+
+    SGLang binds its HTTP port only after loading the model and takes further ports near it
+    (port + a few hundred, NCCL/dist ports): a kernel-chosen free port handed to servers that start
+    together can be taken by another server's internal port before its owner binds it (seen on
+    the 2-GPU machine: "address already in use", one server lost)."""
+    with _ports_lock:
+        for base in range(PORT_BASE, 32768 - PORT_SPAN, PORT_SPAN):
+            port = base + os.getpid() % (PORT_SPAN // 2)  # distinct per process, same span
+            if base in _ports_given:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _ports_given.add(base)
+            return port
+    raise RuntimeError(f"no free port left in {PORT_BASE}..32768 (step {PORT_SPAN}): "
+                       f"{len(_ports_given)} servers of this process hold one")
+
+
+def release_port(port: int) -> None:
+    """Give back free_port's span once its server has stopped."""
+    with _ports_lock:
+        _ports_given.discard(port - (port - PORT_BASE) % PORT_SPAN)
 
 
 def request(url: str, payload: dict | None = None, timeout: float = 900.0):
@@ -90,6 +119,7 @@ def running_server(model: Path, log: Path, *args: str, startup_s: float = 300):
         yield SimpleNamespace(url=url, log=log, proc=proc)
     finally:
         stop(proc)
+        release_port(port)
 
 
 def flush_cache(url: str, timeout_s: float = 60) -> None:
