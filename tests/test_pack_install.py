@@ -52,8 +52,15 @@ def _segments(h: int, d: int, per_call: int, select: bool, gen, device):
 
 
 def _store(path: str, h: int, d: int, pages: int, select: bool, device) -> SegmentStore:
-    return SegmentStore(2, pages + 1, h, d, S, PT, device, 8 if select else None,
-                        pages * h * 2 * S * d * 2, pack_kernel=path)
+    return _poisoned(SegmentStore(2, pages + 1, h, d, S, PT, device, 8 if select else None,
+                                  pages * h * 2 * S * d * 2, pack_kernel=path))
+
+
+def _poisoned(store: SegmentStore) -> SegmentStore:
+    """Arena bytes that are not zero before install: every block byte must be written."""
+    for data in store.data:
+        data.fill_(0x5A)
+    return store
 
 
 def _assert_same_store(a: SegmentStore, b: SegmentStore, seed: int) -> None:
@@ -121,12 +128,16 @@ def test_kernel_path_without_rotated_is_copied_and_counted(seed):
     assert got.pack_counts["kernel"] == 0 and got.pack_counts["no_rotated"] == len(segs) - 1
 
 
-def test_pack_kernel_choice():
+def test_pack_kernel_choice(monkeypatch):
     assert MosaicConfig().pack_kernel == "auto"
     with pytest.raises(ValueError, match="pack_kernel='gpu' must be one of"):
         MosaicConfig(pack_kernel="gpu")
     assert not _store("auto", 1, 64, 1, False, "cpu").pack_kernel  # auto: the kernel on CUDA only
-    assert _store("triton", 1, 64, 1, False, "cpu").pack_kernel  # TRITON_INTERPRET=1 (conftest)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _store("triton", 1, 64, 1, False, "cpu").pack_kernel
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1, or use pack_kernel 'auto'"):
+        _store("triton", 1, 64, 1, False, "cpu")
 
 
 # ---- through the pool and PackedDecode -------------------------------------------------------
@@ -149,6 +160,7 @@ def test_decode_over_kernel_packed_pool_is_identical(d, select, seed):
     outs, pools = {}, {}
     for path in ("torch", "triton"):
         pool = pools[path] = _pool(path, d, select)
+        _poisoned(pool.store)
         req_to_token = torch.zeros(len(lengths), 1024, dtype=torch.long, device=DEVICE)
         page = 1
         for rid, (n, kv) in enumerate(zip(lengths, data)):
