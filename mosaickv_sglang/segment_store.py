@@ -47,12 +47,13 @@ def packable(seg: Segment, page_tokens: int) -> bool:
 def use_pack_kernel(choice: str, device) -> bool:
     """The `pack_kernel` config value on this device: does the GPU pack kernel write blocks?"""
     if choice not in PACK_KERNELS:
-        raise ValueError(f"SegmentStore: pack_kernel={choice!r} must be one of {list(PACK_KERNELS)}")
-    cpu = torch.device(device).type == "cpu"
-    if choice == "triton" and cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"SegmentStore: pack_kernel={choice!r} must be one of "
+                         f"{list(PACK_KERNELS)}")
+    kind = torch.device(device).type
+    if choice == "triton" and kind == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("mosaickv pack_kernel 'triton' on a CPU runs through Triton's "
                          "interpreter: set TRITON_INTERPRET=1, or use pack_kernel 'auto'")
-    return choice == "triton" or (choice == "auto" and torch.device(device).type == "cuda")
+    return choice == "triton" or (choice == "auto" and kind == "cuda")
 
 
 def band_widths(band: Band, head_dim: int) -> tuple[int, int, int, int]:
@@ -164,8 +165,9 @@ class SegmentStore:
         kernel = self.pack_kernel and all(seg.rotated is not None for seg in segs)
         if self.pack_kernel and not kernel:
             if not self.pack_counts["no_rotated"]:
-                logger.info("MosaicKV: sealed segments without rotated K/V (daemon results) are "
-                            "copied into the arena by torch, not packed by the kernel; counted")
+                logger.info("MosaicKV: sealed segments without rotated K/V (e.g. daemon results)"
+                            " are copied into the arena by torch, not packed by the kernel; "
+                            "counted in stats (segment_store.packed_by.no_rotated)")
             self.pack_counts["no_rotated"] += len(segs)
         if kernel:
             blocks.index_fill_(0, rows, 0)  # alignment padding as the torch copy leaves it

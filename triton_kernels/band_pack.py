@@ -5,7 +5,7 @@ the offsets of each segment's header, byte for byte what `pack_layer` would stor
 
 One launch per (layout, kind) with the band widths and token group compile-time; one program
 per (segment, KV head), a token group at a time. The input is the segment already rotated into
-its basis (x_rot = x @ U, one batched matmul on the caller's side, exactly `basis.rotate`):
+its basis (x_rot = x @ R^-1, one batched matmul on the caller's side, as `basis.rotate`):
 
     pack_segments(arena, seg_list, k_rot, v_rot)    # k_rot/v_rot float32 [n, H, T, D]
     pack_layout(data, headers, seg_list, k_rot, v_rot, k_widths, v_widths)  # one layout
