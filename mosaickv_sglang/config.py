@@ -40,6 +40,7 @@ DEFAULT_RESCUE_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 
 
 DECODE_KERNELS = ("auto", "triton", "reference")
+PACK_KERNELS = ("auto", "triton", "torch")
 FIT_SOLVERS = ("host", "device")
 
 
@@ -98,6 +99,11 @@ class MosaicConfig:
     # hot gather, selection, kernels, merge) with a device sync between phases; 0 = off. The
     # syncs slow the sampled steps only; totals are in stats()["decode"]["profile"].
     decode_profile_every: int = 0
+    # Who writes a sealed segment's band codes and scales into the packed arena: "triton" (the
+    # GPU pack kernel encodes them there from the chooser's rotated K/V, one launch per layout
+    # and kind per install batch), "torch" (the chooser's encoded tensors staged and copied in),
+    # or "auto" (triton on CUDA). Same bytes either way; stats() counts segments per path.
+    pack_kernel: str = "auto"
     # Where a basis fit on GPU pages runs its eigh/qr: "host" (one copy to the CPU, LAPACK over
     # host threads) or "device" (cuSOLVER, one matrix at a time). A guess to confirm on the H200
     # (benchmarks/seal_bench.py measures both); CPU pages are fitted on the CPU either way.
@@ -142,6 +148,9 @@ class MosaicConfig:
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"mosaickv config: decode_kernel={self.decode_kernel!r} must be one "
                              f"of {list(DECODE_KERNELS)}")
+        if self.pack_kernel not in PACK_KERNELS:
+            raise ValueError(f"mosaickv config: pack_kernel={self.pack_kernel!r} must be one of "
+                             f"{list(PACK_KERNELS)}")
         if self.fit_solver not in FIT_SOLVERS:
             raise ValueError(f"mosaickv config: fit_solver={self.fit_solver!r} must be one of "
                              f"{list(FIT_SOLVERS)}")

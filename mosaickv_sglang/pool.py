@@ -121,7 +121,8 @@ class MosaicKVPool(MHATokenToKVPool):
                                   self.head_dim, page_size, mosaic_config.page_tokens,
                                   self.device, mosaic_config.select.meta_channels
                                   if mosaic_config.select.enabled else None,
-                                  self.arena_budget_bytes // self.layer_num)
+                                  self.arena_budget_bytes // self.layer_num,
+                                  mosaic_config.pack_kernel)
         # daemon state: page generations, pages submitted (page -> job; None: deferred), pages
         # waiting for the bases their block's first page is getting (first -> (pos, page, gen))
         self.page_gen = [0] * (self.num_logical_pages + 1)
@@ -132,8 +133,10 @@ class MosaicKVPool(MHATokenToKVPool):
         self.prev_page: dict[int, int] = {}
         self.daemon = self._start_daemon() if mosaic_config.daemon == "process" else None
         self.swaps = SwapLog() if self.daemon is not None else None  # flushed by adopt()
-        logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense)",
-                    size, hot_pages * page_size, self._hot_capacity_bytes() / 1e6)
+        logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense), "
+                    "arena blocks written by %s", size, hot_pages * page_size,
+                    self._hot_capacity_bytes() / 1e6,
+                    "the pack kernel" if self.store.pack_kernel else "torch copies")
 
     # ---- writes -------------------------------------------------------------------------
     def physical_loc(self, loc: torch.Tensor, allocate: bool = False) -> torch.Tensor:
@@ -287,7 +290,8 @@ class MosaicKVPool(MHATokenToKVPool):
         """Seal on this thread from the hot buffer (the codec code the worker runs too)."""
         pages = [p for _, p, _ in group]
         sealed = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
-                            [pos for pos, _, _ in group], bases, self.cfg, self.cands, self.dense)
+                            [pos for pos, _, _ in group], bases, self.cfg, self.cands, self.dense,
+                            keep_rotated=self.store.pack_kernel)
         self._install(pages, sealed)
 
     def _read_pages(self, pages: list[int]):
@@ -377,7 +381,7 @@ class MosaicKVPool(MHATokenToKVPool):
             done = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
                               [job.positions[i] for i in live],
                               job.bases if job.bases_given else None, self.cfg, self.cands,
-                              self.dense)
+                              self.dense, keep_rotated=self.store.pack_kernel)
             for i, sp in zip(live, done):
                 sealed[i] = sp
         if live:
@@ -525,5 +529,8 @@ class MosaicKVPool(MHATokenToKVPool):
                               "packed_segments": int(self.store.packed.sum()),
                               "unpacked_segments": len(self.sealed) * self.layer_num
                               - int(self.store.packed.sum()),
-                              "arena_full_segments": self.store.arena_full},
+                              "arena_full_segments": self.store.arena_full,
+                              # who wrote the blocks: the GPU pack kernel or torch copies
+                              "pack_kernel": self.store.pack_kernel,
+                              "packed_by": dict(self.store.pack_counts)},
         }

@@ -10,17 +10,32 @@ pointer (block sizes differ by layout); each layer's arena is the share of the p
 the pool was sized with at start-up (`capacity_bytes`). Segments the kernel cannot read (not
 `band` in the SVD basis, e.g. a dense fallback), or that find the arena full, stay in their own
 tensors and are flagged unpacked (counted); their requests decode on the reference path.
+
+Who writes a block's codes and scales (`pack_kernel`): on CUDA the GPU pack kernel
+(`band_pack.pack_layout`) encodes them in place from the chooser's rotated K/V, one launch per
+layout and kind per batch, instead of staging the chooser's encoded tensors and scattering them
+(the chooser still encodes every candidate: it measures each one's error). Both write the same
+bytes (tests/test_pack_install.py); segments without rotated K/V (daemon results) take the torch
+copy. Counted per path in `pack_counts`.
 """
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 
 from mosaickv_kernels.band_decode import band_width_classes
+from mosaickv_kernels.band_pack import pack_layout
 from mosaickv_kernels.page_select import PackedPageMeta
 
-from .codec.arena import ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout, block_views, write_blocks
+from .codec.arena import (ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout, band_channels,
+                          block_views, write_blocks)
 from .codec.layer import Segment, own_storage
 from .codec.strategies.band import Band
+from .config import PACK_KERNELS
+
+logger = logging.getLogger(__name__)
 
 
 def packable(seg: Segment, page_tokens: int) -> bool:
@@ -29,10 +44,33 @@ def packable(seg: Segment, page_tokens: int) -> bool:
                for c in (seg.k, seg.v))
 
 
+def use_pack_kernel(choice: str, device) -> bool:
+    """The `pack_kernel` config value on this device: does the GPU pack kernel write blocks?"""
+    if choice not in PACK_KERNELS:
+        raise ValueError(f"SegmentStore: pack_kernel={choice!r} must be one of "
+                         f"{list(PACK_KERNELS)}")
+    kind = torch.device(device).type
+    if choice == "triton" and kind == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("mosaickv pack_kernel 'triton' on a CPU runs through Triton's "
+                         "interpreter: set TRITON_INTERPRET=1, or use pack_kernel 'auto'")
+    return choice == "triton" or (choice == "auto" and kind == "cuda")
+
+
+def band_widths(band: Band, head_dim: int) -> tuple[int, int, int, int]:
+    """(8-bit, 4-bit, 2-bit channels, token group) at head_dim: what the pack kernel compiles."""
+    c = band_channels(band, head_dim)
+    return c[8], c[4], c[2], band.group
+
+
 class SegmentStore:
     def __init__(self, layers: int, pages: int, heads: int, head_dim: int, segment_tokens: int,
-                 page_tokens: int, device, meta_channels: int | None, capacity_bytes: int):
+                 page_tokens: int, device, meta_channels: int | None, capacity_bytes: int,
+                 pack_kernel: str = "auto"):
         self.heads, self.head_dim, self.device = heads, head_dim, device
+        self.pack_kernel = use_pack_kernel(pack_kernel, device)
+        # segments whose blocks were written by the kernel / by torch copies; "no_rotated": the
+        # kernel path's segments that came without rotated K/V (daemon results), copied by torch
+        self.pack_counts = {"kernel": 0, "torch": 0, "no_rotated": 0}
         self.segment_tokens, self.page_tokens = segment_tokens, page_tokens
         self.capacity = capacity_bytes // ALIGN * ALIGN  # bytes per layer
         self.arena_full = 0  # segments left unpacked because the arena had no room
@@ -77,9 +115,10 @@ class SegmentStore:
     def install(self, layer: int, pages: list[int], segs: list[Segment]) -> list[bool]:
         """Copy one layer's segments (one per logical page) into the arena and re-point their
         tensors at the copy; per segment, False (nothing stored) when the kernel cannot read it
-        or the arena is full. Blocks are taken in segment order; the copies go per layout, a
-        few for the whole batch (staged blocks, one scatter into the arena, headers and page
-        metadata in one write each), not a few per segment."""
+        or the arena is full. Blocks are taken in segment order; the writes go per layout, a
+        few for the whole batch (the pack kernel, or staged blocks and one scatter; headers and
+        page metadata in one write each), not a few per segment. Every segment's rotated K/V
+        (`Segment.rotated`) is dropped here, whatever path it took."""
         stored = [False] * len(segs)
         groups: dict[tuple, tuple[BlockLayout, list[int], list[int]]] = {}
         for i, seg in enumerate(segs):
@@ -103,21 +142,14 @@ class SegmentStore:
             groups[lay.key()][2].append(base)
         for lay, idx, bases in groups.values():
             self._write(layer, lay, [pages[i] for i in idx], [segs[i] for i in idx], bases)
+        for seg in segs:
+            seg.rotated = None  # the chooser's batch is no longer needed
         return stored
 
     def _write(self, layer: int, lay: BlockLayout, pages: list[int], segs: list[Segment],
                bases: list[int]) -> None:
-        """The copies of `install` for segments of one layout, their blocks at `bases`."""
+        """The writes of `install` for segments of one layout, their blocks at `bases`."""
         size = self.heads * lay.head_bytes
-        staged = torch.zeros(len(segs), self.heads, lay.head_bytes, dtype=torch.uint8,
-                             device=self.device)
-        write_blocks(staged, lay, segs)
-        rows = (torch.tensor(bases)[:, None] + torch.arange(0, size, ALIGN)) // ALIGN
-        self.data[layer].view(-1, ALIGN).index_copy_(0, rows.flatten().to(self.device),
-                                                     staged.view(-1, ALIGN))
-        for seg, views in zip(segs, block_views(self.data[layer], bases, lay, segs)):
-            for (kind, name), view in views.items():
-                (seg.k if kind == "k" else seg.v).encoded.tensors[name] = view
         if lay.key() not in self.layouts:
             self.layouts[lay.key()] = len(self._plans)
             self._plans.append(lay.channel_plan())
@@ -125,7 +157,33 @@ class SegmentStore:
             self.width_classes = band_width_classes(torch.stack(self._plans))  # host copy
             self.min_group = min(self.min_group, lay.k.group, lay.v.group)
         at = torch.tensor(pages, device=self.device)
+        # headers first: the pack kernel finds each block through its header row
         self.headers[layer][at] = lay.headers(bases, self.layouts[lay.key()]).to(self.device)
+        rows = (torch.tensor(bases)[:, None] + torch.arange(0, size, ALIGN)) // ALIGN
+        rows = rows.flatten().to(self.device)
+        blocks = self.data[layer].view(-1, ALIGN)
+        kernel = self.pack_kernel and all(seg.rotated is not None for seg in segs)
+        if self.pack_kernel and not kernel:
+            if not self.pack_counts["no_rotated"]:
+                logger.info("MosaicKV: sealed segments without rotated K/V (e.g. daemon results)"
+                            " are copied into the arena by torch, not packed by the kernel; "
+                            "counted in stats (segment_store.packed_by.no_rotated)")
+            self.pack_counts["no_rotated"] += len(segs)
+        if kernel:
+            blocks.index_fill_(0, rows, 0)  # alignment padding as the torch copy leaves it
+            pack_layout(self.data[layer], self.headers[layer], at.to(torch.int32),
+                        torch.stack([seg.rotated[0] for seg in segs]),
+                        torch.stack([seg.rotated[1] for seg in segs]),
+                        band_widths(lay.k, self.head_dim), band_widths(lay.v, self.head_dim))
+        else:
+            staged = torch.zeros(len(segs), self.heads, lay.head_bytes, dtype=torch.uint8,
+                                 device=self.device)
+            write_blocks(staged, lay, segs)
+            blocks.index_copy_(0, rows, staged.view(-1, ALIGN))
+        self.pack_counts["kernel" if kernel else "torch"] += len(segs)
+        for seg, views in zip(segs, block_views(self.data[layer], bases, lay, segs)):
+            for (kind, name), view in views.items():
+                (seg.k if kind == "k" else seg.v).encoded.tensors[name] = view
         if self.meta is not None:
             table = self.meta[layer]
             table.channels[at] = torch.stack([seg.pages.channels for seg in segs]).to(torch.int32)

@@ -28,11 +28,12 @@ rm -f /tmp/bg_done
     PYTHONPATH="/tmp/pytest_site:$PYTHONPATH" timeout "${TESTS_LIMIT_S:-200}" python3 -m pytest \
         -q -p no:cacheprovider -W ignore tests/test_band_pack_kernel.py \
         tests/test_band_unpack_kernel.py tests/test_page_select_kernel.py \
-        tests/test_band_decode_kernel.py tests/test_packed_decode.py > "$OUT/gpu_tests.log" 2>&1
+        tests/test_band_decode_kernel.py tests/test_packed_decode.py tests/test_pack_install.py \
+        > "$OUT/gpu_tests.log" 2>&1
     echo "GPU tests (rc $?) in $((SECONDS - t1)) s: $(tail -1 "$OUT/gpu_tests.log")" > "$OUT/gpu_tests.summary"
   fi
   if [ "${SEAL_BENCH:-0}" = 1 ]; then
-    timeout "${SEAL_LIMIT_S:-120}" python3 benchmarks/seal_bench.py --device cuda --check \
+    timeout "${SEAL_LIMIT_S:-240}" python3 benchmarks/seal_bench.py --device cuda --check \
         --tokens "${SEAL_TOKENS:-8192}" --json "$OUT/seal_bench.json" > "$OUT/seal_bench.log" 2>&1
     echo "seal bench rc $?" >> "$OUT/seal_bench.log"
   fi

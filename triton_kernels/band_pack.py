@@ -5,12 +5,18 @@ the offsets of each segment's header, byte for byte what `pack_layer` would stor
 
 One launch per (layout, kind) with the band widths and token group compile-time; one program
 per (segment, KV head), a token group at a time. The input is the segment already rotated into
-its basis (x_rot = x @ U, one batched matmul on the caller's side, exactly `basis.rotate`):
+its basis (x_rot = x @ R^-1, one batched matmul on the caller's side, as `basis.rotate`):
 
     pack_segments(arena, seg_list, k_rot, v_rot)    # k_rot/v_rot float32 [n, H, T, D]
+    pack_layout(data, headers, seg_list, k_rot, v_rot, k_widths, v_widths)  # one layout
+
+The serving store (`mosaickv_sglang/segment_store.py`, `pack_kernel`) calls `pack_layout` per
+layout of an install batch on CUDA, with the chooser's own rotated K/V.
 
 Byte-exact with the codec on the CPU interpreter (IEEE division `div_rn`, round-half-even,
-outward fp16 rounding on the bits); compiled for sm_90 without spills; not yet run on a GPU.
+outward fp16 rounding on the bits) and on the H200 (tests/test_band_pack_kernel.py, RESULTS.md
+session 3). Torch on CUDA divides by a Python scalar as a multiply by its reciprocal, so
+`quant.quantize_asym` divides by a device tensor: the codec's bits are the same on both devices.
 """
 from __future__ import annotations
 
@@ -122,16 +128,11 @@ def pack_segments(arena: PackedArena, seg_list: torch.Tensor, k_rot: torch.Tenso
                   v_rot: torch.Tensor) -> None:
     """Encode k_rot / v_rot (float32 [n, H, T, D], in each segment's basis) into the arena
     blocks of segments `seg_list` (int32 [n]); their header rows must already hold the layout
-    (`BlockLayout.header`). Band widths and groups are read from the headers on the host."""
+    (`BlockLayout.header`). Band widths and groups are read from the headers on the host (one
+    device sync): callers that know the layouts call `pack_layout` per layout instead."""
     n = seg_list.numel()
-    shape = (n, arena.num_kv_heads, arena.segment_tokens, arena.head_dim)
-    for name, t in (("k_rot", k_rot), ("v_rot", v_rot)):
-        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or \
-                t.device != arena.device:
-            raise ValueError(f"pack_segments: {name} must be contiguous float32 {list(shape)} on "
-                             f"{arena.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if seg_list.dtype != torch.int32 or seg_list.dim() != 1 or seg_list.device != arena.device:
-        raise ValueError(f"pack_segments: seg_list must be int32 [n] on {arena.device}")
+    _check("pack_segments", k_rot, v_rot, seg_list, arena.data,
+           (n, arena.num_kv_heads, arena.segment_tokens, arena.head_dim))
     if n == 0:
         return
     hdr = arena.headers[seg_list.long()].cpu()
@@ -140,16 +141,53 @@ def pack_segments(arena: PackedArena, seg_list: torch.Tensor, k_rot: torch.Tenso
         for kind in ("k", "v"):
             key = (kind,) + tuple(r[HDR[f"{kind}_{f}"]] for f in ("b8", "b4", "b2", "group"))
             classes.setdefault(key, []).append(row)
-    t, h, d = arena.segment_tokens, arena.num_kv_heads, arena.head_dim
-    for (kind, n8, n4, n2, group), rows in classes.items():
+    for (kind, *widths), rows in classes.items():
         x = k_rot if kind == "k" else v_rot
         idx = torch.tensor(rows, device=arena.device)
-        if t % group:
-            raise ValueError(f"pack_segments: token group {group} does not divide {t}")
-        _pack_kind[(len(rows), h)](
-            x[idx].contiguous(), arena.data, arena.data.view(torch.float16), arena.headers,
-            seg_list[idx].contiguous(), h, T=t, D=d, HDR_W=HEADER_WIDTH, BASE_COL=HDR["base16"],
-            STRIDE_COL=HDR["head_stride"], KC=HDR[f"{kind}_b8"], GROUP=group, N8=n8, N4=n4,
-            N2=n2, W8=max(16, triton.next_power_of_2(max(n8, 1))),
-            W4=max(16, triton.next_power_of_2(max(n4, 1))),
-            W2=max(16, triton.next_power_of_2(max(n2, 1))), num_warps=4)
+        _launch(kind, tuple(widths), x[idx].contiguous(), arena.data, arena.headers,
+                seg_list[idx].contiguous())
+
+
+def pack_layout(data: torch.Tensor, headers: torch.Tensor, seg_list: torch.Tensor,
+                k_rot: torch.Tensor, v_rot: torch.Tensor, k_widths: tuple[int, int, int, int],
+                v_widths: tuple[int, int, int, int]) -> None:
+    """`pack_segments` for segments of one layout whose widths the caller knows (the serving
+    store: it groups an install batch by layout on the host anyway): two launches (K, V), no
+    read-back of the headers. data: the uint8 arena; headers: its int32 [rows, HEADER_WIDTH]
+    table, rows `seg_list` already written; widths: (b8, b4, b2 channels, token group)."""
+    _check("pack_layout", k_rot, v_rot, seg_list, data, (seg_list.numel(), *k_rot.shape[1:]))
+    if headers.dtype != torch.int32 or headers.dim() != 2 or headers.shape[1] != HEADER_WIDTH:
+        raise ValueError(f"pack_layout: headers must be int32 [rows, {HEADER_WIDTH}], got "
+                         f"{headers.dtype} {tuple(headers.shape)}")
+    if seg_list.numel():
+        _launch("k", k_widths, k_rot, data, headers, seg_list)
+        _launch("v", v_widths, v_rot, data, headers, seg_list)
+
+
+def _check(who: str, k_rot: torch.Tensor, v_rot: torch.Tensor, seg_list: torch.Tensor,
+           data: torch.Tensor, shape: tuple) -> None:
+    for name, t in (("k_rot", k_rot), ("v_rot", v_rot)):
+        if t.dtype != torch.float32 or tuple(t.shape) != tuple(shape) or not t.is_contiguous() \
+                or t.device != data.device:
+            raise ValueError(f"{who}: {name} must be contiguous float32 {list(shape)} on "
+                             f"{data.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if seg_list.dtype != torch.int32 or seg_list.dim() != 1 or seg_list.device != data.device:
+        raise ValueError(f"{who}: seg_list must be int32 [n] on {data.device}")
+    if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() % 2:
+        raise ValueError(f"{who}: the arena must be 1-D uint8 of even size")
+
+
+def _launch(kind: str, widths: tuple, x: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
+            seg_list: torch.Tensor) -> None:
+    """One `_pack_kind` launch: x [n, H, T, D] float32 contiguous, row i for segment seg_list[i],
+    all of band widths `widths` = (b8, b4, b2, group)."""
+    n8, n4, n2, group = widths
+    n, h, t, d = x.shape
+    if t % group:
+        raise ValueError(f"band_pack: token group {group} does not divide {t}")
+    _pack_kind[(n, h)](
+        x, data, data.view(torch.float16), headers, seg_list, h, T=t, D=d, HDR_W=HEADER_WIDTH,
+        BASE_COL=HDR["base16"], STRIDE_COL=HDR["head_stride"], KC=HDR[f"{kind}_b8"],
+        GROUP=group, N8=n8, N4=n4, N2=n2, W8=max(16, triton.next_power_of_2(max(n8, 1))),
+        W4=max(16, triton.next_power_of_2(max(n4, 1))),
+        W2=max(16, triton.next_power_of_2(max(n2, 1))), num_warps=4)

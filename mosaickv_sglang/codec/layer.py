@@ -66,6 +66,10 @@ class Segment:
     pages: PageMeta | None
     pages_rotated: bool  # page metadata lives in the K basis (K is rotated), else raw channels
     header: torch.Tensor  # int32 [len(HEADER_FIELDS)], what a kernel needs to find and read it
+    # The chooser's K and V in their bases (float32 [H, S, D], views of its batch), kept only
+    # when sealing asks for them (`keep_rotated`): the serving store's GPU pack kernel encodes
+    # the chosen bands from them straight into its arena, then drops them.
+    rotated: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -146,21 +150,23 @@ def seal_segment(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.T
 def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
                   basis_id: int, starts: list[int], cfg: MosaicConfig, cands: Candidates,
                   sink: bool, select_meta: bool, fallback: Strategy = DENSE,
-                  timer=None) -> list[Segment]:
+                  timer=None, keep_rotated: bool = False) -> list[Segment]:
     """N segments' K and V [N, H, S, D] (float) with their bases [N, H, D, D] -> N sealed
     Segments: the chooser's strategies, page metadata in the space its scores are computed in,
     and the header. Each candidate is encoded once for all N (segments are independent: every
     strategy works per head, and the batch rides on the head axis), which is what makes sealing
     a whole request (pages x layers) cheap. A segment's tensors are views of the batch's (no
     copy per segment): the serving store copies them into its arena, and whatever keeps a
-    segment elsewhere calls `own_storage`. Shared by the offline codec and the serving pool."""
+    segment elsewhere calls `own_storage`. Shared by the offline codec and the serving pool.
+    `keep_rotated` also hands each segment its rotated K/V (`Segment.rotated`)."""
     budgets = (cfg.sink_error_budget,) * 2 if sink else (cfg.k_error_budget, cfg.v_error_budget)
     k_cands, v_cands = (cands.sink, cands.sink) if sink else (cands.k, cands.v)
     reason = "sink" if sink else "within-budget"
     with phase(timer, "choose_encode"):
-        kc, k_dec = _choose_batch(k, _rotate_batch(k, kb), "k", k_cands, budgets[0], reason,
+        k_rot, v_rot = _rotate_batch(k, kb), _rotate_batch(v, vb)
+        kc, k_dec = _choose_batch(k, k_rot, "k", k_cands, budgets[0], reason,
                                   fallback, need_decoded=select_meta, rescue=cands.rescue)
-        vc, _ = _choose_batch(v, _rotate_batch(v, vb), "v", v_cands, budgets[1], reason, fallback,
+        vc, _ = _choose_batch(v, v_rot, "v", v_cands, budgets[1], reason, fallback,
                               rescue=cands.rescue)
     n, h, s, d = k.shape
     metas = [None] * n
@@ -176,7 +182,8 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
                                  basis_id if vc[i].strategy.rot else -1, start, s]
                                 for i, start in enumerate(starts)], dtype=torch.int32)
     return [Segment(start, s, kc[i], vc[i], basis_id, metas[i],
-                    metas[i] is not None and kc[i].strategy.rot, headers[i])
+                    metas[i] is not None and kc[i].strategy.rot, headers[i],
+                    (k_rot[i], v_rot[i]) if keep_rotated else None)
             for i, start in enumerate(starts)]
 
 
@@ -190,6 +197,7 @@ def own_storage(seg: Segment) -> None:
                                (seg.pages.channels, seg.pages.lo, seg.pages.hi,
                                 seg.pages.rest_norm)))
     seg.header = seg.header.clone()
+    seg.rotated = None
 
 
 def _rotate_batch(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,11 @@ def quantize_asym(x: torch.Tensor, bits: int, reduce_dims: tuple[int, ...]):
     # Round the fp16 zero down and the scale up, so [zero, zero + levels*scale] covers [lo, hi]
     # and no value is clamped by more than rounding.
     zero = round_fp16(lo, down=True)
-    scale = round_fp16(((hi - zero.float()) / levels).clamp_min(1e-8), down=False)
+    # Divided by a device tensor, not the int: torch on CUDA turns division by a Python scalar
+    # into a multiply by its reciprocal (an ulp off, enough to move the fp16 scale now and
+    # then); IEEE division keeps the bits of the CPU and of the GPU pack kernel (band_pack).
+    span = (hi - zero.float()) / torch.full((), levels, dtype=torch.float32, device=x.device)
+    scale = round_fp16(span.clamp_min(1e-8), down=False)
     codes = torch.round((x - zero.float()) / scale.float()).clamp_(0, levels).to(torch.uint8)
     return codes, scale, zero
 

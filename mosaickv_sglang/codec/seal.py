@@ -129,21 +129,23 @@ def gather_pages(k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],
 
 def seal_group(read: PageReader, positions: list[int], bases: BasisPair | None,
                cfg: MosaicConfig, cands: Candidates, dense: Strategy,
-               timer=None) -> list[SealedPage]:
+               timer=None, keep_rotated: bool = False) -> list[SealedPage]:
     """Pages of one basis block (positions in request order) read in one gather; bases fitted
-    here if None."""
+    here if None. `keep_rotated`: see `seal_pages`."""
     with phase(timer, "read"):
         k, v = read(list(range(len(positions))))
     if bases is None:
         bases = fit_bases(k, v, cfg.fit_solver, timer)
-    return seal_pages(k, v, positions, bases, cfg, cands, dense, timer)
+    return seal_pages(k, v, positions, bases, cfg, cands, dense, timer, keep_rotated)
 
 
 def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int], bases: BasisPair,
                cfg: MosaicConfig, cands: Candidates, dense: Strategy,
-               timer=None) -> list[SealedPage]:
+               timer=None, keep_rotated: bool = False) -> list[SealedPage]:
     """Pages K and V [P, L, H, S, D] sharing `bases` -> SealedPages, the (page, layer) segments
-    batched through the chooser (`seal_segments`) SEAL_BATCH at a time, sink pages apart."""
+    batched through the chooser (`seal_segments`) SEAL_BATCH at a time, sink pages apart.
+    `keep_rotated` keeps each segment's rotated K/V for the store's pack kernel (all batches'
+    rotated float32 K/V stay alive until the pages are installed)."""
     layers = k.shape[1]
     kbs, vbs = torch.stack(bases.k), torch.stack(bases.v)
     segs = {}
@@ -162,7 +164,7 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int], bases: Ba
                           for x in (k, v))
                 kb, vb = kbs[pl], vbs[pl]
             sealed = seal_segments(kk, vv, kb, vb, 0, [positions[j] for j, _ in part], cfg, cands,
-                                   sink, cfg.select.enabled, dense, timer)
+                                   sink, cfg.select.enabled, dense, timer, keep_rotated)
             segs.update(zip(part, sealed))
     with phase(timer, "bookkeeping"):
         pages = []
