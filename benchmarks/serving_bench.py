@@ -132,15 +132,30 @@ def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int)
 def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int) -> dict:
     """One (context, batch) point on a running server, with its capacity and MosaicKV stats."""
     _, info = request(f"{url}/get_server_info")
-    memory = info.get("internal_states", [{}])[0].get("memory_usage", {})
+    state = info.get("internal_states", [{}])[0]
+    memory = state.get("memory_usage", {})
     row = run_batch(url, ctx, batch, n_out, seed=ctx + batch, vocab=vocab)
     row.update(system=system, max_total_num_tokens=memory.get("token_capacity"),
                kv_cache_gb=memory.get("kvcache"))
     _, info = request(f"{url}/get_server_info")
     row["mosaickv"] = info.get("internal_states", [{}])[0].get("mosaickv")
+    row["decode_profile"] = point_profile(state.get("mosaickv"), row["mosaickv"])
     print(f"[{system}] ctx {ctx} batch {batch}: {row['decode_tok_s']:.1f} tok/s, "
           f"ITL p50 {row['itl_ms_p50']:.1f} ms", flush=True)
     return row
+
+
+def point_profile(before: dict | None, after: dict | None) -> dict | None:
+    """MosaicKV's sampled decode-step phases (decode_profile_every > 0) of one point: the
+    server's running averages before and after it, differenced -> ms per step of this point."""
+    prof = [((s or {}).get("decode") or {}).get("profile") or {} for s in (before, after)]
+    steps = [p.get("sampled_steps", 0) for p in prof]
+    if steps[1] <= steps[0]:
+        return None
+    totals = [{k: v * n for k, v in p.get("ms_per_step", {}).items()} for p, n in zip(prof, steps)]
+    return {"sampled_steps": steps[1] - steps[0],
+            "ms_per_step": {k: round((v - totals[0].get(k, 0.0)) / (steps[1] - steps[0]), 3)
+                            for k, v in totals[1].items()}}
 
 
 def print_table(results: list) -> None:
@@ -156,11 +171,12 @@ def print_table(results: list) -> None:
               f"{r['decode_tok_s']:>13.1f}{r['itl_ms_p50']:>11.1f}{r['itl_ms_p99']:>11.1f}"
               f"{r['max_total_num_tokens'] or 0:>10}{ratio or 0:>7.2f}")
     for r in results:  # MosaicKV's sampled decode-step phases (decode_profile_every > 0)
-        prof = ((r.get("mosaickv") or {}).get("decode") or {}).get("profile") or {}
-        if prof.get("sampled_steps"):
-            phases = " ".join(f"{k} {v:.2f}" for k, v in prof["ms_per_step"].items())
+        prof = r.get("decode_profile")
+        if prof:
+            phases = " ".join(f"{k} {v:.2f}" for k, v in sorted(
+                prof["ms_per_step"].items(), key=lambda kv: -kv[1]))
             print(f"profile ctx {r['context']} batch {r['batch']} ({prof['sampled_steps']} steps, "
-                  f"ms per step, cumulative): {phases}")
+                  f"ms per step): {phases}")
 
 
 def save(path: Path, results: list) -> None:
@@ -189,9 +205,19 @@ def main() -> None:
                     help="shell command run against each system's server after its rows, "
                          "before it stops ({url} and {system} are filled in; repeat); e.g. "
                          "benchmarks/agent_bench.py --url {url} --systems {system} ...")
+    ap.add_argument("--system-arg", action="append", default=[], metavar="SYSTEM:ARG",
+                    help="extra argument for one system's server (repeat; e.g. "
+                         "--system-arg=mosaickv:--max-total-tokens --system-arg=mosaickv:270000)")
     ap.add_argument("--logs", type=Path, default=Path("serving_logs"))
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
+    systems = args.systems.split(",")
+    per_system: dict[str, list[str]] = {s: [] for s in systems}
+    for item in args.system_arg:
+        name, sep, arg = item.partition(":")
+        if not sep or name not in per_system:
+            raise SystemExit(f"--system-arg {item!r}: use SYSTEM:ARG with SYSTEM one of {systems}")
+        per_system[name].append(arg)
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     model = args.model
@@ -206,7 +232,7 @@ def main() -> None:
 
     def launch(system: str):
         """(system, entered server context, start-up seconds) or (system, None, exception)."""
-        extra = system_args(system, args.dense_backend)
+        extra = system_args(system, args.dense_backend) + per_system[system]
         if system == "mosaickv" and args.mosaickv_config:
             extra += ["--mosaickv-config", args.mosaickv_config]
         t = time.perf_counter()
@@ -234,7 +260,6 @@ def main() -> None:
             print(f"[{system}] after-bench {n} rc {rc} in {time.perf_counter() - t:.0f} s: {cmd}",
                   flush=True)
 
-    systems = args.systems.split(",")
     if args.parallel_start:
         with ThreadPoolExecutor(len(systems)) as pool:
             launched = list(pool.map(launch, systems))

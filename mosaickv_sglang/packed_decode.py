@@ -52,8 +52,10 @@ class StepPlan:
 class StepProfiler:
     """Wall time per decode phase on sampled steps, the device synced at each phase boundary
     (`decode_profile_every`); off, it costs one attribute check per phase. Phases cover the
-    whole step: "outside_attention" is everything between two attention calls (projections,
-    MLPs, the LM head, sampling, the scheduler, sealing), the rest is attention's own."""
+    whole step: "between_layers" is the model's work between two attention calls of a step
+    (norms, projections, MLPs), "between_steps" from the last layer's attention to the next
+    step's first (the last MLP, LM head, sampling, the scheduler loop, sealing, daemon adoption);
+    the rest is attention's own."""
 
     def __init__(self, every: int, device):
         self.every, self.device = every, torch.device(device)
@@ -63,7 +65,7 @@ class StepProfiler:
 
     def step(self) -> None:
         if self.on:  # the previous step was sampled: its tail up to this step's start
-            self.lap("outside_attention")
+            self.lap("between_steps")
         self.steps += 1
         self.on = bool(self.every) and self.steps % self.every == 0
         self.sampled += self.on
@@ -188,7 +190,7 @@ class PackedDecode:
     def attend(self, q: torch.Tensor, layer, out: torch.Tensor) -> None:
         """q [B, Hq, D] -> writes out [B, Hq, D] for every request of the step."""
         st, pool, timer = self.step, self.pool, self.timer
-        timer.lap("outside_attention")  # since the previous layer's attention
+        timer.lap("between_layers")  # since the previous layer's attention
         for i, slots in st.reference_slots.items():
             view = pool.layer_view(layer.layer_id, slots)
             o, _ = decode_attention(q[i:i + 1].float(), view, torch.tensor([len(slots) - 1]),

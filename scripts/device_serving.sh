@@ -10,7 +10,9 @@
 # device returns only so many (a run lost serving.json that way); agent logs stay in /tmp.
 # Env: SYSTEMS, CONTEXTS, BATCHES, OUTPUT, LIMIT_S, MOSAICKV_CONFIG (JSON), PARALLEL=1 (start the
 # servers at once, each with MEM_FRACTION of the GPU), MEM_FRACTION (default 0.85), CUDA_GRAPH_ARGS
-# (default --cuda-graph-max-bs 8), EXTRA_ARGS (more server arguments), AGENT=1, DAEMON_BENCH=1.
+# (default --cuda-graph-max-bs 8), EXTRA_ARGS (more server arguments), SYSTEM_ARGS (one system's
+# server arguments, items SYSTEM:ARG, e.g. "mosaickv:--max-total-tokens mosaickv:270000"),
+# AGENT=1, DAEMON_BENCH=1.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 t0=$SECONDS
@@ -53,6 +55,7 @@ benchmarks/agent_bench.py --url {url} --systems {system} --model /tmp/llama8b --
 --system-tokens 16384 --user-tokens 64 --output 16 --logs /tmp/agent_logs --json $OUT/agent_{system}.json")
 [ -n "${MOSAICKV_CONFIG:-}" ] && args+=(--mosaickv-config "$MOSAICKV_CONFIG")
 for a in ${CUDA_GRAPH_ARGS:---cuda-graph-max-bs 8} ${EXTRA_ARGS:-}; do args+=("--server-arg=$a"); done
+for a in ${SYSTEM_ARGS:-}; do args+=("--system-arg=$a"); done
 timeout "${LIMIT_S:-540}" python3 benchmarks/serving_bench.py "${args[@]}"
 rc=$?
 wait

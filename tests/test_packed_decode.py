@@ -124,8 +124,8 @@ def test_decode_profile_samples_every_nth_step():
                    torch.empty(1, HQ, D, device=DEVICE))
     prof = dec.stats()["profile"]
     assert prof["sampled_steps"] == 2 and prof["every"] == 2
-    assert {"host_plan", "outside_attention", "bases", "hot_gather", "arena", "kernels",
-            "merge"} <= set(prof["ms_per_step"])
+    assert {"host_plan", "between_layers", "between_steps", "bases", "hot_gather", "arena",
+            "kernels", "merge"} <= set(prof["ms_per_step"])
     assert all(v >= 0 for v in prof["ms_per_step"].values())
 
 

@@ -1,0 +1,29 @@
+"""benchmarks/serving_bench.py helpers that turn server stats into a point's numbers."""
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_bench.py"
+spec = importlib.util.spec_from_file_location("serving_bench", SCRIPT)
+serving_bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(serving_bench)
+
+
+def _stats(steps, ms):
+    return {"decode": {"profile": {"sampled_steps": steps, "every": 4, "ms_per_step": ms}}}
+
+
+def test_point_profile_is_the_difference_of_running_averages():
+    before = _stats(2, {"kernels": 1.0, "host_plan": 3.0})
+    after = _stats(6, {"kernels": 2.5, "host_plan": 3.0, "merge": 0.5})  # 4 new steps
+    got = serving_bench.point_profile(before, after)
+    # kernels: (2.5*6 - 1.0*2) / 4; a phase new in this point counts from 0
+    assert got == {"sampled_steps": 4,
+                   "ms_per_step": {"kernels": 3.25, "host_plan": 3.0, "merge": 0.75}}
+
+
+def test_point_profile_without_new_sampled_steps_is_none():
+    assert serving_bench.point_profile(None, None) is None
+    assert serving_bench.point_profile(_stats(3, {"kernels": 1.0}),
+                                       _stats(3, {"kernels": 1.0})) is None
+    assert serving_bench.point_profile({"decode": None}, _stats(1, {"kernels": 2.0})) == \
+        {"sampled_steps": 1, "ms_per_step": {"kernels": 2.0}}
