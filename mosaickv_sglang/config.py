@@ -40,7 +40,7 @@ DEFAULT_RESCUE_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 
 
 DECODE_KERNELS = ("auto", "triton", "reference")
-FIT_SOLVERS = ("host", "device")
+FIT_SOLVERS = ("host", "device", "jacobi")
 
 
 @dataclass
@@ -98,9 +98,11 @@ class MosaicConfig:
     # hot gather, selection, kernels, merge) with a device sync between phases; 0 = off. The
     # syncs slow the sampled steps only; totals are in stats()["decode"]["profile"].
     decode_profile_every: int = 0
-    # Where a basis fit on GPU pages runs its eigh/qr: "host" (one copy to the CPU, LAPACK over
-    # host threads) or "device" (cuSOLVER, one matrix at a time). A guess to confirm on the H200
-    # (benchmarks/seal_bench.py measures both); CPU pages are fitted on the CPU either way.
+    # How a basis block's bases are fitted: "host" (exact eigh/qr; GPU pages are copied to the
+    # CPU, LAPACK over host threads), "device" (exact eigh/qr by cuSOLVER, one matrix at a time),
+    # or "jacobi" (codec/basis.jacobi_axes: batched GEMMs + one batched Cholesky, wherever the
+    # pages are; energy within 0.1% of eigh's, measured in NOTES.md). CPU pages are fitted on the
+    # CPU with host and device alike.
     fit_solver: str = "host"
 
     def __post_init__(self):
