@@ -3,14 +3,16 @@ token), through the code the pool runs: `seal_group` (one gather, `fit_bases`, `
 per basis block and `SegmentStore.install_pages`, over a dense hot buffer of random K/V laid out
 like SGLang's (one [rows, H, D] tensor per layer). Without SGLang.
 
-Reported: seconds per phase (read, fit_bases, gather, choose_encode, page_meta, bookkeeping,
-install; on CUDA each phase is bracketed by synchronizations, which the serving path does not
-pay), segments (page x layer) per second, the basis fit of one block with each `fit_solver`
-(host: CPU LAPACK over host threads; device: cuSOLVER) and whether the two agree bitwise, the
-torch ops per segment that launch work (not views: the launch count on a GPU), and with
---check that the batched path equals sealing and installing one segment at a time, bitwise.
+Reported per `fit_solver` (--fit-solvers, side by side in one run on the same K/V): seconds per
+phase (read, fit_bases, gather, choose_encode, page_meta, bookkeeping, install; on CUDA each
+phase is bracketed by synchronizations, which the serving path does not pay), segments (page x
+layer) per second, the torch ops per segment that launch work (not views: the launch count on a
+GPU); then the basis fit of one block with each solver (host: CPU LAPACK over host threads;
+device: cuSOLVER; jacobi: batched GEMMs), whether host and device agree bitwise, and the energy
+each solver's top-r axes capture over the exact top-r energy (min over heads); and with --check
+that the batched path equals sealing and installing one segment at a time, bitwise.
 
-    python benchmarks/seal_bench.py --device cuda                  # Llama-3.1-8B shape, 32K
+    python benchmarks/seal_bench.py --device cuda --fit-solvers host,device,jacobi  # Llama-8B, 32K
     python benchmarks/seal_bench.py --device cpu --layers 2 --tokens 2048 --check
 """
 from __future__ import annotations
@@ -21,15 +23,17 @@ import os
 import platform
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mosaickv_sglang.bench.basis_fit import energy_ratios, ranks_for
 from mosaickv_sglang.codec.layer import Candidates
 from mosaickv_sglang.codec.seal import BasisPair, fit_bases, gather_pages, seal_group, seal_pages
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.codec.timing import PhaseTimer, phase
-from mosaickv_sglang.config import MosaicConfig
+from mosaickv_sglang.config import FIT_SOLVERS, MosaicConfig
 from mosaickv_sglang.segment_store import SegmentStore
 
 PHASES = ("read", "fit_bases", "gather", "choose_encode", "page_meta", "bookkeeping", "install")
@@ -108,23 +112,72 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def fit_solvers(setup: Setup) -> dict:
-    """fit_bases of the first block with each solver: seconds, and bitwise agreement."""
+def fit_solvers(setup: Setup, solvers: list[str]) -> dict:
+    """fit_bases of the first block with each solver: seconds, host == device bitwise, and per
+    solver the energy its top-r axes capture / the exact top-r energy (min over heads)."""
     pages = next(setup.blocks())
     k, v = setup.read(pages)
     out, bases = {}, {}
-    for solver in ("host", "device"):
+    for solver in solvers:
         fit_bases(k, v, solver)  # warm-up (cuSOLVER handles, thread pool)
         sync(setup.args.device)
         t0 = time.perf_counter()
         bases[solver] = fit_bases(k, v, solver)
         sync(setup.args.device)
         out[f"{solver}_s"] = time.perf_counter() - t0
-    out["bitwise_equal"] = all(torch.equal(a, b) for a, b in
-                               zip(bases["host"].k + bases["host"].v,
-                                   bases["device"].k + bases["device"].v))
+    if {"host", "device"} <= bases.keys():
+        out["bitwise_equal"] = all(torch.equal(a, b) for a, b in
+                                   zip(bases["host"].k + bases["host"].v,
+                                       bases["device"].k + bases["device"].v))
+    ranks = ranks_for(k.shape[-1])
+    for kind, x in (("k", k), ("v", v)):
+        flat = x.permute(1, 2, 0, 3, 4).flatten(2, 3).flatten(0, 1).float()  # [L*H, P*S, D]
+        cov = flat.transpose(-1, -2) @ flat
+        for solver, b in bases.items():
+            axes = torch.stack(getattr(b, kind)).flatten(0, 1).float().transpose(-1, -2)
+            ratios = energy_ratios(cov, axes, ranks)
+            out[f"{solver}_{kind}_energy_ratio_min"] = {r: float(t.min()) for r, t in ratios.items()}
     out["pages"] = len(pages)
     return out
+
+
+def timed_seal(setup: Setup) -> dict:
+    """Seal the prompt with setup.cfg: phases (synchronized), total as served, launch count."""
+    args = setup.args
+    setup.seal(setup.store(), limit=setup.block)  # warm-up: one block (allocator, cuSOLVER, pools)
+    sync(args.device)
+    timer = PhaseTimer(args.device)
+    t0 = time.perf_counter()
+    sealed = setup.seal(setup.store(), timer)
+    sync(args.device)
+    timed_total = time.perf_counter() - t0
+    store = setup.store()  # untimed: no synchronization between phases
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        base_mem = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    t0, c0 = time.perf_counter(), time.process_time()
+    setup.seal(store)
+    sync(args.device)
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # transient device memory of sealing a prompt: above what was allocated before (store incl.)
+    peak_gb = (torch.cuda.max_memory_allocated() - base_mem) / 2**30 if cuda else None
+    with LaunchCount() as count:
+        setup.seal(setup.store(), limit=setup.block)
+    counted = min(setup.block, setup.pages) * args.layers
+    segments = setup.pages * args.layers
+    return {
+        "total_s": total, "segments_per_s": segments / total, "ms_per_segment": total / segments * 1e3,
+        "timed_total_s": timed_total,
+        "process_cpu_s": cpu,  # this process's CPU time (all threads): steadier on a shared box
+        "peak_transient_gib": peak_gb,
+        "phases_s": {p: timer.seconds.get(p, 0.0) for p in PHASES},
+        "launching_ops_per_segment": sum(count.ops.values()) / counted,
+        "top_ops": dict(count.ops.most_common(10)),
+        "strategies": dict(Counter(f"{s.k.strategy.spec} | {s.v.strategy.spec}"
+                                   for sp in sealed for s in sp.segments)),
+        "packed_segments": int(store.packed.sum()), "arena_full": store.arena_full,
+    }
 
 
 def check(setup: Setup, pages_limit: int) -> dict:
@@ -173,6 +226,15 @@ def check(setup: Setup, pages_limit: int) -> dict:
             "bitwise_equal": not any(diff.values())}
 
 
+def parse_solvers(text: str | None) -> list[str]:
+    solvers = text.split(",") if text else [MosaicConfig().fit_solver]
+    bad = [x for x in solvers if x not in FIT_SOLVERS]
+    if bad or len(set(solvers)) != len(solvers):
+        raise SystemExit(f"seal_bench: --fit-solvers={text!r}: a comma list of distinct names "
+                         f"from {list(FIT_SOLVERS)}")
+    return solvers
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -180,43 +242,27 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--solver", choices=("host", "device"), default=None,
-                    help="fit_solver for the timed run (default: the config's default)")
+    ap.add_argument("--fit-solvers", default=None,
+                    help=f"comma list from {list(FIT_SOLVERS)}: each seals the prompt, side by "
+                         "side on the same K/V (default: the config's default)")
     ap.add_argument("--check", action="store_true",
-                    help="also compare batched against one-segment-at-a-time sealing (bitwise)")
+                    help="also compare batched against one-segment-at-a-time sealing (bitwise), "
+                         "with the first solver")
     ap.add_argument("--check-pages", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--json", default=None, help="default: $OUT/seal_bench.json if $OUT is set")
     args = ap.parse_args()
+    solvers = parse_solvers(args.fit_solvers)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = MosaicConfig(**({"fit_solver": args.solver} if args.solver else {}))
-    setup = Setup(args, cfg)
+    setup = Setup(args, MosaicConfig(fit_solver=solvers[0]))
     segments = setup.pages * args.layers
-
-    setup.seal(setup.store(), limit=setup.block)  # warm-up: one block (allocator, cuSOLVER, pools)
-    sync(args.device)
-    timer = PhaseTimer(args.device)
-    t0 = time.perf_counter()
-    sealed = setup.seal(setup.store(), timer)
-    sync(args.device)
-    timed_total = time.perf_counter() - t0
-    store = setup.store()  # untimed: no synchronization between phases
-    cuda = torch.device(args.device).type == "cuda"
-    if cuda:
-        base_mem = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    t0, c0 = time.perf_counter(), time.process_time()
-    setup.seal(store)
-    sync(args.device)
-    total, cpu = time.perf_counter() - t0, time.process_time() - c0
-    # transient device memory of sealing a prompt: above what was allocated before (store incl.)
-    peak_gb = (torch.cuda.max_memory_allocated() - base_mem) / 2**30 if cuda else None
-
-    with LaunchCount() as count:
-        setup.seal(setup.store(), limit=setup.block)
-    counted = min(setup.block, setup.pages) * args.layers
+    runs = {}
+    for solver in solvers:
+        setup.cfg = replace(setup.cfg, fit_solver=solver)
+        runs[solver] = timed_seal(setup)
+    setup.cfg = replace(setup.cfg, fit_solver=solvers[0])
     result = {
         "shape": {"tokens": args.tokens, "layers": args.layers, "heads": args.heads,
                   "head_dim": args.head_dim, "pages": setup.pages, "segments": segments,
@@ -225,18 +271,9 @@ def main() -> None:
         else platform.processor() or "cpu",
         "torch": torch.__version__, "host_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "fit_solver": cfg.fit_solver,
-        "total_s": total, "segments_per_s": segments / total, "ms_per_segment": total / segments * 1e3,
-        "timed_total_s": timed_total,
-        "process_cpu_s": cpu,
-        "peak_transient_gib": peak_gb,  # this process's CPU time (all threads): steadier on a shared box
-        "phases_s": {p: timer.seconds.get(p, 0.0) for p in PHASES},
-        "launching_ops_per_segment": sum(count.ops.values()) / counted,
-        "top_ops": dict(count.ops.most_common(10)),
-        "fit_solvers": fit_solvers(setup),
-        "strategies": dict(Counter(f"{s.k.strategy.spec} | {s.v.strategy.spec}"
-                                   for sp in sealed for s in sp.segments)),
-        "packed_segments": int(store.packed.sum()), "arena_full": store.arena_full,
+        "fit_solver_runs": runs,
+        "fit_solvers": fit_solvers(setup, sorted(set(solvers) | {"host", "device"},
+                                                 key=FIT_SOLVERS.index)),
     }
     if args.check:
         result["check"] = check(setup, args.check_pages)
@@ -247,26 +284,36 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
     print(f"sealing {setup.pages} pages x {args.layers} layers = {segments} segments "
-          f"({args.heads} KV heads, D={args.head_dim}) on {result['device']}, "
-          f"fit_solver={cfg.fit_solver}")
-    print("strategies:", result["strategies"])
+          f"({args.heads} KV heads, D={args.head_dim}) on {result['device']}")
+    for solver, run in runs.items():
+        print(f"fit_solver={solver}: strategies {run['strategies']}")
+        print(f"  launching torch ops per segment: {run['launching_ops_per_segment']:.1f} "
+              f"(top: {dict(list(run['top_ops'].items())[:5])})")
+        if run["peak_transient_gib"] is not None:
+            print(f"  peak device memory while sealing, above the store and the cache: "
+                  f"{run['peak_transient_gib']:.2f} GiB")
     fs = result["fit_solvers"]
-    print(f"fit_bases of one {fs['pages']}-page block: host {fs['host_s'] * 1e3:.1f} ms, "
-          f"device {fs['device_s'] * 1e3:.1f} ms (bitwise equal: {fs['bitwise_equal']})")
+    print(f"fit_bases of one {fs['pages']}-page block: "
+          + ", ".join(f"{x} {fs[x + '_s'] * 1e3:.1f} ms" for x in FIT_SOLVERS if x + "_s" in fs)
+          + f" (host == device bitwise: {fs.get('bitwise_equal')})")
+    for x in FIT_SOLVERS:
+        if f"{x}_k_energy_ratio_min" in fs:
+            print(f"  {x}: top-r energy / exact, min over heads, r=" + ",".join(
+                str(r) for r in fs[f"{x}_k_energy_ratio_min"]) + ": K " + " ".join(
+                f"{t:.4f}" for t in fs[f"{x}_k_energy_ratio_min"].values()) + ", V " + " ".join(
+                f"{t:.4f}" for t in fs[f"{x}_v_energy_ratio_min"].values()))
     if args.check:
-        print("check batched == one at a time:", result["check"])
-    if cuda:
-        print(f"peak device memory while sealing, above the store and the cache: {peak_gb:.2f} GiB")
-    print(f"launching torch ops per segment: {result['launching_ops_per_segment']:.1f} "
-          f"(top: {dict(count.ops.most_common(5))})")
-    print(f"\n{'phase (synchronized)':<22}{'s':>9}{'%':>7}{'ms/segment':>12}")
+        print(f"check batched == one at a time (fit_solver={solvers[0]}):", result["check"])
+    head = "".join(f"{x + ' s':>12}{'ms/seg':>9}" for x in runs)
+    print(f"\n{'phase (synchronized)':<22}{head}")
     for p in PHASES:
-        sec = result["phases_s"][p]
-        print(f"{p:<22}{sec:>9.3f}{100 * sec / timed_total:>7.1f}{sec / segments * 1e3:>12.3f}")
-    print(f"{'total (synchronized)':<22}{timed_total:>9.3f}{100.0:>7.1f}"
-          f"{timed_total / segments * 1e3:>12.3f}")
-    print(f"{'total (as served)':<22}{total:>9.3f}{'':>7}{total / segments * 1e3:>12.3f}"
-          f"   -> {segments / total:.0f} segments/s (process CPU {cpu:.3f} s)")
+        print(f"{p:<22}" + "".join(f"{r['phases_s'][p]:>12.3f}{r['phases_s'][p] / segments * 1e3:>9.3f}"
+                                   for r in runs.values()))
+    print(f"{'total (synchronized)':<22}" + "".join(
+        f"{r['timed_total_s']:>12.3f}{r['timed_total_s'] / segments * 1e3:>9.3f}" for r in runs.values()))
+    print(f"{'total (as served)':<22}" + "".join(
+        f"{r['total_s']:>12.3f}{r['ms_per_segment']:>9.3f}" for r in runs.values()))
+    print(f"{'segments/s (served)':<22}" + "".join(f"{r['segments_per_s']:>21.0f}" for r in runs.values()))
 
 
 if __name__ == "__main__":
