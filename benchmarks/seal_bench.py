@@ -3,17 +3,20 @@ token), through the code the pool runs: `seal_group` (one gather, `fit_bases`, `
 per basis block and `SegmentStore.install_pages`, over a dense hot buffer of random K/V laid out
 like SGLang's (one [rows, H, D] tensor per layer). Without SGLang.
 
-Reported, per `pack_kernel` path (torch: the chooser's tensors staged and copied into the
-arena; triton: the GPU pack kernel writes the blocks from the chooser's rotated K/V; default:
-both on CUDA, torch on CPU): seconds per phase (read, fit_bases, gather, choose_encode,
-page_meta, bookkeeping, install; on CUDA each phase is bracketed by synchronizations, which the
-serving path does not pay), segments (page x layer) per second, peak transient device memory;
-once: the basis fit of one block with each `fit_solver` (host: CPU LAPACK over host threads;
-device: cuSOLVER) and whether the two agree bitwise, the torch ops per segment that launch work
-(not views: the launch count on a GPU), and with --check that the batched path equals sealing
-and installing one segment at a time, and that the two pack paths store the same bytes.
+Reported per run, side by side on the same K/V: each `fit_solver` of --fit-solvers with the
+first pack path, and each further `pack_kernel` path (--pack-kernel; torch: the chooser's tensors
+staged and copied into the arena; triton: the GPU pack kernel writes the blocks from the
+chooser's rotated K/V; default: both on CUDA, torch on CPU) with the first solver: seconds per
+phase (read, fit_bases, gather, choose_encode, page_meta, bookkeeping, install; on CUDA each
+phase is bracketed by synchronizations, which the serving path does not pay), segments (page x
+layer) per second, peak transient device memory, the torch ops per segment that launch work (not
+views: the launch count on a GPU); then the basis fit of one block with each solver (host: CPU
+LAPACK over host threads; device: cuSOLVER; jacobi: batched GEMMs), whether host and device
+agree bitwise, and the energy each solver's top-r axes capture over the exact top-r energy (min
+over heads); and with --check that the batched path equals sealing and installing one segment at
+a time, and that the two pack paths store the same bytes.
 
-    python benchmarks/seal_bench.py --device cuda                  # Llama-3.1-8B shape, 32K
+    python benchmarks/seal_bench.py --device cuda --fit-solvers host,device,jacobi  # Llama-8B, 32K
     python benchmarks/seal_bench.py --device cpu --layers 2 --tokens 2048 --check
     TRITON_INTERPRET=1 python benchmarks/seal_bench.py --device cpu --layers 2 --tokens 1024 \
         --pack-kernel both                                         # the kernel interpreted
@@ -27,15 +30,17 @@ import os
 import platform
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mosaickv_sglang.bench.basis_fit import energy_ratios, ranks_for
 from mosaickv_sglang.codec.layer import Candidates
 from mosaickv_sglang.codec.seal import BasisPair, fit_bases, gather_pages, seal_group, seal_pages
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.codec.timing import PhaseTimer, phase
-from mosaickv_sglang.config import MosaicConfig
+from mosaickv_sglang.config import FIT_SOLVERS, MosaicConfig
 from mosaickv_sglang.segment_store import SegmentStore
 
 PHASES = ("read", "fit_bases", "gather", "choose_encode", "page_meta", "bookkeeping", "install")
@@ -114,21 +119,31 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def fit_solvers(setup: Setup) -> dict:
-    """fit_bases of the first block with each solver: seconds, and bitwise agreement."""
+def fit_solvers(setup: Setup, solvers: list[str]) -> dict:
+    """fit_bases of the first block with each solver: seconds, host == device bitwise, and per
+    solver the energy its top-r axes capture / the exact top-r energy (min over heads)."""
     pages = next(setup.blocks())
     k, v = setup.read(pages)
     out, bases = {}, {}
-    for solver in ("host", "device"):
+    for solver in solvers:
         fit_bases(k, v, solver)  # warm-up (cuSOLVER handles, thread pool)
         sync(setup.args.device)
         t0 = time.perf_counter()
         bases[solver] = fit_bases(k, v, solver)
         sync(setup.args.device)
         out[f"{solver}_s"] = time.perf_counter() - t0
-    out["bitwise_equal"] = all(torch.equal(a, b) for a, b in
-                               zip(bases["host"].k + bases["host"].v,
-                                   bases["device"].k + bases["device"].v))
+    if {"host", "device"} <= bases.keys():
+        out["bitwise_equal"] = all(torch.equal(a, b) for a, b in
+                                   zip(bases["host"].k + bases["host"].v,
+                                       bases["device"].k + bases["device"].v))
+    ranks = ranks_for(k.shape[-1])
+    for kind, x in (("k", k), ("v", v)):
+        flat = x.permute(1, 2, 0, 3, 4).flatten(2, 3).flatten(0, 1).float()  # [L*H, P*S, D]
+        cov = flat.transpose(-1, -2) @ flat
+        for solver, b in bases.items():
+            axes = torch.stack(getattr(b, kind)).flatten(0, 1).float().transpose(-1, -2)
+            ratios = energy_ratios(cov, axes, ranks)
+            out[f"{solver}_{kind}_energy_ratio_min"] = {r: float(t.min()) for r, t in ratios.items()}
     out["pages"] = len(pages)
     return out
 
@@ -145,6 +160,51 @@ def store_diff(a: SegmentStore, b: SegmentStore) -> int:
             n += sum(not torch.equal(getattr(a.meta[layer], f), getattr(b.meta[layer], f))
                      for f in ("channels", "lo", "hi", "rest_norm"))
     return n
+
+
+def timed_seal(setup: Setup, pack: str) -> dict:
+    """Seal the prompt with setup.cfg and one pack path: warm-up (one block), a run with
+    synchronized phases, a run as served (no synchronization between phases, peak device
+    memory), the launch count of one block."""
+    device = setup.args.device
+    cuda = torch.device(device).type == "cuda"
+    setup.seal(setup.store(pack), limit=setup.block)  # warm-up: allocator, cuSOLVER, kernels
+    sync(device)
+    timer = PhaseTimer(device)
+    t0 = time.perf_counter()
+    sealed = setup.seal(setup.store(pack), timer)
+    sync(device)
+    timed_total = time.perf_counter() - t0
+    store = setup.store(pack)
+    if cuda:
+        base_mem = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    t0, c0 = time.perf_counter(), time.process_time()
+    setup.seal(store)
+    sync(device)
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    with LaunchCount() as count:
+        setup.seal(setup.store(pack), limit=setup.block)
+    counted = min(setup.block, setup.pages) * setup.args.layers
+    segments = setup.pages * setup.args.layers
+    return {
+        "fit_solver": setup.cfg.fit_solver, "pack_kernel": pack,
+        "total_s": total, "segments_per_s": segments / total,
+        "ms_per_segment": total / segments * 1e3, "timed_total_s": timed_total,
+        "process_cpu_s": cpu,  # this process's CPU time (all threads): steadier on a shared box
+        # transient device memory of sealing a prompt: above what was allocated before (store
+        # incl.); the kernel path keeps the chooser's rotated K/V until install
+        "peak_transient_gib": (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+        if cuda else None,
+        "phases_s": {p: timer.seconds.get(p, 0.0) for p in PHASES},
+        # aten ops only: the pack kernel's Triton launches (2 per layout and layer) not included
+        "launching_ops_per_segment": sum(count.ops.values()) / counted,
+        "top_ops": dict(count.ops.most_common(10)),
+        "strategies": dict(Counter(f"{s.k.strategy.spec} | {s.v.strategy.spec}"
+                                   for sp in sealed for s in sp.segments)),
+        "packed_segments": int(store.packed.sum()), "arena_full": store.arena_full,
+        "packed_by": dict(store.pack_counts),
+    }
 
 
 def check(setup: Setup, pages_limit: int, paths: list[str]) -> dict:
@@ -200,44 +260,13 @@ def check(setup: Setup, pages_limit: int, paths: list[str]) -> dict:
             "bitwise_equal": not any(diff.values())}
 
 
-def run_path(setup: Setup, pack: str, segments: int) -> tuple[dict, list]:
-    """Seal the prompt with one pack path: warm-up (one block), a run with synchronized
-    phases, a run as served (no synchronization between phases, peak device memory)."""
-    device = setup.args.device
-    cuda = torch.device(device).type == "cuda"
-    setup.seal(setup.store(pack), limit=setup.block)  # warm-up: allocator, cuSOLVER, kernels
-    sync(device)
-    timer = PhaseTimer(device)
-    t0 = time.perf_counter()
-    sealed = setup.seal(setup.store(pack), timer)
-    sync(device)
-    timed_total = time.perf_counter() - t0
-    store = setup.store(pack)
-    if cuda:
-        base_mem = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    t0, c0 = time.perf_counter(), time.process_time()
-    setup.seal(store)
-    sync(device)
-    total, cpu = time.perf_counter() - t0, time.process_time() - c0
-    with LaunchCount() as count:
-        setup.seal(setup.store(pack), limit=setup.block)
-    counted = min(setup.block, setup.pages) * setup.args.layers
-    return {
-        "total_s": total, "segments_per_s": segments / total,
-        "ms_per_segment": total / segments * 1e3, "timed_total_s": timed_total,
-        "process_cpu_s": cpu,  # this process's CPU time (all threads): steadier on a shared box
-        # transient device memory of sealing a prompt: above what was allocated before (store
-        # incl.); the kernel path keeps the chooser's rotated K/V until install
-        "peak_transient_gib": (torch.cuda.max_memory_allocated() - base_mem) / 2**30
-        if cuda else None,
-        "phases_s": {p: timer.seconds.get(p, 0.0) for p in PHASES},
-        # aten ops only: the pack kernel's Triton launches (2 per layout and layer) not included
-        "launching_ops_per_segment": sum(count.ops.values()) / counted,
-        "top_ops": dict(count.ops.most_common(10)),
-        "packed_segments": int(store.packed.sum()), "arena_full": store.arena_full,
-        "packed_by": dict(store.pack_counts),
-    }, sealed
+def parse_solvers(text: str | None) -> list[str]:
+    solvers = text.split(",") if text else [MosaicConfig().fit_solver]
+    bad = [x for x in solvers if x not in FIT_SOLVERS]
+    if bad or len(set(solvers)) != len(solvers):
+        raise SystemExit(f"seal_bench: --fit-solvers={text!r}: a comma list of distinct names "
+                         f"from {list(FIT_SOLVERS)}")
+    return solvers
 
 
 def main() -> None:
@@ -247,30 +276,33 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--solver", choices=("host", "device"), default=None,
-                    help="fit_solver for the timed run (default: the config's default)")
+    ap.add_argument("--fit-solvers", default=None,
+                    help=f"comma list from {list(FIT_SOLVERS)}: each seals the prompt, side by "
+                         "side on the same K/V (default: the config's default)")
     ap.add_argument("--pack-kernel", choices=("torch", "triton", "both"), default=None,
                     help="who writes the arena blocks (default: both on CUDA, torch elsewhere; "
                          "triton on a CPU needs TRITON_INTERPRET=1)")
     ap.add_argument("--check", action="store_true",
-                    help="also compare batched against one-segment-at-a-time sealing, and the "
-                         "two pack paths' stores (bitwise)")
+                    help="also compare batched against one-segment-at-a-time sealing (with the "
+                         "first solver), and the two pack paths' stores (bitwise)")
     ap.add_argument("--check-pages", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--json", default=None, help="default: $OUT/seal_bench.json if $OUT is set")
     args = ap.parse_args()
+    solvers = parse_solvers(args.fit_solvers)
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = torch.device(args.device).type == "cuda"
     pack = args.pack_kernel or ("both" if cuda else "torch")
     paths = ["torch", "triton"] if pack == "both" else [pack]
-    cfg = MosaicConfig(**({"fit_solver": args.solver} if args.solver else {}))
-    setup = Setup(args, cfg)
+    setup = Setup(args, MosaicConfig(fit_solver=solvers[0]))
     segments = setup.pages * args.layers
-    runs, sealed = {}, None
-    for path in paths:
-        runs[path], sealed = run_path(setup, path, segments)
+    runs = {}  # every solver with the first pack path, then the other paths with the first solver
+    for solver, path in [(x, paths[0]) for x in solvers] + [(solvers[0], p) for p in paths[1:]]:
+        setup.cfg = replace(setup.cfg, fit_solver=solver)
+        runs[f"{solver}/{path}"] = timed_seal(setup, path)
+    setup.cfg = replace(setup.cfg, fit_solver=solvers[0])
     result = {
         "shape": {"tokens": args.tokens, "layers": args.layers, "heads": args.heads,
                   "head_dim": args.head_dim, "pages": setup.pages, "segments": segments,
@@ -278,11 +310,9 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "host_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "fit_solver": cfg.fit_solver,
-        "paths": runs,
-        "fit_solvers": fit_solvers(setup),
-        "strategies": dict(Counter(f"{s.k.strategy.spec} | {s.v.strategy.spec}"
-                                   for sp in sealed for s in sp.segments)),
+        "runs": runs,
+        "fit_solvers": fit_solvers(setup, sorted(set(solvers) | {"host", "device"},
+                                                 key=FIT_SOLVERS.index)),
     }
     if args.check:
         result["check"] = check(setup, args.check_pages, paths)
@@ -293,31 +323,39 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
     print(f"sealing {setup.pages} pages x {args.layers} layers = {segments} segments "
-          f"({args.heads} KV heads, D={args.head_dim}) on {result['device']}, "
-          f"fit_solver={cfg.fit_solver}")
-    print("strategies:", result["strategies"])
+          f"({args.heads} KV heads, D={args.head_dim}) on {result['device']}")
+    for name, run in runs.items():
+        print(f"{name}: strategies {run['strategies']}")
+        print(f"  launching torch ops per segment: {run['launching_ops_per_segment']:.1f} "
+              f"(top: {dict(list(run['top_ops'].items())[:5])})")
+        if run["peak_transient_gib"] is not None:
+            print(f"  peak device memory while sealing, above the store and the cache: "
+                  f"{run['peak_transient_gib']:.2f} GiB")
     fs = result["fit_solvers"]
-    print(f"fit_bases of one {fs['pages']}-page block: host {fs['host_s'] * 1e3:.1f} ms, "
-          f"device {fs['device_s'] * 1e3:.1f} ms (bitwise equal: {fs['bitwise_equal']})")
+    print(f"fit_bases of one {fs['pages']}-page block: "
+          + ", ".join(f"{x} {fs[x + '_s'] * 1e3:.1f} ms" for x in FIT_SOLVERS if x + "_s" in fs)
+          + f" (host == device bitwise: {fs.get('bitwise_equal')})")
+    for x in FIT_SOLVERS:
+        if f"{x}_k_energy_ratio_min" in fs:
+            print(f"  {x}: top-r energy / exact, min over heads, r=" + ",".join(
+                str(r) for r in fs[f"{x}_k_energy_ratio_min"]) + ": K " + " ".join(
+                f"{t:.4f}" for t in fs[f"{x}_k_energy_ratio_min"].values()) + ", V " + " ".join(
+                f"{t:.4f}" for t in fs[f"{x}_v_energy_ratio_min"].values()))
     if args.check:
-        print("check batched == one at a time (and pack paths):", result["check"])
-    for p, r in runs.items():
-        print(f"{p}: launching torch ops per segment {r['launching_ops_per_segment']:.1f}, "
-              f"blocks written by {r['packed_by']}"
-              + (f", peak device memory above store and cache {r['peak_transient_gib']:.2f} GiB"
-                 if cuda else ""))
-    head = "".join(f"{p + ' s':>11}{'ms/seg':>9}" for p in runs)
+        print(f"check batched == one at a time (fit_solver={solvers[0]}) and pack paths:",
+              result["check"])
+    for name, r in runs.items():
+        print(f"{name}: blocks written by {r['packed_by']}")
+    head = "".join(f"{x + ' s':>20}{'ms/seg':>9}" for x in runs)
     print(f"\n{'phase (synchronized)':<22}{head}")
-    for ph in PHASES + ("total (synchronized)", "total (as served)"):
-        row = ""
-        for r in runs.values():
-            sec = {"total (synchronized)": r["timed_total_s"],
-                   "total (as served)": r["total_s"]}.get(ph, r["phases_s"].get(ph))
-            row += f"{sec:>11.3f}{sec / segments * 1e3:>9.3f}"
-        print(f"{ph:<22}{row}")
-    print("segments/s as served: " + ", ".join(f"{p} {r['segments_per_s']:.0f} (process CPU "
-                                               f"{r['process_cpu_s']:.2f} s)"
-                                               for p, r in runs.items()))
+    for p in PHASES:
+        print(f"{p:<22}" + "".join(f"{r['phases_s'][p]:>20.3f}{r['phases_s'][p] / segments * 1e3:>9.3f}"
+                                   for r in runs.values()))
+    print(f"{'total (synchronized)':<22}" + "".join(
+        f"{r['timed_total_s']:>20.3f}{r['timed_total_s'] / segments * 1e3:>9.3f}" for r in runs.values()))
+    print(f"{'total (as served)':<22}" + "".join(
+        f"{r['total_s']:>20.3f}{r['ms_per_segment']:>9.3f}" for r in runs.values()))
+    print(f"{'segments/s (served)':<22}" + "".join(f"{r['segments_per_s']:>29.0f}" for r in runs.values()))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ DEFAULT_RESCUE_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 
 DECODE_KERNELS = ("auto", "triton", "reference")
 PACK_KERNELS = ("auto", "triton", "torch")
-FIT_SOLVERS = ("host", "device")
+FIT_SOLVERS = ("host", "device", "jacobi")
 
 
 @dataclass
@@ -104,9 +104,11 @@ class MosaicConfig:
     # and kind per install batch), "torch" (the chooser's encoded tensors staged and copied in),
     # or "auto" (triton on CUDA). Same bytes either way; stats() counts segments per path.
     pack_kernel: str = "auto"
-    # Where a basis fit on GPU pages runs its eigh/qr: "host" (one copy to the CPU, LAPACK over
-    # host threads) or "device" (cuSOLVER, one matrix at a time). A guess to confirm on the H200
-    # (benchmarks/seal_bench.py measures both); CPU pages are fitted on the CPU either way.
+    # How a basis block's bases are fitted: "host" (exact eigh/qr; GPU pages are copied to the
+    # CPU, LAPACK over host threads), "device" (exact eigh/qr by cuSOLVER, one matrix at a time),
+    # or "jacobi" (codec/basis.jacobi_axes: batched GEMMs + one batched Cholesky, wherever the
+    # pages are; energy within 0.1% of eigh's, measured in NOTES.md). CPU pages are fitted on the
+    # CPU with host and device alike.
     fit_solver: str = "host"
 
     def __post_init__(self):

@@ -116,7 +116,7 @@ def _read_one(kbuf, vbuf, page, layer):
     return kbuf[layer][rows].transpose(0, 1).float(), vbuf[layer][rows].transpose(0, 1).float()
 
 
-@pytest.mark.parametrize("solver", ["host", "device"])  # on the CPU: all layers / one at a time
+@pytest.mark.parametrize("solver", ["host", "device", "jacobi"])  # host, jacobi: all layers at once
 def test_fit_bases_equals_layer_by_layer(seed, solver):
     gen = torch.Generator().manual_seed(seed)
     kbuf, vbuf = _hot_buffer(gen)
@@ -125,7 +125,8 @@ def test_fit_bases_equals_layer_by_layer(seed, solver):
     for layer in range(L):
         kv = [_read_one(kbuf, vbuf, p, layer) for p in range(P)]
         for got, x in ((bases.k[layer], [a for a, _ in kv]), (bases.v[layer], [b for _, b in kv])):
-            assert torch.equal(got, fit_basis(torch.cat(x, 1))), repro(seed)
+            want = fit_basis(torch.cat(x, 1), jacobi=solver == "jacobi")
+            assert torch.equal(got, want), repro(seed)
 
 
 def test_host_solvers_split_over_threads_is_bitwise(seed):

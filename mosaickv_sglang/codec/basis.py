@@ -21,21 +21,91 @@ import torch
 BASIS_DTYPE = torch.bfloat16
 
 
-def fit_basis(x: torch.Tensor) -> torch.Tensor:
+def fit_basis(x: torch.Tensor, jacobi: bool = False) -> torch.Tensor:
     """Principal axes of x [..., S, D] per leading index, as the bf16 read transform R
     [..., D, D] (rows sorted by energy).
 
-    The axes are orthonormalized again after the bf16 cast (QR) so that R stays close to an
-    isometry; uncentered SVD, because attention uses raw dot products.
+    Uncentered, because attention uses raw dot products. `jacobi` picks `jacobi_axes` (batched
+    GEMMs, one code path on CPU and GPU) instead of the exact eigendecomposition (LAPACK or
+    cuSOLVER, one matrix at a time); both give orthonormal axes sorted by energy, R is their bf16
+    cast. The eigh axes are orthonormalized again after the bf16 cast (QR) so that R stays close
+    to an isometry.
     """
     x = x.float()
     cov = x.transpose(-1, -2) @ x  # [..., D, D]
+    if jacobi:
+        return jacobi_axes(cov).transpose(-1, -2).to(BASIS_DTYPE)
     _, eigvecs = torch.linalg.eigh(cov)  # ascending eigenvalues
     u = eigvecs.flip(-1)
     u = u.to(BASIS_DTYPE).float()
     q, r = torch.linalg.qr(u)
     q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
     return q.transpose(-1, -2).to(BASIS_DTYPE)
+
+
+# jacobi_axes' fixed schedule (measured: tests/test_basis_fit.py, NOTES.md "GEMM-only basis fit")
+JACOBI_STEPS = 6
+JACOBI_DAMPING = 0.5  # all pairs rotate at once: full Jacobi angles overshoot
+START_SHIFT = 1e-5  # of the trace: keeps the start's Cholesky positive definite (fp64)
+EXP_SQUARINGS = 4
+EXP_MAX_ROW_SUM = 0.5 * 2 ** EXP_SQUARINGS  # |K|_2 <= row sum: K / 2^s stays within 0.5
+
+
+def jacobi_axes(cov: torch.Tensor) -> torch.Tensor:
+    """Orthonormal axes of symmetric PSD `cov` [..., D, D] as columns, sorted by energy
+    (Rayleigh quotient), from batched GEMMs and elementwise ops plus one batched Cholesky: no
+    per-matrix solver loop, a fixed amount of work, deterministic.
+
+    Start: the covariance's own columns, largest diagonal first, orthonormalized in that order
+    (Cholesky-QR in fp64; a shift of START_SHIFT * trace keeps it full rank). That is one step
+    of subspace iteration: the leading columns already span most of the leading subspace.
+    Then JACOBI_STEPS simultaneous Jacobi steps: with B = Q^T C Q, every pair (i, j) gets the
+    angle that would zero B_ij alone, all pairs damped by JACOBI_DAMPING and applied at once as
+    one rotation exp(K) (K skew: Taylor on K / 2^s and s squarings); a rotation keeps Q
+    orthonormal whatever the angles, and near-degenerate pairs, whose mixing costs no energy,
+    cannot blow up (angles are at most 45 degrees). Energy ratio to the exact top-r subspace
+    >= 0.999 on SmolLM2 K/V and synthetic RoPE-like keys (tests/test_basis_fit.py).
+    """
+    shape, d = cov.shape, cov.shape[-1]
+    c = cov.reshape(-1, d, d).float()
+    c = c / torch.diagonal(c, dim1=-2, dim2=-1).sum(-1).clamp_min(1e-30)[:, None, None]
+    eye = torch.eye(d, device=c.device)
+    order = torch.diagonal(c, dim1=-2, dim2=-1).argsort(dim=-1, descending=True, stable=True)
+    z = (c + START_SHIFT * eye).double().gather(-1, order[:, None, :].expand_as(c))
+    chol, _ = torch.linalg.cholesky_ex(z.transpose(-1, -2) @ z)  # PD by the shift
+    q = torch.linalg.solve_triangular(chol.transpose(-1, -2), z, upper=True, left=False).float()
+    for _ in range(JACOBI_STEPS):
+        q = q @ _expm_skew(_pair_tangents(q.transpose(-1, -2) @ c @ q), JACOBI_DAMPING)
+    q = 1.5 * q - 0.5 * q @ (q.transpose(-1, -2) @ q)  # Newton-Schulz: the Taylor's rounding
+    energy = (q * (c @ q)).sum(-2)
+    order = energy.argsort(dim=-1, descending=True, stable=True)
+    return q.gather(-1, order[:, None, :].expand_as(q)).reshape(shape)
+
+
+def _pair_tangents(b: torch.Tensor) -> torch.Tensor:
+    """Skew K [N, D, D]: K_ij = tan of the Jacobi angle that zeroes b_ij (i < j), in [-1, 1];
+    the stable form (never 0/0: a pair with b_ij = 0 gets 0)."""
+    diag = torch.diagonal(b, dim1=-2, dim2=-1)
+    gap = diag[:, None, :] - diag[:, :, None]  # b_jj - b_ii
+    b2 = 2 * b
+    den = gap + torch.copysign(torch.hypot(gap, b2), gap)
+    t = (b2 / den.masked_fill_(den == 0, 1.0)).triu_(1)
+    return t - t.transpose(-1, -2)
+
+
+def _expm_skew(k: torch.Tensor, scale: float) -> torch.Tensor:
+    """exp(scale * K) for skew K [N, D, D] in GEMMs: scale * K capped at a row sum of
+    EXP_MAX_ROW_SUM (a shorter rotation, never a wrong one), degree-4 Taylor of it / 2^s,
+    s squarings."""
+    row = k.abs().sum(-1).amax(-1).clamp_min(1e-30)
+    k = k * ((EXP_MAX_ROW_SUM / row).clamp(max=scale) / 2 ** EXP_SQUARINGS)[:, None, None]
+    eye = torch.eye(k.shape[-1], device=k.device).expand_as(k)
+    u = torch.add(eye, k, alpha=1 / 4)
+    for j in (3, 2, 1):
+        u = torch.baddbmm(eye, k, u, alpha=1 / j)
+    for _ in range(EXP_SQUARINGS):
+        u = u @ u
+    return u
 
 
 def write_transform(basis: torch.Tensor) -> torch.Tensor:

@@ -298,8 +298,8 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
     kf, vf = k.float(), v.float()
     for block_start in range(0, sealed, cfg.basis_block_tokens):
         block_end = min(block_start + cfg.basis_block_tokens, sealed)
-        kb = fit_basis(kf[:, block_start:block_end])
-        vb = fit_basis(vf[:, block_start:block_end])
+        kb = fit_basis(kf[:, block_start:block_end], jacobi=cfg.fit_solver == "jacobi")
+        vb = fit_basis(vf[:, block_start:block_end], jacobi=cfg.fit_solver == "jacobi")
         layer.k_bases.append(kb)
         layer.v_bases.append(vb)
         basis_id = len(layer.k_bases) - 1

@@ -85,20 +85,22 @@ def host_threads() -> int:
 
 def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None) -> BasisPair:
     """Bases of a basis block, fitted on the pages of its first sealed group: K and V
-    [P, L, H, S, D] -> per layer [H, D, D]. `solver` says where eigh/qr run for device tensors:
+    [P, L, H, S, D] -> per layer [H, D, D]. `solver` (config `fit_solver`):
 
     * "host": one `fit_basis` call per kind fits the heads of several layers at once
       ([layers*H, P*S, D], as many layers as keep that within SEAL_BATCH segments), its solvers
       on the CPU over host threads (HostSolvers): a few transfers per block instead of cuSOLVER's
       per-matrix calls;
     * "device": cuSOLVER, one call per layer as before (cuSOLVER loops over matrices anyway,
-      and the covariance GEMMs keep the batch shape, hence the bits, they had).
+      and the covariance GEMMs keep the batch shape, hence the bits, they had);
+    * "jacobi": `jacobi_axes` (batched GEMMs) where the pages are, layers batched as for host.
 
-    Every head is fitted alone, so on the CPU both equal fitting layer by layer, bit for bit."""
+    Every head is fitted alone, so on the CPU all of them equal fitting layer by layer, bit for
+    bit (jacobi's batched GEMMs included: tests/test_seal_batch.py)."""
     if solver not in FIT_SOLVERS:
         raise ValueError(f"fit_bases: solver={solver!r}; choose one of {FIT_SOLVERS}")
     p, layers, h, s, d = k.shape
-    step = max(1, SEAL_BATCH // p) if solver == "host" else 1
+    step = 1 if solver == "device" else max(1, SEAL_BATCH // p)
     out = ([], [])
     with phase(timer, "fit_bases"):
         for x, bases in zip((k, v), out):
@@ -108,7 +110,7 @@ def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None
                 # contiguous, like the per-layer concatenation the fit always got
                 flat = part.permute(1, 2, 0, 3, 4).reshape(n * h, p * s, d).contiguous()
                 with HostSolvers(host_threads()) if solver == "host" else nullcontext():
-                    b = fit_basis(flat)
+                    b = fit_basis(flat, jacobi=solver == "jacobi")
                 bases.extend(b.reshape(n, h, *b.shape[1:]).unbind(0))
     return BasisPair(*out)
 
