@@ -4,7 +4,7 @@
 # backend), .device/tok.tar.xz (the SmolLM2 tokenizer files, xz) and, for GPU_TESTS=1,
 # .device/pytest (pytest wheels). Unpacks; starts in the background the GPU work that must end
 # before any measurement (GPU_TESTS=1: the kernel/decode tests; SEAL_BENCH=1: the sealing
-# benchmark) while the servers start; then the serving benchmark (dense SGLang, triton backend,
+# benchmark, both at once) while the servers start; then the serving benchmark (dense SGLang, triton backend,
 # vs MosaicKV) on a Llama-3.1-8B-shaped dummy-weight model; then, with DAEMON_BENCH=1, the
 # recompression daemon benchmark. Results under $OUT (JSON, logs): keep it to a few files, the
 # device returns only so many (a run lost serving.json that way); agent logs stay in /tmp.
@@ -33,12 +33,16 @@ rm -f /tmp/bg_done
         tests/test_band_decode_kernel.py tests/test_packed_decode.py tests/test_pack_install.py \
         > "$OUT/gpu_tests.log" 2>&1
     echo "GPU tests (rc $?) in $((SECONDS - t1)) s: $(tail -1 "$OUT/gpu_tests.log")" > "$OUT/gpu_tests.summary"
-  fi
+  fi &
+  # SEAL_BENCH=1: at the same time as the tests (and the servers' start-up): its times share the
+  # GPU with them; the runs inside it are still side by side. SEAL_ARGS: more seal_bench flags.
   if [ "${SEAL_BENCH:-0}" = 1 ]; then
     timeout "${SEAL_LIMIT_S:-240}" python3 benchmarks/seal_bench.py --device cuda --check \
-        --tokens "${SEAL_TOKENS:-8192}" --json "$OUT/seal_bench.json" > "$OUT/seal_bench.log" 2>&1
+        --tokens "${SEAL_TOKENS:-8192}" ${SEAL_ARGS:-} --json "$OUT/seal_bench.json" \
+        > "$OUT/seal_bench.log" 2>&1
     echo "seal bench rc $?" >> "$OUT/seal_bench.log"
   fi
+  wait
   touch /tmp/bg_done
 ) &
 args=(--make-llama8b /tmp/llama8b --tokenizer .device/tok --load-format dummy
@@ -65,7 +69,7 @@ if [ "${DAEMON_BENCH:-0}" = 1 ]; then
       --json "$OUT/daemon_bench.json" > "$OUT/daemon_bench.log" 2>&1
   echo "daemon bench rc $?"; tail -15 "$OUT/daemon_bench.log"
 fi
-cat "$OUT/gpu_tests.summary" 2>/dev/null; tail -14 "$OUT/seal_bench.log" 2>/dev/null
+cat "$OUT/gpu_tests.summary" 2>/dev/null; tail -24 "$OUT/seal_bench.log" 2>/dev/null
 for f in "$OUT"/agent_*.json; do [ -f "$f" ] && python3 - "$f" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1])):
