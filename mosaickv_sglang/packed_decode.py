@@ -24,6 +24,7 @@ import torch
 from mosaickv_kernels.band_decode import BandDecodeWrapper
 from mosaickv_kernels.band_unpack import unpack_segments
 from mosaickv_kernels.page_select import RowSelection
+from mosaickv_kernels.row_merge import merge_rows
 
 from .codec.arena import PackedArena
 from .codec.attention import decode_attention
@@ -220,15 +221,10 @@ class PackedDecode:
             out[st.row_req] = o_rows.to(out.dtype)
             timer.lap("merge")
             return
-        # Rows of one request: weights softmax(lse) over its rows, gathered [K, rows, Hq] through
-        # the step's padded row table (pad: an appended -inf row); empty rows weigh 0 and their
-        # (possibly NaN) outputs are never read into the sum.
-        hq = q.shape[1]
-        lse = self.wrapper.lse.reshape(len(st.row_req), hq)
-        lse = torch.cat([lse, lse.new_full((1, hq), float("-inf"))])[st.req_rows]
-        w = torch.softmax(lse, dim=1)[..., None]  # every request has a non-empty row
-        o = o_rows[st.req_rows.clamp_max(len(st.row_req) - 1)]  # pad rows: weight 0, any row
-        out[st.kernel_reqs] = torch.where(w > 0, o * w, 0.0).sum(1).to(out.dtype)
+        # Rows of one request: softmax(lse) over its rows through the step's padded row table,
+        # written into `out` by one launch (every request has a non-empty row).
+        merge_rows(o_rows, self.wrapper.lse.view(len(st.row_req), q.shape[1]), st.req_rows,
+                   st.kernel_reqs, out)
         timer.lap("merge")
 
     def _arena(self, local: int) -> PackedArena:

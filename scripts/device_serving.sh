@@ -2,7 +2,8 @@
 # On the H200 device machine, from the repo root. Carry .device/server/server-base.tar.xz,
 # .device/server/server-flashinfer.tar.xz (the server imports flashinfer even with the triton
 # backend), .device/tok.tar.xz (the SmolLM2 tokenizer files, xz) and, for GPU_TESTS=1,
-# .device/pytest (pytest wheels). Unpacks; starts in the background the GPU work that must end
+# .device/pytest_site.tar.xz (pytest, trimmed to fit the 64 MiB carry) or .device/pytest (wheels).
+# GPU_TEST_FILES overrides the test files. Unpacks; starts in the background the GPU work that must end
 # before any measurement (GPU_TESTS=1: the kernel/decode tests; SEAL_BENCH=1: the sealing
 # benchmark, both at once) while the servers start; then the serving benchmark (dense SGLang, triton backend,
 # vs MosaicKV) on a Llama-3.1-8B-shaped dummy-weight model; then, with DAEMON_BENCH=1, the
@@ -24,13 +25,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rm -f /tmp/bg_done
 (
   if [ "${GPU_TESTS:-0}" = 1 ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pytest_site \
-        .device/pytest/*.whl
+    # pytest from .device/pytest_site.tar.xz (trimmed to fit the carry: recipe in docs/device.md),
+    # else from the wheels in .device/pytest
+    mkdir -p /tmp/pytest_site
+    if [ -f .device/pytest_site.tar.xz ]; then tar -xJf .device/pytest_site.tar.xz -C /tmp/pytest_site
+    else python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pytest_site \
+        .device/pytest/*.whl; fi
     t1=$SECONDS
     PYTHONPATH="/tmp/pytest_site:$PYTHONPATH" timeout "${TESTS_LIMIT_S:-200}" python3 -m pytest \
-        -q -p no:cacheprovider -W ignore tests/test_band_pack_kernel.py \
+        -q -p no:cacheprovider -W ignore ${GPU_TEST_FILES:-tests/test_band_pack_kernel.py \
         tests/test_band_unpack_kernel.py tests/test_page_select_kernel.py \
-        tests/test_band_decode_kernel.py tests/test_packed_decode.py tests/test_pack_install.py \
+        tests/test_band_decode_kernel.py tests/test_row_merge_kernel.py \
+        tests/test_packed_decode.py tests/test_pack_install.py} \
         > "$OUT/gpu_tests.log" 2>&1
     echo "GPU tests (rc $?) in $((SECONDS - t1)) s: $(tail -1 "$OUT/gpu_tests.log")" > "$OUT/gpu_tests.summary"
   fi &

@@ -179,3 +179,43 @@ def test_wrapper_select_over_rows_matches_row_selection(seed):
     want_ids, want_counts = rows.select(bounds, 6, 1, 1)
     assert torch.equal(counts, want_counts) and torch.equal(ids, want_ids), repro(seed)
     assert int(counts[0].sum() + counts[1].sum()) == 6 * h  # the budget spans rows 0 and 1
+
+
+def test_rows_from_requests_matches_reference(seed):
+    """The split of each request's kept pages into its rows: kernel == torch form."""
+    from mosaickv_kernels.page_select import rows_from_requests, rows_from_requests_reference
+    gen = torch.Generator().manual_seed(seed)
+    h = 3
+    row_req = [0, 0, 0, 1, 2, 2, 3]
+    row_pages = [int(x) for x in torch.randint(1, 40, (len(row_req),), generator=gen)]
+    lo, req_pages = [], [0] * 4
+    for b, n in zip(row_req, row_pages):
+        lo.append(req_pages[b])
+        req_pages[b] += n
+    k = 24
+    ids = torch.full((4, h, k), max(req_pages), dtype=torch.int32)
+    for b in range(4):
+        for hh in range(h):
+            take = min(req_pages[b], int(torch.randint(1, k + 1, (), generator=gen)))
+            ids[b, hh, :take] = torch.randperm(req_pages[b], generator=gen)[:take].sort().values
+    args = (ids.to(DEVICE), torch.tensor(row_req).to(DEVICE),
+            torch.tensor(lo, dtype=torch.int32).to(DEVICE),
+            (torch.tensor(lo) + torch.tensor(row_pages)).int().to(DEVICE), max(row_pages))
+    got, want = rows_from_requests(*args), rows_from_requests_reference(*args)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), repro(seed)
+    assert int(got[1].sum()) == int((ids < max(req_pages)).sum()), repro(seed)  # nothing lost
+
+
+def test_row_selection_reads_bounds_in_place(seed):
+    """page_bounds written into bounds_out() (as the wrapper does) selects what a copy does."""
+    from mosaickv_kernels.page_select import RowSelection
+    torch.manual_seed(seed)
+    row_req, row_pages, h = [0, 0, 1], [16, 9, 12], 2
+    bounds = torch.randn(3, h, 16, device=DEVICE)
+    for r, n in enumerate(row_pages):
+        bounds[r, :, n:] = float("-inf")
+    copied = RowSelection(row_req, row_pages, DEVICE).select(bounds, 6, 1, 2)
+    rs = RowSelection(row_req, row_pages, DEVICE)
+    rs.bounds_out(h).copy_(bounds)
+    in_place = rs.select(rs.bounds_out(h), 6, 1, 2)
+    assert all(torch.equal(a, b) for a, b in zip(copied, in_place)), repro(seed)

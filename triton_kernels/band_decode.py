@@ -534,7 +534,9 @@ class BandDecodeWrapper:
                              f"{meta.channels.shape[1]} heads; the arena {self.pages_per_seg} "
                              f"and {h}")
         _, q_rot = queries if queries is not None else self.queries(q, arena)
-        bounds = page_bounds(q_rot, meta, arena.seg_indptr, arena.seg_ids, self.max_pages)
+        out = rows.bounds_out(h) if rows is not None and rows.row_pmax == self.max_pages \
+            else None  # then RowSelection reads the bounds where they are written
+        bounds = page_bounds(q_rot, meta, arena.seg_indptr, arena.seg_ids, self.max_pages, out)
         if rows is not None:
             return rows.select(bounds, budget_pages, sink_pages, recent_pages)
         num_pages = (arena.seg_indptr[1:] - arena.seg_indptr[:-1]) * self.pages_per_seg

@@ -249,15 +249,75 @@ def select_page_list_reference(bounds: torch.Tensor, num_pages: torch.Tensor, bu
     return ids.to(torch.int32), keep.sum(-1, dtype=torch.int32)
 
 
+@triton.jit
+def _rows_from_requests(
+    IDS,  # int32 [B, H, K]: each request's kept pages, ascending, padded with a large id
+    ROW_REQ,  # int64 [R]
+    LO, HI,  # int32 [R]: the row's pages are the request's pages [LO, HI)
+    OUT_IDS, OUT_COUNTS,  # int32 [R, H, KR] (row-local ids, then 0), [R, H]
+    H, K, KR,
+    BLOCK_K: tl.constexpr,
+):
+    """One program per (row, KV head): the request's kept pages that fall in the row, compacted
+    in order with a prefix sum and made row-local."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    b = tl.load(ROW_REQ + r)
+    lo = tl.load(LO + r)
+    hi = tl.load(HI + r)
+    offs = tl.arange(0, BLOCK_K)
+    ids = tl.load(IDS + (b * H + h) * K + offs, mask=offs < K, other=2147483647)
+    sel = (ids >= lo) & (ids < hi)
+    count = tl.sum(sel.to(tl.int32), 0)
+    pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+    row = (r * H + h) * KR
+    tl.store(OUT_IDS + row + pos, ids - lo, mask=sel)
+    tl.store(OUT_IDS + row + offs, tl.full([BLOCK_K], 0, tl.int32),
+             mask=(offs >= count) & (offs < KR))
+    tl.store(OUT_COUNTS + r * H + h, count)
+
+
+def rows_from_requests(ids: torch.Tensor, row_req: torch.Tensor, lo: torch.Tensor,
+                       hi: torch.Tensor, row_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-request kept pages `ids` int32 [B, H, K] (ascending, padded with >= every hi) ->
+    per-row (page_ids int32 [R, H, min(K, row_pages)] row-local then 0, page_counts int32
+    [R, H]) for rows [lo, hi) of request row_req. One launch, no host sync."""
+    bsz, h, k = ids.shape
+    rows, kr = row_req.numel(), min(k, row_pages)
+    page_ids = torch.empty(rows, h, kr, dtype=torch.int32, device=ids.device)
+    counts = torch.empty(rows, h, dtype=torch.int32, device=ids.device)
+    if rows:
+        _rows_from_requests[(rows, h)](ids, row_req, lo, hi, page_ids, counts, h, k, kr,
+                                       BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=4)
+    return page_ids, counts
+
+
+def rows_from_requests_reference(ids, row_req, lo, hi, row_pages):
+    """Torch form of `rows_from_requests` (the same contract)."""
+    h = ids.shape[1]
+    mine = ids[row_req]  # [R, H, K]: the row's request's kept pages
+    start = torch.searchsorted(mine, lo[:, None, None].expand(-1, h, 1).contiguous())
+    end = torch.searchsorted(mine, hi[:, None, None].expand(-1, h, 1).contiguous())
+    k = min(mine.shape[2], row_pages)
+    pos = (start + torch.arange(k, device=ids.device)).clamp_max(mine.shape[2] - 1)
+    local = torch.gather(mine, 2, pos) - lo[:, None, None]
+    counts = (end - start)[..., 0].to(torch.int32)
+    keep = torch.arange(k, device=ids.device) < counts[..., None]
+    return torch.where(keep, local, 0).to(torch.int32).contiguous(), counts
+
+
 class RowSelection:
     """Selection over requests whose pages span several arena rows (one row per basis block,
     as the serving pool packs a long request): the budget is per request, so the rows' bounds
     are gathered into one line per request, `select_page_list` runs once, and the kept pages go
     back to per-row lists for `BandDecodeWrapper.run`. Built on the host once per step (the
-    rows' layout); `select` is device-only.
+    rows' layout, the gather index); `select` is device-only, three launches: the gather, the
+    top pages, the split back into rows (the decode step is launch bound).
 
         rs = RowSelection(row_req=[0, 0, 1], row_pages=[128, 40, 90], device="cuda")
         ids, counts = rs.select(bounds, budget_pages=128, sink_pages=2, recent_pages=8)
+
+    `page_bounds(..., out=rs.bounds_out(H))` writes the bounds where `select` reads them.
     """
 
     def __init__(self, row_req: list[int], row_pages: list[int], device):
@@ -271,35 +331,44 @@ class RowSelection:
             req_pages[b] += n
         self.rows, self.row_pmax = len(row_req), max(row_pages + [1])
         p_req = max(req_pages + [1])
-        # Source of each (request, page) in the flattened [R * row_pmax + 1] bounds (last: -inf).
-        src = torch.full((n_req, p_req), self.rows * self.row_pmax, dtype=torch.long)
+        # (row, page) of each (request, page); past a request's pages: row `rows` (padding)
+        self._src_row = torch.full((n_req, p_req), self.rows, dtype=torch.long)
+        self._src_page = torch.zeros((n_req, p_req), dtype=torch.long)
         for r, (b, n) in enumerate(zip(row_req, row_pages)):
-            src[b, offset[r]:offset[r] + n] = r * self.row_pmax + torch.arange(n)
-        self.src = src.to(device)
+            self._src_row[b, offset[r]:offset[r] + n] = r
+            self._src_page[b, offset[r]:offset[r] + n] = torch.arange(n)
+        self.device = torch.device(device)
         self.req_pages = torch.tensor(req_pages, dtype=torch.int32, device=device)
         self.row_req = torch.tensor(row_req, dtype=torch.long, device=device)
         self.lo = torch.tensor(offset, dtype=torch.int32, device=device)
         self.hi = self.lo + torch.tensor(row_pages, dtype=torch.int32, device=device)
+        self._heads, self._flat, self._src = None, None, None
+
+    def bounds_out(self, heads: int) -> torch.Tensor:
+        """float32 [R, heads, row pages] view of this step's bounds buffer (followed by one -inf,
+        what padding reads), and the request-major gather index into it, made once per step."""
+        if self._heads != heads:
+            r, p = self.rows, self.row_pmax
+            self._flat = torch.full((r * heads * p + 1,), float("-inf"), device=self.device)
+            hh = torch.arange(heads)[None, :, None]
+            src = (self._src_row[:, None, :] * heads + hh) * p + self._src_page[:, None, :]
+            src[(self._src_row == r)[:, None, :].expand_as(src)] = r * heads * p
+            self._src, self._heads = src.to(self.device), heads
+        return self._flat[:-1].view(self.rows, heads, self.row_pmax)
 
     def select(self, bounds: torch.Tensor, budget_pages: int, sink_pages: int,
                recent_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """bounds [R, H, >= max row pages] (`page_bounds` over the rows) -> per-row
-        (page_ids int32 [R, H, K] ascending, page_counts int32 [R, H])."""
+        """bounds [R, H, >= max row pages] (`page_bounds` over the rows; no copy when written
+        into `bounds_out(H)`) -> per-row (page_ids int32 [R, H, K] ascending, page_counts int32
+        [R, H])."""
         r, h = bounds.shape[:2]
         if r != self.rows or bounds.shape[2] < self.row_pmax:
             raise ValueError(f"RowSelection.select: bounds {tuple(bounds.shape)} do not cover "
                              f"{self.rows} rows of up to {self.row_pmax} pages")
-        flat = bounds[:, :, :self.row_pmax].permute(1, 0, 2).reshape(h, -1)
-        flat = torch.cat([flat, flat.new_full((h, 1), float("-inf"))], 1)
-        req_bounds = flat[:, self.src].permute(1, 0, 2).contiguous()  # [B, H, P_req]
+        buf = self.bounds_out(h)
+        if bounds.data_ptr() != buf.data_ptr() or bounds.stride() != buf.stride():
+            buf.copy_(bounds[:, :, :self.row_pmax])
+        req_bounds = self._flat[self._src]  # [B, H, P_req]
         ids, _ = select_page_list(req_bounds, self.req_pages, budget_pages, sink_pages,
                                   recent_pages)  # ascending, padded with P_req
-        mine = ids[self.row_req]  # [R, H, K]: the row's request's kept pages
-        start = torch.searchsorted(mine, self.lo[:, None, None].expand(-1, h, 1).contiguous())
-        end = torch.searchsorted(mine, self.hi[:, None, None].expand(-1, h, 1).contiguous())
-        k = min(mine.shape[2], self.row_pmax)
-        pos = (start + torch.arange(k, device=ids.device)).clamp_max(mine.shape[2] - 1)
-        local = torch.gather(mine, 2, pos) - self.lo[:, None, None]
-        counts = (end - start)[..., 0].to(torch.int32)
-        keep = torch.arange(k, device=ids.device) < counts[..., None]
-        return torch.where(keep, local, 0).to(torch.int32).contiguous(), counts
+        return rows_from_requests(ids, self.row_req, self.lo, self.hi, self.row_pmax)
