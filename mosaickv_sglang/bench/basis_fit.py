@@ -83,8 +83,9 @@ def orth_error(basis: torch.Tensor) -> float:
 
 
 def ranks_for(d: int) -> list[int]:
-    """The ranks the default config cuts at (band widths per 64 channels scale with D; page
-    metadata keeps 8 channels) and D/2."""
+    """The ranks the default config cuts at (band widths are per 64 channels and scale with D:
+    the 8-bit bands end at D/16 or D/4, the 4-bit ones at 3D/4 or D; page metadata keeps 8
+    channels), plus 16, 32 and D/2."""
     return sorted({d // 16, 8, 16, 32, d // 2, 3 * d // 4})
 
 
