@@ -10,7 +10,9 @@
 # device returns only so many (a run lost serving.json that way); agent logs stay in /tmp.
 # Env: SYSTEMS, CONTEXTS, BATCHES, OUTPUT, LIMIT_S, MOSAICKV_CONFIG (JSON), PARALLEL=1 (start the
 # servers at once, each with MEM_FRACTION of the GPU), MEM_FRACTION (default 0.85), CUDA_GRAPH_ARGS
-# (default --cuda-graph-max-bs 8), EXTRA_ARGS (more server arguments), AGENT=1, DAEMON_BENCH=1.
+# (default --cuda-graph-max-bs 8), EXTRA_ARGS (more server arguments), AGENT=1, DAEMON_BENCH=1,
+# SEAL_SOLVERS (fit solvers the seal benchmark compares, e.g. host,device,jacobi: give it
+# SEAL_LIMIT_S=300; default the config's), SEAL_TOKENS, SEAL_LIMIT_S.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 t0=$SECONDS
@@ -33,7 +35,8 @@ rm -f /tmp/bg_done
   fi
   if [ "${SEAL_BENCH:-0}" = 1 ]; then
     timeout "${SEAL_LIMIT_S:-120}" python3 benchmarks/seal_bench.py --device cuda --check \
-        --tokens "${SEAL_TOKENS:-8192}" --json "$OUT/seal_bench.json" > "$OUT/seal_bench.log" 2>&1
+        --tokens "${SEAL_TOKENS:-8192}" ${SEAL_SOLVERS:+--fit-solvers "$SEAL_SOLVERS"} \
+        --json "$OUT/seal_bench.json" > "$OUT/seal_bench.log" 2>&1
     echo "seal bench rc $?" >> "$OUT/seal_bench.log"
   fi
   touch /tmp/bg_done
@@ -61,7 +64,7 @@ if [ "${DAEMON_BENCH:-0}" = 1 ]; then
       --json "$OUT/daemon_bench.json" > "$OUT/daemon_bench.log" 2>&1
   echo "daemon bench rc $?"; tail -15 "$OUT/daemon_bench.log"
 fi
-cat "$OUT/gpu_tests.summary" 2>/dev/null; tail -14 "$OUT/seal_bench.log" 2>/dev/null
+cat "$OUT/gpu_tests.summary" 2>/dev/null; tail -22 "$OUT/seal_bench.log" 2>/dev/null
 for f in "$OUT"/agent_*.json; do [ -f "$f" ] && python3 - "$f" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1])):
