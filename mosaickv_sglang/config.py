@@ -107,8 +107,8 @@ class MosaicConfig:
     # How a basis block's bases are fitted: "host" (exact eigh/qr; GPU pages are copied to the
     # CPU, LAPACK over host threads), "device" (exact eigh/qr by cuSOLVER, one matrix at a time),
     # or "jacobi" (codec/basis.jacobi_axes: batched GEMMs + one batched Cholesky, wherever the
-    # pages are; energy within 0.1% of eigh's, measured in NOTES.md). CPU pages are fitted on the
-    # CPU with host and device alike.
+    # pages are; top-r energy within 0.2% of eigh's, measured in NOTES.md). CPU pages are fitted
+    # on the CPU with host and device alike.
     fit_solver: str = "host"
 
     def __post_init__(self):

@@ -13,7 +13,8 @@
 # servers at once, each with MEM_FRACTION of the GPU), MEM_FRACTION (default 0.85), CUDA_GRAPH_ARGS
 # (default --cuda-graph-max-bs 8), EXTRA_ARGS (more server arguments), SYSTEM_ARGS (one system's
 # server arguments, items SYSTEM:ARG, e.g. "mosaickv:--max-total-tokens mosaickv:270000"),
-# AGENT=1, DAEMON_BENCH=1.
+# AGENT=1, DAEMON_BENCH=1, SEAL_SOLVERS (fit solvers the seal benchmark compares, e.g.
+# host,device,jacobi: give it SEAL_LIMIT_S=300; default the config's), SEAL_TOKENS, SEAL_LIMIT_S.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 t0=$SECONDS
@@ -44,8 +45,8 @@ rm -f /tmp/bg_done
   # GPU with them; the runs inside it are still side by side. SEAL_ARGS: more seal_bench flags.
   if [ "${SEAL_BENCH:-0}" = 1 ]; then
     timeout "${SEAL_LIMIT_S:-240}" python3 benchmarks/seal_bench.py --device cuda --check \
-        --tokens "${SEAL_TOKENS:-8192}" ${SEAL_ARGS:-} --json "$OUT/seal_bench.json" \
-        > "$OUT/seal_bench.log" 2>&1
+        --tokens "${SEAL_TOKENS:-8192}" ${SEAL_SOLVERS:+--fit-solvers "$SEAL_SOLVERS"} \
+        ${SEAL_ARGS:-} --json "$OUT/seal_bench.json" > "$OUT/seal_bench.log" 2>&1
     echo "seal bench rc $?" >> "$OUT/seal_bench.log"
   fi
   wait

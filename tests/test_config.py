@@ -136,9 +136,16 @@ def test_empty_candidate_lists_rejected_except_sink(key):
     ({"select": {"sink_tokens": -1}}, "select.sink_tokens"),
     ({"select": {"recent_tokens": -64}}, "select.recent_tokens"),
     ({"select": {"meta_channels": -8}}, "select.meta_channels"),
+    ({"fit_solver": "iterative"}, "fit_solver"),
+    ({"fit_solver": "Jacobi"}, "fit_solver"),
 ])
 def test_bad_values_are_named(data, needle):
     _rejects(data, needle)
+
+
+@pytest.mark.parametrize("solver", ["host", "device", "jacobi"])
+def test_fit_solvers_accepted(solver):
+    assert MosaicConfig.parse(json.dumps({"fit_solver": solver})).fit_solver == solver
 
 
 def test_nan_budget_rejected():

@@ -137,6 +137,10 @@ def test_host_solvers_split_over_threads_is_bitwise(seed):
         split = solve_split(func, cov, 3)
         assert type(split) is type(whole)
         assert all(torch.equal(a, b) for a, b in zip(split, whole)), repro(seed)
+    # the parts run single-threaded (thread-local): the caller's thread count is untouched
+    torch.set_num_threads(2)
+    solve_split(torch.linalg.eigh, cov, 3)
+    assert torch.get_num_threads() == 2
 
 
 @pytest.mark.parametrize("select", [True, False])

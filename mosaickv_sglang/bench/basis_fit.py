@@ -12,7 +12,8 @@ Three tables, one JSON:
 * codec: the default config's attention-output error and ratio on the SmolLM2 capture
   (fidelity.evaluate) with each solver.
 
-    python -m mosaickv_sglang.bench.basis_fit --json OUT.json [--threads 2] [--device cuda]
+    python -m mosaickv_sglang.bench.basis_fit --json OUT.json [--threads 2]
+    python -m mosaickv_sglang.bench.basis_fit --parts speed --device cuda --json OUT.json
 """
 from __future__ import annotations
 
@@ -82,8 +83,9 @@ def orth_error(basis: torch.Tensor) -> float:
 
 
 def ranks_for(d: int) -> list[int]:
-    """The ranks the default config cuts at (band widths per 64 channels scale with D; page
-    metadata keeps 8 channels) and D/2."""
+    """The ranks the default config cuts at (band widths are per 64 channels and scale with D:
+    the 8-bit bands end at D/16 or D/4, the 4-bit ones at 3D/4 or D; page metadata keeps 8
+    channels), plus 16, 32 and D/2."""
     return sorted({d // 16, 8, 16, 32, d // 2, 3 * d // 4})
 
 
@@ -110,15 +112,16 @@ def quality_rows(blocks: dict[str, torch.Tensor]) -> list[dict]:
     return rows
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fn, repeats: int, device: str) -> float:
     """Best of `repeats` wall-clock seconds (the box is shared: the minimum is the cost)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     fn()
     best = math.inf
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -131,11 +134,11 @@ def speed(device: str, tokens: int, repeats: int) -> dict:
     xf = x.float()
     cov = xf.transpose(-1, -2) @ xf
     out = {
-        "eigh_qr_s": timed(lambda: (torch.linalg.qr(torch.linalg.eigh(cov)[1])), repeats),
-        "jacobi_axes_s": timed(lambda: jacobi_axes(cov), repeats),
-        "covariance_s": timed(lambda: xf.transpose(-1, -2) @ xf, repeats),
-        "fit_basis_eigh_s": timed(lambda: fit_basis(x), repeats),
-        "fit_basis_jacobi_s": timed(lambda: fit_basis(x, jacobi=True), repeats),
+        "eigh_qr_s": timed(lambda: (torch.linalg.qr(torch.linalg.eigh(cov)[1])), repeats, device),
+        "jacobi_axes_s": timed(lambda: jacobi_axes(cov), repeats, device),
+        "covariance_s": timed(lambda: xf.transpose(-1, -2) @ xf, repeats, device),
+        "fit_basis_eigh_s": timed(lambda: fit_basis(x), repeats, device),
+        "fit_basis_jacobi_s": timed(lambda: fit_basis(x, jacobi=True), repeats, device),
     }
     return out
 
@@ -174,17 +177,8 @@ def real_blocks() -> dict[str, torch.Tensor]:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cpu", help="for the speed table")
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens per block (speed table)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--codec-layers", type=int, default=None,
-                    help="codec table on the first N capture layers (default all; 0 = skip)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+def quality_table() -> list[dict]:
+    """Quality rows of the captures, synthetic blocks and edge cases, printed."""
     gen = torch.Generator().manual_seed(0)
     blocks = real_blocks()
     for d in (64, 128):
@@ -193,27 +187,55 @@ def main(argv=None) -> int:
             blocks[f"synthetic {kind.upper()} D={d}, 64 tokens"] = kv_like(32, 64, d, kind, gen)
     for name, x in edge_cases(128, gen).items():
         blocks[f"edge: {name}"] = x
-    result = {"host": platform.processor() or "cpu", "torch": torch.__version__,
-              "threads": args.threads, "quality": quality_rows(blocks)}
-    print(f"\nenergy of the top-r axes / exact top-r energy (min over heads; jacobi's fp32 axes) "
-          f"and max |R R^T - I| of the bf16 R")
+    rows = quality_rows(blocks)
+    print("\nenergy of the top-r axes / exact top-r energy (min over heads; jacobi's fp32 axes) "
+          "and max |R R^T - I| of the bf16 R")
     print(f"{'data':38s} {'ranks':>18s} {'jacobi min ratio':>38s} {'orth eigh/jacobi':>18s}")
-    for row in result["quality"]:
+    for row in rows:
         j = row["jacobi"]
         ranks = ",".join(str(r) for r in j["ratio_min"])
         ratios = " ".join(f"{v:.4f}" for v in j["ratio_min"].values())
         print(f"{row['data']:38s} {ranks:>18s} {ratios:>38s} "
               f"{row['eigh']['orth_err_bf16']:8.1e}/{j['orth_err_bf16']:.1e}"
               + ("" if j["finite"] else "  NON-FINITE"))
-    result["speed"] = speed(args.device, args.tokens, args.repeats)
-    result["speed"].update(device=args.device, tokens=args.tokens, matrices=256, head_dim=128)
-    s = result["speed"]
+    return rows
+
+
+def speed_table(args) -> dict:
+    """The speed rows, printed."""
+    out = speed(args.device, args.tokens, args.repeats)
+    out.update(device=args.device, tokens=args.tokens, matrices=256, head_dim=128)
     print(f"\none kind of a Llama-8B basis block (256 matrices 128x128, {args.tokens} tokens) on "
           f"{args.device}, {args.threads} threads, best of {args.repeats}:")
     for key in ("eigh_qr_s", "jacobi_axes_s", "covariance_s", "fit_basis_eigh_s",
                 "fit_basis_jacobi_s"):
-        print(f"  {key:22s} {s[key] * 1e3:9.1f} ms")
-    if args.codec_layers != 0:
+        print(f"  {key:22s} {out[key] * 1e3:9.1f} ms")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", help="for the speed table")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per block (speed table)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--codec-layers", type=int, default=None,
+                    help="codec table on the first N capture layers (default all)")
+    ap.add_argument("--parts", default="quality,speed,codec",
+                    help="comma list of tables to run: quality, speed, codec")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    if not parts or set(parts) - {"quality", "speed", "codec"}:
+        ap.error(f"--parts={args.parts!r}: a comma list from quality, speed, codec")
+    torch.set_num_threads(args.threads)
+    result = {"host": platform.processor() or "cpu", "torch": torch.__version__,
+              "threads": args.threads}
+    if "quality" in parts:
+        result["quality"] = quality_table()
+    if "speed" in parts:
+        result["speed"] = speed_table(args)
+    if "codec" in parts:
         result["codec"] = codec_rows(args.codec_layers)
         print("\ndefault config on the SmolLM2 4K capture:")
         for r in result["codec"]:

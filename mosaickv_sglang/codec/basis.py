@@ -46,7 +46,9 @@ def fit_basis(x: torch.Tensor, jacobi: bool = False) -> torch.Tensor:
 # jacobi_axes' fixed schedule (measured: tests/test_basis_fit.py, NOTES.md "GEMM-only basis fit")
 JACOBI_STEPS = 6
 JACOBI_DAMPING = 0.5  # all pairs rotate at once: full Jacobi angles overshoot
-START_SHIFT = 1e-5  # of the trace: keeps the start's Cholesky positive definite (fp64)
+START_SHIFT = 1e-5  # of the trace: the start's columns stay independent (cond <= 1e5)
+GRAM_SHIFT = 1e-12  # fp64 Cholesky of Z^T Z + this: positive definite even for a rounding-
+# negative eigenvalue of the fp32 covariance at exactly -START_SHIFT (cond <= 1e12 < 1/(D eps))
 EXP_SQUARINGS = 4
 EXP_MAX_ROW_SUM = 0.5 * 2 ** EXP_SQUARINGS  # |K|_2 <= row sum: K / 2^s stays within 0.5
 
@@ -54,17 +56,15 @@ EXP_MAX_ROW_SUM = 0.5 * 2 ** EXP_SQUARINGS  # |K|_2 <= row sum: K / 2^s stays wi
 def jacobi_axes(cov: torch.Tensor) -> torch.Tensor:
     """Orthonormal axes of symmetric PSD `cov` [..., D, D] as columns, sorted by energy
     (Rayleigh quotient), from batched GEMMs and elementwise ops plus one batched Cholesky: no
-    per-matrix solver loop, a fixed amount of work, deterministic.
+    per-matrix solver loop, a fixed amount of work, no device sync, deterministic.
 
     Start: the covariance's own columns, largest diagonal first, orthonormalized in that order
-    (Cholesky-QR in fp64; a shift of START_SHIFT * trace keeps it full rank). That is one step
-    of subspace iteration: the leading columns already span most of the leading subspace.
-    Then JACOBI_STEPS simultaneous Jacobi steps: with B = Q^T C Q, every pair (i, j) gets the
-    angle that would zero B_ij alone, all pairs damped by JACOBI_DAMPING and applied at once as
-    one rotation exp(K) (K skew: Taylor on K / 2^s and s squarings); a rotation keeps Q
-    orthonormal whatever the angles, and near-degenerate pairs, whose mixing costs no energy,
-    cannot blow up (angles are at most 45 degrees). Energy ratio to the exact top-r subspace
-    >= 0.999 on SmolLM2 K/V and synthetic RoPE-like keys (tests/test_basis_fit.py).
+    (Cholesky-QR in fp64), i.e. one step of subspace iteration from the channel basis. Then
+    JACOBI_STEPS simultaneous Jacobi steps: with B = Q^T C Q, every pair (i, j) gets the angle
+    that would zero B_ij alone, all damped and applied at once as one rotation exp(K). A rotation
+    keeps Q orthonormal whatever the angles, and near-degenerate pairs (mixing them costs no
+    energy) turn by at most 45 degrees: nothing can blow up. Top-r energy >= 0.998 of the exact
+    top-r subspace's on SmolLM2 K/V, synthetic RoPE-like K/V and edge cases (NOTES.md).
     """
     shape, d = cov.shape, cov.shape[-1]
     c = cov.reshape(-1, d, d).float()
@@ -72,7 +72,8 @@ def jacobi_axes(cov: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(d, device=c.device)
     order = torch.diagonal(c, dim1=-2, dim2=-1).argsort(dim=-1, descending=True, stable=True)
     z = (c + START_SHIFT * eye).double().gather(-1, order[:, None, :].expand_as(c))
-    chol, _ = torch.linalg.cholesky_ex(z.transpose(-1, -2) @ z)  # PD by the shift
+    gram = z.transpose(-1, -2) @ z + GRAM_SHIFT * eye.double()
+    chol, _ = torch.linalg.cholesky_ex(gram)  # cannot fail (the shifts); _ex: no device sync
     q = torch.linalg.solve_triangular(chol.transpose(-1, -2), z, upper=True, left=False).float()
     for _ in range(JACOBI_STEPS):
         q = q @ _expm_skew(_pair_tangents(q.transpose(-1, -2) @ c @ q), JACOBI_DAMPING)

@@ -52,10 +52,11 @@ SEAL_BATCH = 256  # segments (page x layer) encoded per chooser call: bounds the
 
 class HostSolvers(TorchFunctionMode):
     """Runs `fit_basis`'s dense solvers (eigh, qr) of device tensors on the CPU: one copy of their
-    [N, D, D] input to the host and of the results back, the batch split over host threads
-    (LAPACK solves one matrix at a time; every matrix is solved alone either way, so the split
-    does not change a bit). cuSOLVER also solves one matrix per call (torch picks syevj for fp32
-    D in [32, 512]). fit_basis itself stays the one definition of a basis."""
+    [N, D, D] input to the host and of the results back, the batch split over host threads with
+    one intra-op thread each (LAPACK solves one matrix at a time, so the split equals one
+    single-threaded call bit for bit; MKL's result depends on its thread count). cuSOLVER also
+    solves one matrix per call (torch picks syevj for fp32 D in [32, 512]). fit_basis itself
+    stays the one definition of a basis."""
     OPS = (torch.linalg.eigh, torch.linalg.qr)
 
     def __init__(self, threads: int):
@@ -71,10 +72,18 @@ class HostSolvers(TorchFunctionMode):
 
 
 def solve_split(func, x: torch.Tensor, threads: int, *args, **kwargs):
-    """func(x) for a batched solver returning a tuple (eigh, qr), the batch split over threads."""
+    """func(x) for a batched solver returning a tuple (eigh, qr), the batch split over threads,
+    each with one intra-op thread (thread-local): LAPACK (MKL) would otherwise start its own
+    threads in every part, threads x threads in all (measured on 2 cores: 196 ms for 256 eigh
+    128x128 split over 2 threads, 84 ms with one intra-op thread each; NOTES.md)."""
     parts = x.tensor_split(max(1, min(threads, x.shape[0])))
+
+    def solve(part):
+        torch.set_num_threads(1)
+        return func(part, *args, **kwargs)
+
     with ThreadPoolExecutor(len(parts)) as pool:
-        outs = list(pool.map(lambda t: func(t, *args, **kwargs), parts))
+        outs = list(pool.map(solve, parts))
     return type(outs[0])([torch.cat(ts) for ts in zip(*outs)])
 
 
