@@ -5,8 +5,9 @@ Reads the JSON rows that `serving_bench.py` (rows with `context`/`batch`) and `a
 
 * `throughput_vs_context.png`: decode tokens/s against context, one line per (system, batch);
 * `latency.png`: ITL p50 and p99 per streamed run (log scale);
-* `memory.png`: token capacity per (system, input) at the same memory fraction, and KV bytes per
-  token (dense bf16 vs MosaicKV's sealed pages, all metadata counted);
+* `memory.png`: token capacity per (system, input), and KV bytes per token: kept (SGLang's rows;
+  MosaicKV's sealed pages, all metadata counted) and reserved per token slot (MosaicKV: hot
+  buffer + packed store);
 * `agent_turns.png` (agent rows only): output tokens/s and cached-token ratio per turn.
 
 Rows with an `error` are listed on stdout and left out; a plot without any row is not written.
@@ -23,9 +24,13 @@ from pathlib import Path
 
 def load_rows(paths: list[Path]) -> tuple[list[dict], list[dict]]:
     """(serving rows, agent rows) from JSON files or folders of them; error rows reported. Each
-    row gets `source` (the folder's or file's name) so runs of different machines stay apart."""
-    files = [(f, p.stem) for p in paths
-             for f in (sorted(p.glob("*.json")) if p.is_dir() else [p])]
+    row gets `source` (the folder's or file's name; folder/file when a folder holds several) so
+    runs of different machines or calls stay apart."""
+    files = []
+    for p in paths:
+        found = sorted(p.glob("*.json")) if p.is_dir() else [p]
+        # a folder of several runs: each file is its own source
+        files += [(f, f"{p.stem}/{f.stem}" if len(found) > 1 else p.stem) for f in found]
     if not files:
         raise SystemExit(f"no JSON files under {', '.join(map(str, paths))}")
     serving, agent = [], []
@@ -71,7 +76,9 @@ def plot_throughput(serving: list[dict], out: Path, plt) -> None:
 
 def _runs(serving: list[dict], agent: list[dict]) -> list[tuple[str, dict]]:
     """(label, row) per run that measured inter-token latency."""
-    runs = [(f"{r['system']}\n{r['context'] // 1024}K x{r['batch']}", r) for r in serving]
+    many = len({r["source"] for r in serving}) > 1  # then say which run a bar is from
+    runs = [(f"{r['system']}\n{r['context'] // 1024}K x{r['batch']}"
+             + (f"\n{r['source'].rsplit('/', 1)[-1]}" if many else ""), r) for r in serving]
     runs += [(f"{r['system']}\n{r['workload']} {r['sessions']}x{r['turns']}", r) for r in agent
              if "itl_ms_p50" in r]
     return runs
@@ -93,7 +100,10 @@ def plot_latency(runs: list[tuple[str, dict]], out: Path, plt) -> None:
 
 
 def _memory(serving: list[dict], agent: list[dict]) -> dict[str, dict]:
-    """Per (system, source): token capacity and KV bytes per token."""
+    """Per (system, source): token capacity, the KV bytes kept per token (MosaicKV: its sealed
+    pages, every byte counted; SGLang's caches: their rows) and, for serving rows, the bytes the
+    cache reserved per token slot (SGLang's `kvcache` GiB; MosaicKV: hot buffer + the packed
+    store it reserved, both measured from the allocated tensors)."""
     mem: dict[str, dict] = {}
     for r in serving + agent:
         m = mem.setdefault(f"{r['system']}\n{r['source']}", {})
@@ -102,9 +112,16 @@ def _memory(serving: list[dict], agent: list[dict]) -> dict[str, dict]:
         mk = r.get("mosaickv") or {}
         m["dense_bytes_per_token"] = mk.get("dense_bytes_per_token") \
             or memory.get("dense_bytes_per_token") or m.get("dense_bytes_per_token")
-        if not m["dense_bytes_per_token"] and r["system"] == "dense" and r.get("kv_cache_gb"):
-            # serving_bench's dense rows: the cache the server reserved (GiB) per token slot
-            m["dense_bytes_per_token"] = r["kv_cache_gb"] * 2**30 / m["capacity"]
+        if mk.get("bytes") and m["capacity"]:
+            store = (mk.get("segment_store") or {}).get("reserved_bytes") \
+                or mk.get("arena_budget_bytes") or 0
+            m["reserved_bytes_per_slot"] = (mk["bytes"]["hot_buffer_capacity"] + store) \
+                / m["capacity"]
+        elif r.get("kv_cache_gb") and m["capacity"]:  # serving_bench's SGLang-cache rows
+            m["reserved_bytes_per_slot"] = r["kv_cache_gb"] * 2**30 / m["capacity"]
+            m["bytes_per_token"] = m["reserved_bytes_per_slot"]
+            if r["system"] == "dense" and not m["dense_bytes_per_token"]:
+                m["dense_bytes_per_token"] = m["reserved_bytes_per_slot"]
         sealed = mk.get("sealed_bytes_per_token") or memory.get("sealed_bytes_per_token")
         if sealed:
             m["bytes_per_token"] = sealed
@@ -123,11 +140,17 @@ def plot_memory(mem: dict[str, dict], out: Path, plt) -> None:
     for i, c in enumerate(caps):
         a1.annotate(f"{c:,}", (i, c), ha="center", va="bottom", fontsize=8)
     a1.set_ylabel("token capacity (max_total_num_tokens)")
-    bpt = [(mem[s].get("bytes_per_token") or 0) / 1024 for s in systems]
-    a2.bar(systems, bpt)
-    for i, b in enumerate(bpt):
-        a2.annotate(f"{b:.1f} KiB", (i, b), ha="center", va="bottom", fontsize=8)
-    a2.set_ylabel("KV bytes per token (KiB; sealed pages for MosaicKV)")
+    x = range(len(systems))
+    for offset, key, label in ((-0.2, "bytes_per_token", "kept per token (MosaicKV: sealed)"),
+                               (0.2, "reserved_bytes_per_slot", "reserved per token slot")):
+        kib = [(mem[s].get(key) or 0) / 1024 for s in systems]
+        a2.bar([i + offset for i in x], kib, width=0.4, label=label)
+        for i, b in enumerate(kib):
+            if b:
+                a2.annotate(f"{b:.1f}", (i + offset, b), ha="center", va="bottom", fontsize=7)
+    a2.set_xticks(list(x), systems)
+    a2.set_ylabel("KV KiB per token, all layers")
+    a2.legend(fontsize=7)
     _save(fig, out / "memory.png")
     plt.close(fig)
 

@@ -52,7 +52,8 @@ def test_plots_from_serving_and_agent_json(tmp_path, capsys):
     mem = plot_serving._memory(rows, agent)
     # dense serving rows carry no byte counts: the reserved cache per token slot stands in
     assert mem["dense\nserving_run"] == {"capacity": 1000, "dense_bytes_per_token": 131072,
-                                         "bytes_per_token": 131072}
+                                         "bytes_per_token": 131072,
+                                         "reserved_bytes_per_slot": 131072}
     assert mem["mosaickv\nserving_run"]["bytes_per_token"] == 45000.0
     assert mem["mosaickv\nagent"]["bytes_per_token"] == 40000.0
     assert mem["dense\nagent"]["bytes_per_token"] == 131072
@@ -65,3 +66,20 @@ def test_unknown_rows_and_empty_inputs_are_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no JSON files"):
         plot_serving.load_rows([tmp_path / "empty"])
+
+
+def test_memory_counts_reserved_bytes_per_slot_for_every_system(tmp_path):
+    """FP8 rows keep what SGLang reserved (not bf16); MosaicKV reserves hot buffer + store."""
+    mk = {"sealed_bytes_per_token": 45000.0, "dense_bytes_per_token": 131072,
+          "bytes": {"hot_buffer_capacity": 300 * 2**20},
+          "segment_store": {"reserved_bytes": 700 * 2**20}}
+    fp8 = _serving_row("fp8", 8192, 1, 60.0)
+    fp8["kv_cache_gb"] = 1600 * 65536 / 2**30  # _serving_row: 1600 slots
+    rows = [fp8, _serving_row("mosaickv", 8192, 1, 5.0, mk)]
+    for r in rows:
+        r["source"] = "run"
+    mem = plot_serving._memory(rows, [])
+    assert mem["fp8\nrun"]["bytes_per_token"] == mem["fp8\nrun"]["reserved_bytes_per_slot"]
+    assert mem["fp8\nrun"]["bytes_per_token"] == pytest.approx(65536)
+    assert mem["mosaickv\nrun"]["bytes_per_token"] == 45000.0
+    assert mem["mosaickv\nrun"]["reserved_bytes_per_slot"] == 1000 * 2**20 / 1600
