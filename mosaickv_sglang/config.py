@@ -147,18 +147,11 @@ class MosaicConfig:
                 except ValueError as exc:
                     raise ValueError(f"mosaickv config: {key}[{i}] '{spec}': {exc}") from None
         self.select.validate(self.page_tokens)
-        if self.decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"mosaickv config: decode_kernel={self.decode_kernel!r} must be one "
-                             f"of {list(DECODE_KERNELS)}")
-        if self.pack_kernel not in PACK_KERNELS:
-            raise ValueError(f"mosaickv config: pack_kernel={self.pack_kernel!r} must be one of "
-                             f"{list(PACK_KERNELS)}")
-        if self.fit_solver not in FIT_SOLVERS:
-            raise ValueError(f"mosaickv config: fit_solver={self.fit_solver!r} must be one of "
-                             f"{list(FIT_SOLVERS)}")
-        if self.daemon not in DAEMON_MODES:
-            raise ValueError(f"mosaickv config: daemon={self.daemon!r}; choose one of "
-                             f"{DAEMON_MODES}")
+        for key, choices in (("decode_kernel", DECODE_KERNELS), ("pack_kernel", PACK_KERNELS),
+                             ("fit_solver", FIT_SOLVERS), ("daemon", DAEMON_MODES)):
+            if getattr(self, key) not in choices:
+                raise ValueError(f"mosaickv config: {key}={getattr(self, key)!r} must be one of "
+                                 f"{list(choices)}")
         if not isinstance(self.decode_profile_every, int) or self.decode_profile_every < 0:
             raise ValueError(f"mosaickv config: decode_profile_every={self.decode_profile_every!r} "
                              "must be an int >= 0")
