@@ -6,8 +6,10 @@ run); the small ones stop once checked, before anything is timed.
    selection) and ``daemon: process``, TP=2 vs TP=1, plus dense SGLang (torch_native) at TP=1 and
    TP=2 as controls (does SGLang's own TP change the ids?); then the two ranks' swap lines
    (daemon/swaplog.py) compared. The model runs in bf16 on a GPU (``--check-dtype``): SGLang's
-   CUDA RMSNorm (sgl_kernel) has no fp32 kernel, and an fp32 server dies on its first forward. The model has the
-   Llama-3.1-8B attention shape (32 q / 8 KV heads, head_dim 128, hidden 4096) with 4 layers and
+   CUDA RMSNorm (sgl_kernel) has no fp32 kernel, and an fp32 server dies on its first forward.
+   In bf16 greedy ids can part on near-ties (dense SGLang's own TP=2 and TP=1 do), so each
+   comparison also reports where they part: the top-2 logprob gap there and the largest logprob
+   difference before (`divergence`). The model has the Llama-3.1-8B attention shape (32 q / 8 KV heads, head_dim 128, hidden 4096) with 4 layers and
    *saved* random weights: ``--load-format dummy`` cannot be compared across TP sizes, SGLang
    seeds each rank's weight shard alike (the values depend only on the shard's size), so TP=1
    and TP=2 would be different models.
@@ -32,6 +34,9 @@ from benchmarks.serving_bench import make_llama8b, measure, print_table, system_
 from mosaickv_sglang.daemon.swaplog import compare  # noqa: E402
 from mosaickv_sglang.launch import mosaickv_stats, request, running_server  # noqa: E402
 
+# A greedy choice whose top-2 logprob gap is below this (nats) is a near-tie: bf16 rounding that
+# differs between TP sizes (all-reduce order) can flip it without any cache fault.
+NEAR_TIE = 0.05
 LOSSLESS_DAEMON = {"k_candidates": ["dense:val=fp32"], "v_candidates": ["dense:val=fp32"],
                    "sink_candidates": [], "hot_tokens": 0, "select": {"enabled": False},
                    "hot_buffer_fraction": 0.5, "decode_kernel": "reference",
@@ -89,13 +94,41 @@ def make_check_model(out: Path, tokenizer: Path, layers: int) -> Path:
     return out
 
 
-def greedy(url: str, ids: list[int], n: int) -> list[int]:
-    payload = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n,
-                                                      "ignore_eos": True}}
-    return request(f"{url}/generate", payload, timeout=600)[1]["output_ids"]
+def greedy(url: str, ids: list[int], n: int) -> Run:
+    """Greedy output ids and, per position, the two most likely (logprob, id)."""
+    payload = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+               "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
+    out = request(f"{url}/generate", payload, timeout=600)[1]
+    top2 = [[(float(e[0]), int(e[1])) for e in pos[:2]]
+            for pos in out["meta_info"]["output_top_logprobs"]]
+    return Run(out["output_ids"], top2)
 
 
-def outputs(url: str, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
+class Run(list):
+    """Output ids (the list itself) with `top2`: per position [(logprob, id)] x 2."""
+
+    def __init__(self, ids: list[int], top2: list):
+        super().__init__(ids)
+        self.top2 = top2
+
+
+def divergence(a: list[Run], b: list[Run], near_tie: float = NEAR_TIE) -> dict:
+    """How two runs' greedy outputs part: for each request that differs, the top-2 logprob gap
+    of both runs at the first differing token (a small gap: a near-tie that rounding can flip),
+    and over the tokens before it the largest difference of the chosen tokens' logprobs."""
+    gaps, drift = [], 0.0
+    for x, y in zip(a, b):
+        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        same = n if n is not None else min(len(x), len(y))
+        drift = max([drift] + [abs(x.top2[i][0][0] - y.top2[i][0][0]) for i in range(same)])
+        if n is not None:
+            gaps.append(min(r.top2[n][0][0] - r.top2[n][1][0] for r in (x, y)))
+    return {"differing_requests": len(gaps), "top2_gap_at_divergence": [round(g, 5) for g in gaps],
+            "max_logprob_diff_before": round(drift, 5),
+            "only_near_ties": all(g < near_tie for g in gaps)}
+
+
+def outputs(url: str, jobs: list[tuple[list[int], int]]) -> list[Run]:
     """Sequential requests, then the same jobs again all at once (batched decode steps)."""
     seq = [greedy(url, ids, n) for ids, n in jobs]
     conc: list = [None] * len(jobs)
@@ -141,6 +174,7 @@ def check(servers: dict, vocab: int) -> dict:
         if a in got and b in got:
             res[key] = got[a] == got[b]
             res[f"first_diff_{key}"] = first_diff(got[a], got[b])
+            res[f"divergence_{key}"] = divergence(got[a], got[b])
     res["requests"] = 2 * len(jobs)
     if "mk_tp2" in got:
         daemon = mosaickv_stats(servers["mk_tp2"].url)["daemon"]
