@@ -207,3 +207,52 @@ def test_sealing_a_group_equals_one_segment_at_a_time(seed, select):
                 assert (t.untyped_storage().data_ptr() == owner) == stored
                 if not stored:
                     assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_lazy_chooser_picks_what_trying_every_candidate_picks(seed):
+    """`_choose_batch` encodes a candidate only for segments no cheaper one fitted; its picks,
+    errors and bytes are the eager reference's (`choose`: every candidate encoded), and it does
+    fewer encodes when cheap candidates fit some segments."""
+    from mosaickv_sglang.codec.layer import choose
+    gen = torch.Generator().manual_seed(seed)
+    cfg = MosaicConfig(k_candidates=["band:b8=4,b4=44,b2=16,group=128",
+                                     "band:b8=4,b4=60,b2=0,group=128",
+                                     "band:b8=16,b4=48,b2=0,group=64"], k_error_budget=0.06)
+    cands = Candidates.from_config(cfg)
+    k, _ = _segments(9, gen)
+    kb = torch.stack([fit_basis(k[i]) for i in range(9)])
+    k_rot = k @ torch.linalg.inv(kb.float())
+    from mosaickv_sglang.codec.layer import _segment_bytes
+    order = sorted(cands.k, key=lambda st: _segment_bytes(st, "k", H, S, D))  # cached from here
+    calls = []
+    for strat in cands.k:
+        enc = strat.encode
+        strat.encode = lambda x, kind, enc=enc: calls.append(x.shape[0]) or enc(x, kind)
+    try:
+        got, _ = _choose_batch(k, k_rot, "k", cands.k, 0.06, "within-budget", DENSE)
+    finally:
+        for strat in cands.k:
+            del strat.encode
+    for i, c in enumerate(got):
+        want = choose(k[i], k_rot[i], "k", cands.k, 0.06)
+        assert (c.strategy.spec, c.reason) == (want.strategy.spec, want.reason), repro(seed)
+        assert c.error == pytest.approx(want.error, rel=1e-5)
+        assert c.encoded.nbytes() == want.encoded.nbytes()
+    # candidate j is encoded for exactly the segments that no cheaper candidate fitted
+    rank = [next((j for j, st in enumerate(order) if st.spec == c.strategy.spec), len(order))
+            for c in got]
+    assert calls == [H * sum(r >= j for r in rank) for j in range(len(order))
+                     if any(r >= j for r in rank)], (calls, rank, repro(seed))
+
+
+@pytest.mark.parametrize("spec", ["band:b8=4,b4=44,b2=16,group=128", "lowbit:bits=4,group=32",
+                                  "topr:r=16,val=fp8", "mask:r=20", "dense"])
+def test_segment_bytes_do_not_depend_on_the_values(spec):
+    """The chooser orders candidates by bytes measured once per shape: true only if no
+    strategy's size depends on the values."""
+    from mosaickv_sglang.codec.strategies import Encoded, parse_strategy
+    strat = parse_strategy(spec)
+    sizes = {Encoded("k", (H, S, D), strat.encode(x, "k")).nbytes()
+             for x in (torch.randn(H, S, D), torch.randn(H, S, D).exp() * 100,
+                       torch.zeros(H, S, D))}
+    assert len(sizes) == 1, sizes

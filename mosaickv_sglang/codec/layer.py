@@ -208,71 +208,72 @@ def _rotate_batch(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded=False,
                   rescue=()):
     """`choose` for N segments [N, H, S, D] at once -> (N Choices, the chosen reconstructions
-    [N, H, S, D] in each choice's own space, when need_decoded). The errors of all candidates
-    come to the host in one transfer; each Choice's tensors are views of its candidate's batch.
+    [N, H, S, D] in each choice's own space, when need_decoded). Candidates are tried cheapest
+    first (bytes per segment) and each one is encoded only for the segments no cheaper one
+    fitted: on real K/V most segments stop at the first or second of three (the work the
+    chooser does is its encodes; the picks are those of encoding every candidate). Each try's
+    errors come to the host in one transfer; each Choice's tensors are views of its try's batch.
     Segments no candidate fits try `rescue` (reason "rescued"), then get `fallback`."""
     n, h, s, d = x.shape
-    tried = []
-    for strat in candidates:
+    tries = []  # (strategy, tensors, segments encoded, errors, reconstruction, reason)
+    pick = {}  # segment -> (try, row in the try)
+    todo = list(range(n))
+
+    def attempt(strat, why, within_budget=True):
+        nonlocal todo
         src = x_rot if strat.rot else x
-        tensors = strat.encode(src.reshape(n * h, s, d), kind)
-        dec = strat.decode(Encoded(kind, (n * h, s, d), tensors)).reshape(n, h, s, d)
-        tried.append((sum(t.numel() * t.element_size() for t in tensors.values()), strat,
-                      tensors, _errors(dec, src), dec))
-    tried.sort(key=lambda item: item[0])
-    errs = torch.stack([err for *_, err, _ in tried]).tolist() if tried else []
-    picks = [None] * n
-    for c, err in enumerate(errs):
-        for i in range(n):
-            if picks[i] is None and err[i] <= budget:
-                picks[i] = c
-    missing = [i for i in range(n) if picks[i] is None]
-    rescued = {}  # segment -> (key, strategy, tensors, row, rows, error, reconstruction)
-    for r, strat in enumerate(rescue if candidates else ()):
-        if not missing:
-            break
-        src = (x_rot if strat.rot else x)[missing]
-        m = len(missing)
+        if len(todo) < n:
+            src = src[todo]
+        m = len(todo)
         tensors = strat.encode(src.reshape(m * h, s, d), kind)
         dec = strat.decode(Encoded(kind, (m * h, s, d), tensors)).reshape(m, h, s, d)
-        for j, e in enumerate(_errors(dec, src).tolist()):
-            if e <= budget:
-                rescued[missing[j]] = (("rescue", r), strat, tensors, j, m, e, dec)
-        missing = [i for i in missing if i not in rescued]
-    if missing:  # no candidate met the budget: the fallback (dense), for those segments only
-        src = x[missing]
-        m = len(missing)
-        tensors = fallback.encode(src.reshape(m * h, s, d), kind)
-        dec = fallback.decode(Encoded(kind, (m * h, s, d), tensors)).reshape(m, h, s, d)
-        fb = (fallback, tensors, _errors(dec, src).tolist(), dec,
-              {i: j for j, i in enumerate(missing)})
-    rows_of = {}  # candidate -> per segment row, its tensors as views (made once per candidate)
+        errs = _errors(dec, src).tolist()
+        tries.append((strat, tensors, m, errs, dec, why))
+        for row, i in enumerate(todo):
+            if not within_budget or errs[row] <= budget:
+                pick[i] = (len(tries) - 1, row)
+        todo = [i for i in todo if i not in pick]
 
-    def views(c, tensors, rows):
-        if c not in rows_of:
-            per_name = {name: t.reshape(rows, h, *t.shape[1:]).unbind(0)
-                        for name, t in tensors.items()}
-            rows_of[c] = [dict(zip(per_name, row)) for row in zip(*per_name.values())]
-        return rows_of[c]
+    for strat in sorted(candidates, key=lambda st: _segment_bytes(st, kind, h, s, d)):
+        if todo:
+            attempt(strat, reason)
+    for strat in rescue if candidates else ():
+        if todo:
+            attempt(strat, "rescued")
+    if todo:  # no candidate met the budget: the fallback (dense), for those segments only
+        # With no candidates at all, dense is the configured choice, not a missed budget.
+        attempt(fallback, "over-budget" if candidates else reason, within_budget=False)
+    rows_of = {}  # try -> per segment row, its tensors as views (made once per try)
+
+    def views(t):
+        if t not in rows_of:
+            _, tensors, rows, *_ = tries[t]
+            per_name = {name: t_.reshape(rows, h, *t_.shape[1:]).unbind(0)
+                        for name, t_ in tensors.items()}
+            rows_of[t] = [dict(zip(per_name, row)) for row in zip(*per_name.values())]
+        return rows_of[t]
 
     choices, decoded = [], []
     for i in range(n):
-        if picks[i] is not None:
-            _, strat, tensors, _, dec = tried[picks[i]]
-            c, row, rows, e, why = picks[i], i, n, errs[picks[i]][i], reason
-        elif i in rescued:
-            c, strat, tensors, row, rows, e, dec = rescued[i]
-            why = "rescued"
-        else:
-            strat, tensors, fb_errs, dec, where = fb
-            c, row, rows, e = -1, where[i], len(missing), fb_errs[where[i]]
-            # With no candidates at all, dense is the configured choice, not a missed budget.
-            why = "over-budget" if candidates else reason
-        part = views(c, tensors, rows)[row]
-        choices.append(Choice(strat, Encoded(kind, (h, s, d), part), e, why))
+        t, row = pick[i]
+        strat, _, _, errs, dec, why = tries[t]
+        choices.append(Choice(strat, Encoded(kind, (h, s, d), views(t)[row]), errs[row], why))
         if need_decoded:
             decoded.append(dec[row])
     return choices, torch.stack(decoded) if need_decoded else None
+
+
+_BYTES: dict[tuple, int] = {}
+
+
+def _segment_bytes(strat: Strategy, kind: str, heads: int, tokens: int, head_dim: int) -> int:
+    """Bytes one [heads, tokens, head_dim] segment takes in `strat` (what orders the chooser's
+    candidates; no strategy's size depends on the values), measured once per shape."""
+    key = (strat.spec, kind, heads, tokens, head_dim)
+    if key not in _BYTES:
+        x = torch.randn(heads, tokens, head_dim)
+        _BYTES[key] = Encoded(kind, tuple(x.shape), strat.encode(x, kind)).nbytes()
+    return _BYTES[key]
 
 
 def _errors(dec: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
