@@ -41,10 +41,12 @@ _ports_lock = threading.Lock()
 def free_port() -> int:
     """A free HTTP port for a server, PORT_SPAN apart from every other one this process gave.
 
-    SGLang binds its HTTP port only after loading the model and takes further ports near it
-    (port + a few hundred, NCCL/dist ports): a kernel-chosen free port handed to servers that start
-    together can be taken by another server's internal port before its owner binds it (seen on
-    the 2-GPU machine: "address already in use", one server lost)."""
+    SGLang binds its HTTP port only after loading the model, and meanwhile its processes take
+    kernel-chosen ports (NCCL / torch.distributed, from the ephemeral range) and, with DP
+    attention, port + 233 on: a kernel-chosen free port handed to servers that start together
+    was taken by another server's internal port before its owner bound it (the 2-GPU machine:
+    "address already in use", one server lost). Hence ports below the ephemeral range (32768+),
+    PORT_SPAN apart."""
     with _ports_lock:
         for base in range(PORT_BASE, 32768 - PORT_SPAN, PORT_SPAN):
             port = base + os.getpid() % (PORT_SPAN // 2)  # distinct per process, same span
