@@ -142,6 +142,29 @@ def test_daemon_seals_equal_sync_seals_and_reads_switch_atomically(pools):
     assert st["swaps"]["pages"] == 7 and not a.swaps.pending  # every swap logged at a step
 
 
+def test_a_step_boundary_reads_at_most_loads_per_step_results(pools):
+    """Finished pages of every worker wait in their pipes; each collect() reads at most
+    LOADS_PER_STEP of them (the scheduler thread's cost per step is bounded) and all arrive."""
+    from mosaickv_sglang.daemon.client import LOADS_PER_STEP
+    a = pools("process", daemon_workers=2)
+    for r in range(2):  # two requests, one 3-page job each (their own basis blocks)
+        slots = torch.arange((1 + 4 * r) * PS, (4 + 4 * r) * PS)
+        write(a, slots, seed=r)
+        assert a.seal_request(slots, len(slots)) == 3
+    client = a.daemon
+    deadline = time.time() + 120
+    while sum(w.results_conn.poll(0) for w in client.workers) < 2:  # both workers sent a page
+        assert time.time() < deadline
+        time.sleep(0.05)
+    reads = []
+    while client.open_jobs() and time.time() < deadline:
+        before = client.counters.worker_pages
+        client.collect()
+        reads.append(client.counters.worker_pages - before)
+    assert client.counters.worker_pages == 6 and max(reads) <= LOADS_PER_STEP, reads
+    assert reads[0] == LOADS_PER_STEP  # a burst: the bound, not one page at a time
+
+
 def test_freed_page_result_is_discarded_not_installed(pools):
     a = pools("process")
     slots = torch.arange(PS, 3 * PS)  # pages 1, 2

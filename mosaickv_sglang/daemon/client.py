@@ -39,10 +39,12 @@ logger = logging.getLogger(__name__)
 STARTUP_S = 300.0  # a new worker may take this long to import torch before it first beats
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
 LATENCY_SAMPLES = 4096
-# Finished pages read per worker per step boundary: reading one costs the scheduler thread a copy
-# and an unpickle (~16 ms at the Llama-8B shape on the 2-core CPU box), so a burst is spread over
-# steps; well above one page per step, what batch-128 decode produces.
-LOADS_PER_STEP = 4
+# Finished pages read per step boundary, over all workers (taken in turn): reading one costs the
+# scheduler thread a copy and an unpickle (~16 ms at the Llama-8B shape on the 2-core CPU box), and
+# the H200 host's step-time tail with 12 workers was that read (collect p99 20 ms when the bound
+# was 4 per worker), so a burst is spread over steps; still above the one page per step that
+# batch-128 decode produces, and far above what the workers finish (~6 pages/s on 12 cores).
+LOADS_PER_STEP = 2
 
 
 @dataclass
@@ -114,6 +116,7 @@ class DaemonClient:
         self.counters = DaemonCounters()
         self.latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self._next_id = 0
+        self._first_worker = -1  # collect() starts one worker further each boundary
         self._restart_times: deque[float] = deque()
         self.broken = False
         self.workers = [self._spawn(i) for i in range(cfg.daemon_workers)]
@@ -249,24 +252,28 @@ class DaemonClient:
 
     # ---- results --------------------------------------------------------------------------
     def collect(self) -> None:
-        """Non-blocking: restart dead/hung workers, read every finished page."""
-        for w in list(self.workers):
+        """Non-blocking: restart dead/hung workers, read up to LOADS_PER_STEP finished pages
+        (workers taken in turn, starting one further each boundary: none is starved)."""
+        budget = LOADS_PER_STEP
+        n = len(self.workers)
+        self._first_worker = (self._first_worker + 1) % max(n, 1)
+        for w in [self.workers[(self._first_worker + i) % n] for i in range(n)]:
             why = self._alive(w)
             if why is None:
-                why = self._drain(w)
+                why, budget = self._drain(w, budget)
             if why is not None:
                 self._restart(self.workers[w.index], why)
         self.pump()
 
-    def _drain(self, w: _Worker) -> str | None:
+    def _drain(self, w: _Worker, budget: int) -> tuple[str | None, int]:
+        """Read up to `budget` results of one worker -> (why it is broken or None, budget left)."""
         try:
-            for _ in range(LOADS_PER_STEP):
-                if not w.results_conn.poll(0):
-                    break
+            while budget and w.results_conn.poll(0):
                 self._handle(w, w.results_conn.recv())
+                budget -= 1
         except (EOFError, OSError) as exc:
-            return f"result pipe closed ({type(exc).__name__})"
-        return None
+            return f"result pipe closed ({type(exc).__name__})", budget
+        return None, budget
 
     def _handle(self, w: _Worker, msg: dict) -> None:
         job = self.inflight.get(msg["id"])
