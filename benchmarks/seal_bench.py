@@ -244,14 +244,7 @@ def check(setup: Setup, pages_limit: int, paths: list[str]) -> dict:
             diff["header"] += not torch.equal(a.header, b.header)
             diff["page_meta"] += sum(not torch.equal(x, y) for x, y in
                                      zip(a.pages.tensors().values(), b.pages.tensors().values()))
-    for layer in range(k.shape[1]):
-        diff["store_headers"] += not torch.equal(sa.headers[layer], sb.headers[layer])
-        if sa.meta is not None:
-            diff["store_meta"] += sum(not torch.equal(x, y) for x, y in
-                                      zip(sa.meta[layer].__dict__.values(),
-                                          sb.meta[layer].__dict__.values())
-                                      if isinstance(x, torch.Tensor))
-    diff["blocks"] += sa.blocks != sb.blocks
+    diff["store"] = store_diff(sa, sb)
     if for_kernel is not None:
         sk = setup.store("triton")
         sk.install_pages(pages, [sp.segments for sp in for_kernel])

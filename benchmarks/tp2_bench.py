@@ -9,8 +9,8 @@ run); the small ones stop once checked, before anything is timed.
    CUDA RMSNorm (sgl_kernel) has no fp32 kernel, and an fp32 server dies on its first forward.
    In bf16 greedy ids can part on near-ties (dense SGLang's own TP=2 and TP=1 do), so each
    comparison also reports where they part: the top-2 logprob gap there and the largest logprob
-   difference before (`divergence`). The model has the Llama-3.1-8B attention shape (32 q / 8 KV heads, head_dim 128, hidden 4096) with 4 layers and
-   *saved* random weights: ``--load-format dummy`` cannot be compared across TP sizes, SGLang
+   difference before (`divergence`). The model has the Llama-3.1-8B attention shape (32 q / 8
+   KV heads, head_dim 128, hidden 4096) with 4 layers and *saved* random weights: ``--load-format dummy`` cannot be compared across TP sizes, SGLang
    seeds each rank's weight shard alike (the values depend only on the shard's size), so TP=1
    and TP=2 would be different models.
 2. The 128K point: the Llama-3.1-8B-shaped dummy model, TP=2, through serving_bench.measure, in
@@ -118,8 +118,9 @@ def divergence(a: list[Run], b: list[Run], near_tie: float = NEAR_TIE) -> dict:
     and over the tokens before it the largest difference of the chosen tokens' logprobs."""
     gaps, drift = [], 0.0
     for x, y in zip(a, b):
-        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
-        same = n if n is not None else min(len(x), len(y))
+        m = min(len(x), len(y))  # over the tokens both have
+        n = first_mismatch(x[:m], y[:m])
+        same = n if n is not None else m
         drift = max([drift] + [abs(x.top2[i][0][0] - y.top2[i][0][0]) for i in range(same)])
         if n is not None:
             gaps.append(min(r.top2[n][0][0] - r.top2[n][1][0] for r in (x, y)))
@@ -150,11 +151,18 @@ def outputs(url: str, jobs: list[tuple[list[int], int]]) -> list[Run]:
     return seq + conc
 
 
+def first_mismatch(x: list[int], y: list[int]) -> int | None:
+    """The first token position where two outputs differ (one ending early counts), or None."""
+    if x == y:
+        return None
+    return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+
+
 def first_diff(a: list[list[int]], b: list[list[int]]):
     """None when equal, else (request, token position) of the first difference."""
     for r, (x, y) in enumerate(zip(a, b)):
         if x != y:
-            return r, next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            return r, first_mismatch(x, y)
     return None if len(a) == len(b) else (min(len(a), len(b)), 0)
 
 
