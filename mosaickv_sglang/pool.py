@@ -91,7 +91,6 @@ class MosaicKVPool(MHATokenToKVPool):
         if page_size != mosaic_config.segment_tokens:
             raise ValueError(f"MosaicKV needs --page-size {mosaic_config.segment_tokens} "
                              f"(= segment_tokens), got {page_size}")
-        self.cfg = mosaic_config
         self.logical_size = size
         self.num_logical_pages = size // page_size + 1
         hot_pages = max(2, int(self.num_logical_pages * mosaic_config.hot_buffer_fraction))
