@@ -304,7 +304,7 @@ def main() -> None:
         "torch": torch.__version__, "host_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "runs": runs,
-        "fit_solvers": fit_solvers(setup, sorted(set(solvers) | {"host", "device"},
+        "fit_solvers": fit_solvers(setup, sorted(set(solvers) - {"auto"} | {"host", "device"},
                                                  key=FIT_SOLVERS.index)),
     }
     if args.check:

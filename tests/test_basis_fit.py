@@ -8,7 +8,7 @@ import torch
 
 from mosaickv_sglang.bench.basis_fit import edge_cases, energy_ratios, kv_like, ranks_for
 from mosaickv_sglang.codec.attention import decode_attention
-from mosaickv_sglang.codec.basis import fit_basis, jacobi_axes, rotate
+from mosaickv_sglang.codec.basis import fit_basis, jacobi_axes, resolve_fit_solver, rotate
 from mosaickv_sglang.codec.layer import compress_layer
 from mosaickv_sglang.config import MosaicConfig, SelectionConfig
 
@@ -115,3 +115,13 @@ def test_codec_error_jacobi_vs_eigh(seed):
     for kind, got, want in zip("KV", rec["jacobi"], rec["host"]):
         assert got <= want * 1.02, (kind, rec, repro(seed))
     assert attn["host"] < 0.2 and attn["jacobi"] <= 1.5 * attn["host"], (attn, repro(seed))
+
+
+def test_auto_solver_is_jacobi_on_gpus_and_lapack_on_cpus():
+    """The default `fit_solver: auto` picks by where the pages are; named solvers pass through."""
+    assert MosaicConfig().fit_solver == "auto"
+    assert resolve_fit_solver("auto", torch.device("cpu")) == "host"
+    assert resolve_fit_solver("auto", torch.device("cuda", 0)) == "jacobi"
+    for solver in ("host", "device", "jacobi"):
+        assert resolve_fit_solver(solver, torch.device("cuda")) == solver
+        assert resolve_fit_solver(solver, "cpu") == solver

@@ -143,7 +143,7 @@ def test_bad_values_are_named(data, needle):
     _rejects(data, needle)
 
 
-@pytest.mark.parametrize("solver", ["host", "device", "jacobi"])
+@pytest.mark.parametrize("solver", ["auto", "host", "device", "jacobi"])
 def test_fit_solvers_accepted(solver):
     assert MosaicConfig.parse(json.dumps({"fit_solver": solver})).fit_solver == solver
 

@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..config import FIT_SOLVERS, MosaicConfig
-from .basis import fit_basis
+from .basis import fit_basis, resolve_fit_solver
 from .layer import Candidates, Segment, seal_segments, segment_bytes
 from .pages import build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy
@@ -102,12 +102,14 @@ def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None
       per-matrix calls;
     * "device": cuSOLVER, one call per layer as before (cuSOLVER loops over matrices anyway,
       and the covariance GEMMs keep the batch shape, hence the bits, they had);
-    * "jacobi": `jacobi_axes` (batched GEMMs) where the pages are, layers batched as for host.
+    * "jacobi": `jacobi_axes` (batched GEMMs) where the pages are, layers batched as for host;
+    * "auto": jacobi for pages on a GPU, host for CPU pages (`resolve_fit_solver`).
 
     Every head is fitted alone, so on the CPU all of them equal fitting layer by layer, bit for
     bit (jacobi's batched GEMMs included: tests/test_seal_batch.py)."""
     if solver not in FIT_SOLVERS:
         raise ValueError(f"fit_bases: solver={solver!r}; choose one of {FIT_SOLVERS}")
+    solver = resolve_fit_solver(solver, k.device)
     p, layers, h, s, d = k.shape
     step = 1 if solver == "device" else max(1, SEAL_BATCH // p)
     out = ([], [])
