@@ -24,6 +24,7 @@ the Llama-3.1-8B shape for a *stated* step time (--production-step-ms, not measu
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -36,6 +37,7 @@ from mosaickv_sglang.codec.layer import Candidates
 from mosaickv_sglang.codec.seal import seal_group
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
+import mosaickv_sglang.daemon.client as client_mod
 from mosaickv_sglang.daemon.client import DaemonClient
 
 SHAPES = {"small": (4, 2, 64), "llama8b": (32, 8, 128)}  # layers, KV heads, head_dim
@@ -45,6 +47,54 @@ def quantiles(xs: list[float]) -> dict:
     xs = sorted(xs)
     pick = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
     return {"p50": pick(0.5), "p99": pick(0.99), "max": xs[-1], "mean": statistics.fmean(xs)}
+
+
+class CollectBreakdown:
+    """Where a step boundary's collect() time goes: the client's own steps timed by wrapping them
+    (bench-only instrumentation; the client is unchanged) plus Python GC pauses. `take()` returns
+    and resets the current boundary's totals in ms."""
+    PARTS = ("alive", "handle", "load", "pump", "gc")
+
+    def __init__(self, client):
+        self.now = dict.fromkeys(self.PARTS, 0.0)
+        for part, owner, name in (("alive", client, "_alive"), ("handle", client, "_handle"),
+                                  ("pump", client, "pump"), ("load", client_mod, "load")):
+            setattr(owner, name, self._timed(part, getattr(owner, name)))
+        self._gc_t0 = None
+        gc.callbacks.append(self._gc)
+
+    def _timed(self, part, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.now[part] += time.perf_counter() - t
+        return wrapper
+
+    def _gc(self, phase, info):
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            self.now["gc"] += time.perf_counter() - self._gc_t0
+
+    def take(self) -> dict:
+        out = {k: v * 1e3 for k, v in self.now.items()}
+        self.now = dict.fromkeys(self.PARTS, 0.0)
+        return out
+
+
+def slowest_breakdown(collects: list[float], parts: list[dict], frac: float = 0.01) -> dict:
+    """Mean of each part (ms) over the slowest `frac` of boundaries by collect time; `other` is
+    collect minus alive, handle and pump (pipe reads, loop overhead; load is part of handle)."""
+    n = max(1, int(len(collects) * frac))
+    idx = sorted(range(len(collects)), key=lambda i: -collects[i])[:n]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    out = {k: mean([parts[i][k] for i in idx]) for k in CollectBreakdown.PARTS}
+    out["collect"] = mean([collects[i] * 1e3 for i in idx])
+    out["other"] = out["collect"] - out["alive"] - out["handle"] - out["pump"]
+    out["steps"] = n
+    return out
 
 
 class Work:
@@ -140,6 +190,7 @@ def main() -> None:
         nonlocal bases
         t = time.perf_counter()
         client.collect()
+        state["collect_parts"] = breakdown.take()
         for job in client.open_jobs():
             if job.ready:
                 client.retire(job)
@@ -163,13 +214,15 @@ def main() -> None:
         return t_submit - t, time.perf_counter() - t_submit
 
     def phase(produce: bool) -> dict:
-        steps, bounds, collects, submits = [], [], [], []
+        steps, bounds, collects, submits, parts = [], [], [], [], []
         done0, busy0 = state["done"], client.counters.worker_seconds
         t_start = time.perf_counter()
         for _ in range(args.steps):
             t = time.perf_counter()
             work.run()
+            breakdown.take()
             c, sub = boundary(produce)
+            parts.append(state["collect_parts"])
             steps.append(time.perf_counter() - t)
             bounds.append(c + sub)
             collects.append(c)
@@ -179,10 +232,12 @@ def main() -> None:
                 "boundary_ms": {k: v * 1e3 for k, v in quantiles(bounds).items()},
                 "collect_ms": {k: v * 1e3 for k, v in quantiles(collects).items()},
                 "submit_ms": {k: v * 1e3 for k, v in quantiles(submits).items()},
+                "slowest_1pct_collect_ms": slowest_breakdown(collects, parts),
                 "wall_s": wall, "pages_done": state["done"] - done0,
                 "worker_busy_fraction": (client.counters.worker_seconds - busy0)
                 / (wall * args.workers)}
 
+    breakdown = CollectBreakdown(client)
     phase(False)  # warm-up
     idle = phase(False)
     saturated = phase(True)
@@ -232,6 +287,10 @@ def main() -> None:
         f"{ms} ms -> {v:.1f} pages/s" for ms, v in out["production_pages_per_s_batch128"].items()))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    for name in ("idle", "saturated"):
+        b = out[name]["slowest_1pct_collect_ms"]
+        print(f"{name}: slowest 1% of collects ({b['steps']} steps), mean ms: "
+              + ", ".join(f"{k} {b[k]:.2f}" for k in ("collect", *CollectBreakdown.PARTS, "other")))
 
 
 if __name__ == "__main__":

@@ -91,6 +91,9 @@ class MosaicConfig:
     # oldest pending pages are sealed on the scheduler thread (counted, logged).
     daemon_hot_watermark: float = 0.125
     daemon_timeout_s: float = 120.0  # a busy worker silent this long is killed and restarted
+    # Niceness of the worker processes (0-19): they should only take cores the scheduler, the
+    # tokenizer and the CUDA driver leave idle, never delay a decode step's host work.
+    daemon_nice: int = 19
     # Decode over sealed pages: "triton" (the packed kernels), "reference" (the torch codec), or
     # "auto" (triton on CUDA, reference elsewhere). Segments the kernel cannot read (a dense
     # fallback, a non-band sink) send their request through the reference path, counted.
@@ -168,6 +171,9 @@ class MosaicConfig:
         if not 0 <= self.daemon_hot_watermark < 1:
             raise ValueError(f"mosaickv config: daemon_hot_watermark={self.daemon_hot_watermark} "
                              "must be in [0, 1)")
+        if not (isinstance(self.daemon_nice, int) and 0 <= self.daemon_nice <= 19):
+            raise ValueError(f"mosaickv config: daemon_nice={self.daemon_nice!r} must be an int "
+                             "in 0..19")
         if not self.daemon_timeout_s > 0:
             raise ValueError(f"mosaickv config: daemon_timeout_s={self.daemon_timeout_s} must be > 0")
 

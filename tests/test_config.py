@@ -233,6 +233,8 @@ def test_daemon_modes_and_keys():
     ({"daemon_hot_watermark": -0.1}, "daemon_hot_watermark=-0.1"),
     ({"daemon_timeout_s": 0}, "daemon_timeout_s=0"),
     ({"daemon_timeout_s": True}, "'daemon_timeout_s' must be float"),
+    ({"daemon_nice": 20}, "daemon_nice=20"),
+    ({"daemon_nice": -1}, "daemon_nice=-1"),
 ])
 def test_bad_daemon_values_are_named(data, needle):
     _rejects(data, needle)

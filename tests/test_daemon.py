@@ -195,6 +195,19 @@ def test_killed_worker_is_restarted_and_nothing_is_lost(pools):
     assert st["restarts"] == 1 and st["resubmitted_pages"] >= 1 and not st["broken"]
 
 
+@pytest.mark.parametrize("nice", [19, 5])
+def test_workers_run_at_the_configured_niceness(pools, nice):
+    """Workers take only idle cores: their niceness is the scheduler's plus daemon_nice (clamped
+    at 19 by the OS)."""
+    pool = pools("process", daemon_nice=nice)
+    pid = pool.daemon.workers[0].proc.pid
+    want = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    deadline = time.time() + 60
+    while os.getpriority(os.PRIO_PROCESS, pid) != want and time.time() < deadline:
+        time.sleep(0.05)  # the worker renices itself on start-up
+    assert os.getpriority(os.PRIO_PROCESS, pid) == want
+
+
 def test_hung_worker_is_detected_by_heartbeat(pools):
     a, b = pools("process", daemon_timeout_s=1.0), pools("off")
     slots = torch.arange(PS, 3 * PS)

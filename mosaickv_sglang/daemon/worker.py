@@ -87,6 +87,7 @@ class Worker:
 
 def main(argv: list[str]) -> int:
     args = json.loads(argv[0])
+    os.nice(MosaicConfig.from_dict(args["config"]).daemon_nice)  # idle cores only (config.py)
     torch.set_num_threads(args["threads"])
     return Worker(args).serve()
 
