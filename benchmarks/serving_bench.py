@@ -37,6 +37,7 @@ from mosaickv_sglang.launch import request, running_server  # noqa: E402
 # capture walks every token count up to the chunked-prefill size, ~40 s each at 128K on an H200
 # (298 sizes: a start-up of hours); a long prefill is compute bound, so TTFT barely depends on it.
 NO_PREFILL_GRAPHS = ["--disable-prefill-cuda-graph"]
+PAGE_MARGIN = 256  # tokens per request kept aside when sizing the largest batch (page rounding)
 SYSTEMS = {  # name -> what it adds to the common server arguments
     "dense": NO_PREFILL_GRAPHS,  # SGLang's own cache, decode CUDA graphs on
     "dense_eager": ["--disable-cuda-graph"],  # the same without CUDA graphs (as MosaicKV runs)
@@ -145,6 +146,23 @@ def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int)
     return row
 
 
+def token_capacity(url: str) -> int | None:
+    _, info = request(f"{url}/get_server_info")
+    state = info.get("internal_states", [{}])[0]
+    return state.get("memory_usage", {}).get("token_capacity") or info.get("max_total_num_tokens")
+
+
+def parse_batches(text: str) -> list:
+    """"1,8,max" -> [1, 8, "max"]; "max" is each server's largest batch of the context that its
+    token capacity holds (prompt + output + a page of margin per request)."""
+    out = []
+    for item in text.split(","):
+        if item != "max" and not (item.isdigit() and int(item) > 0):
+            raise SystemExit(f"--batches {text!r}: positive ints or 'max'")
+        out.append(item if item == "max" else int(item))
+    return out
+
+
 def point_profile(before: dict | None, after: dict | None) -> dict | None:
     """MosaicKV's sampled decode-step phases (decode_profile_every > 0) of one point: the
     server's running averages before and after it, differenced -> ms per step of this point."""
@@ -191,7 +209,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path)
     ap.add_argument("--systems", default="dense,mosaickv")
     ap.add_argument("--contexts", default="32768")
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default="1,8",
+                    help="comma list of batch sizes; 'max' = each system's largest that fits")
     ap.add_argument("--output", type=int, default=64)
     add_server_args(ap)
     ap.add_argument("--parallel-start", action="store_true",
@@ -219,7 +238,7 @@ def main() -> None:
             raise SystemExit(f"--system-arg {item!r}: use SYSTEM:ARG with SYSTEM one of {systems}")
         per_system[name].append(arg)
     contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = parse_batches(args.batches)
     model = args.model
     if args.make_llama8b:
         model = make_llama8b(args.make_llama8b, args.tokenizer, max(contexts) + 1024)
@@ -227,7 +246,7 @@ def main() -> None:
     args.logs.mkdir(parents=True, exist_ok=True)
     common = ["--load-format", args.load_format, "--context-length", str(max(contexts) + 1024),
               "--chunked-prefill-size", str(-(-max(contexts) // 128) * 128), "--max-running-requests",
-              str(max(batches)), "--grammar-backend", "none", *args.server_arg]
+              str(max(b for b in batches if b != "max") if "max" not in batches else 256), "--grammar-backend", "none", *args.server_arg]
     results = []
 
     def launch(system: str):
@@ -247,8 +266,18 @@ def main() -> None:
 
     def bench(system: str, srv, startup_s: float) -> None:
         for ctx in contexts:
+            capacity = token_capacity(srv.url)
             for b in batches:
+                largest = capacity // (ctx + args.output + PAGE_MARGIN) if capacity else None
+                if b == "max":
+                    b = largest
+                    if not b:
+                        results.append({"system": system, "context": ctx, "batch": 0,
+                                        "error": f"not one request fits {capacity} tokens"})
+                        continue
+                    print(f"[{system}] ctx {ctx}: largest batch that fits = {b}", flush=True)
                 row = measure(srv.url, system, ctx, b, args.output, vocab)
+                row["largest_batch"] = largest
                 row["startup_s"] = round(startup_s, 1)
                 results.append(row)
                 save(args.json, results)  # partial results survive a time limit

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import logging
+
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -23,6 +25,25 @@ from .pool import MosaicKVPool
 
 logger = logging.getLogger(__name__)
 LOG_EVERY_PAGES = 16  # a stats line in the server log each time this many more pages seal
+
+
+def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of a request's n new tokens over its whole sequence: q [Hq, n, D], keys
+    and values [Hk, S, D] (the new tokens last) -> [Hq, n, D]. A fresh prompt (n == S) is plain
+    causal; a chunk after a prefix is causal aligned to the bottom right (`causal_lower_right`),
+    which SDPA runs on its flash/efficient kernels without materializing an [n, S] mask (at a
+    128K prompt in 8K chunks that mask, broadcast over the heads, would not fit). KV heads are
+    repeated for GQA on that path (its flash call takes equal head counts)."""
+    n, s = q.shape[1], keys.shape[1]
+    if n == s:
+        return scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True,
+                                            scale=scale, enable_gqa=q.shape[0] != keys.shape[0])[0]
+    group = q.shape[0] // keys.shape[0]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    return scaled_dot_product_attention(q[None], keys[None], values[None],
+                                        attn_mask=causal_lower_right(n, s), scale=scale)[0]
 
 
 class MosaicAttnBackend(TorchNativeAttnBackend):
@@ -47,7 +68,7 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         if save_kv_cache and k is not None:
             self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
-        hq, hk, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+        hq, d = layer.tp_q_head_num, layer.qk_head_dim
         q_ = q.view(-1, hq, d)
         o = q.new_empty((q_.shape[0], hq * layer.v_head_dim))
         o_ = o.view(-1, hq, layer.v_head_dim)
@@ -59,15 +80,9 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             n_new = int(forward_batch.extend_seq_lens[i])
             keys, values = self.pool.dense_kv(layer.layer_id, req_to_token[rid, :seq_len])
             qi = q_[start:start + n_new].transpose(0, 1)  # [Hq, n_new, D]
-            mask = None  # a fresh prompt: plain causal (lets SDPA pick its flash kernel)
-            if n_new != seq_len:  # causal with an offset: new token j is at seq_len - n_new + j
-                pos_q = torch.arange(seq_len - n_new, seq_len, device=q.device)[:, None]
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q
-            out = scaled_dot_product_attention(
-                qi.unsqueeze(0), keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                values.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask,
-                is_causal=mask is None, scale=layer.scaling, enable_gqa=hq != hk)
-            o_[start:start + n_new] = out.squeeze(0).transpose(0, 1)
+            out = extend_attention(qi, keys.transpose(0, 1).to(q.dtype),
+                                   values.transpose(0, 1).to(q.dtype), layer.scaling)
+            o_[start:start + n_new] = out.transpose(0, 1)
             start += n_new
         self._maybe_seal(layer, forward_batch)
         return o

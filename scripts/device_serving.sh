@@ -37,7 +37,7 @@ rm -f /tmp/bg_done
         -q -p no:cacheprovider -W ignore ${GPU_TEST_FILES:-tests/test_band_pack_kernel.py \
         tests/test_band_unpack_kernel.py tests/test_page_select_kernel.py \
         tests/test_band_decode_kernel.py tests/test_row_merge_kernel.py \
-        tests/test_packed_decode.py tests/test_pack_install.py} \
+        tests/test_packed_decode.py tests/test_pack_install.py tests/test_extend_attention.py} \
         > "$OUT/gpu_tests.log" 2>&1
     echo "GPU tests (rc $?) in $((SECONDS - t1)) s: $(tail -1 "$OUT/gpu_tests.log")" > "$OUT/gpu_tests.summary"
   fi &

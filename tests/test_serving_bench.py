@@ -2,6 +2,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_bench.py"
 spec = importlib.util.spec_from_file_location("serving_bench", SCRIPT)
 serving_bench = importlib.util.module_from_spec(spec)
@@ -27,3 +29,10 @@ def test_point_profile_without_new_sampled_steps_is_none():
                                        _stats(3, {"kernels": 1.0})) is None
     assert serving_bench.point_profile({"decode": None}, _stats(1, {"kernels": 2.0})) == \
         {"sampled_steps": 1, "ms_per_step": {"kernels": 2.0}}
+
+
+def test_batches_parse_ints_and_max_and_name_bad_items():
+    assert serving_bench.parse_batches("1,8,max") == [1, 8, "max"]
+    for bad in ("0", "1,x", "-2", "1,,2"):
+        with pytest.raises(SystemExit, match="positive ints or 'max'"):
+            serving_bench.parse_batches(bad)
