@@ -37,6 +37,7 @@ from mosaickv_sglang.codec.layer import Candidates
 from mosaickv_sglang.codec.seal import seal_group
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
+import mosaickv_sglang.daemon.channel as channel_mod
 import mosaickv_sglang.daemon.client as client_mod
 from mosaickv_sglang.daemon.client import DaemonClient
 
@@ -53,12 +54,13 @@ class CollectBreakdown:
     """Where a step boundary's collect() time goes: the client's own steps timed by wrapping them
     (bench-only instrumentation; the client is unchanged) plus Python GC pauses. `take()` returns
     and resets the current boundary's totals in ms."""
-    PARTS = ("alive", "handle", "load", "pump", "gc")
+    PARTS = ("alive", "handle", "load", "unpickle", "pump", "gc")
 
     def __init__(self, client):
         self.now = dict.fromkeys(self.PARTS, 0.0)
         for part, owner, name in (("alive", client, "_alive"), ("handle", client, "_handle"),
-                                  ("pump", client, "pump"), ("load", client_mod, "load")):
+                                  ("pump", client, "pump"), ("load", client_mod, "load"),
+                                  ("unpickle", channel_mod._Loader, "load")):
             setattr(owner, name, self._timed(part, getattr(owner, name)))
         self._gc_t0 = None
         gc.callbacks.append(self._gc)
@@ -86,7 +88,8 @@ class CollectBreakdown:
 
 def slowest_breakdown(collects: list[float], parts: list[dict], frac: float = 0.01) -> dict:
     """Mean of each part (ms) over the slowest `frac` of boundaries by collect time; `other` is
-    collect minus alive, handle and pump (pipe reads, loop overhead; load is part of handle)."""
+    collect minus alive, handle and pump (pipe reads, loop overhead; load is part of handle,
+    unpickle part of load, gc wherever a collection fired)."""
     n = max(1, int(len(collects) * frac))
     idx = sorted(range(len(collects)), key=lambda i: -collects[i])[:n]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731

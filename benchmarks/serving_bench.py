@@ -276,7 +276,13 @@ def main() -> None:
                                         "error": f"not one request fits {capacity} tokens"})
                         continue
                     print(f"[{system}] ctx {ctx}: largest batch that fits = {b}", flush=True)
+                    done = [r for r in results if r.get("system") == system
+                            and r.get("context") == ctx and r.get("batch") == b]
+                    if done:  # measured already (same prompts: it would be a prefix-cache hit)
+                        done[0]["is_largest_batch"] = True
+                        continue
                 row = measure(srv.url, system, ctx, b, args.output, vocab)
+                row["is_largest_batch"] = b == largest
                 row["largest_batch"] = largest
                 row["startup_s"] = round(startup_s, 1)
                 results.append(row)

@@ -2,6 +2,7 @@
 the synchronous path, the swap (hot until adopted, then exactly the final segments), frees while
 in flight, a killed or hung worker, backpressure, and the TP agreement over gloo."""
 import contextlib
+import gc
 import os
 import signal
 import time
@@ -206,6 +207,13 @@ def test_workers_run_at_the_configured_niceness(pools, nice):
     while os.getpriority(os.PRIO_PROCESS, pid) != want and time.time() < deadline:
         time.sleep(0.05)  # the worker renices itself on start-up
     assert os.getpriority(os.PRIO_PROCESS, pid) == want
+
+
+def test_daemon_start_freezes_the_start_up_heap(pools):
+    """Step-boundary unpickles must not make full collections walk the start-up heap."""
+    gc.unfreeze()
+    pools("process")
+    assert gc.get_freeze_count() > 0
 
 
 def test_hung_worker_is_detected_by_heartbeat(pools):
