@@ -41,11 +41,11 @@ STARTUP_S = 300.0  # a new worker may take this long to import torch before it f
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
 LATENCY_SAMPLES = 4096
 # Finished pages read per step boundary, over all workers (taken in turn): reading one costs the
-# scheduler thread a copy and an unpickle (~16 ms at the Llama-8B shape on the 2-core CPU box), and
-# the H200 host's step-time tail with 12 workers was that read (collect p99 20 ms when the bound
-# was 4 per worker), so a burst is spread over steps; still above the one page per step that
-# batch-128 decode produces, and far above what the workers finish (~6 pages/s on 12 cores).
-LOADS_PER_STEP = 2
+# scheduler thread a copy and an unpickle of ~400 tensor views (the slowest H200-host boundaries
+# with 2 reads were ~20 ms of unpickling before views became one as_strided each), so a burst is
+# spread over steps. One page per step is still above what the workers finish (6-14 pages/s on
+# 12 cores vs 10-40 steps/s); a backlog waits in the hot buffer (backpressure bounds it).
+LOADS_PER_STEP = 1
 
 
 @dataclass
