@@ -140,6 +140,8 @@ def main() -> None:
                     help="stated batch-128 Llama-8B decode step times for the production rate")
     ap.add_argument("--isolate", action="store_true",
                     help="pin this (scheduler) process to core 0 and the workers to the others")
+    ap.add_argument("--nice", type=int, default=MosaicConfig.daemon_nice,
+                    help="the workers' daemon_nice (A/B its effect on throughput)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -147,7 +149,8 @@ def main() -> None:
     device = torch.device(args.device)
     layers, heads, head_dim = SHAPES[args.shape]
     cfg = MosaicConfig(daemon="process", daemon_workers=args.workers,
-                       daemon_threads=args.threads, daemon_queue_segments=args.slots)
+                       daemon_threads=args.threads, daemon_queue_segments=args.slots,
+                       daemon_nice=args.nice)
     tokens = cfg.segment_tokens
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(0)

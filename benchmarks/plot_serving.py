@@ -24,13 +24,18 @@ from pathlib import Path
 
 def load_rows(paths: list[Path]) -> tuple[list[dict], list[dict]]:
     """(serving rows, agent rows) from JSON files or folders of them; error rows reported. Each
-    row gets `source` (the folder's or file's name; folder/file when a folder holds several) so
-    runs of different machines or calls stay apart."""
+    row gets `source` (the folder's or file's name; folder/file when a folder holds several;
+    prefixed by the parent folder when two inputs share a name) so runs of different machines or
+    calls stay apart."""
     files = []
     for p in paths:
         found = sorted(p.glob("*.json")) if p.is_dir() else [p]
         # a folder of several runs: each file is its own source
         files += [(f, f"{p.stem}/{f.stem}" if len(found) > 1 else p.stem) for f in found]
+    # files of the same name from different folders (call1/serving.json, call2/serving.json)
+    stems = [source for _, source in files]
+    files = [(f, f"{f.parent.name}/{source}" if stems.count(source) > 1 else source)
+             for f, source in files]
     if not files:
         raise SystemExit(f"no JSON files under {', '.join(map(str, paths))}")
     serving, agent = [], []

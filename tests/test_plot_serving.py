@@ -83,3 +83,14 @@ def test_memory_counts_reserved_bytes_per_slot_for_every_system(tmp_path):
     assert mem["fp8\nrun"]["bytes_per_token"] == pytest.approx(65536)
     assert mem["mosaickv\nrun"]["bytes_per_token"] == 45000.0
     assert mem["mosaickv\nrun"]["reserved_bytes_per_slot"] == 1000 * 2**20 / 1600
+
+
+def test_files_of_the_same_name_from_two_calls_stay_apart(tmp_path):
+    for call, tok_s in (("call1", 10.0), ("call2", 20.0)):
+        (tmp_path / call).mkdir()
+        (tmp_path / call / "serving.json").write_text(
+            json.dumps([_serving_row("dense", 1024, 1, tok_s)]))
+    serving, _ = plot_serving.load_rows([tmp_path / "call1" / "serving.json",
+                                         tmp_path / "call2" / "serving.json"])
+    assert {(r["source"], r["decode_tok_s"]) for r in serving} == {
+        ("call1/serving", 10.0), ("call2/serving", 20.0)}
