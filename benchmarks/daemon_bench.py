@@ -13,6 +13,11 @@ new pages into slots). Phases:
   from the queue and counted (in the server that is the backpressure seal, whose cost per page
   is measured separately as `inline_seal_ms`).
 
+An adopted page is installed as the pool does it (`SegmentStore.install_pages`: arena writes,
+headers, page metadata) into a store of --store-pages pages, the oldest released when it is full;
+`install_ms` times that part of the boundary (before 2026-11-30 evening it was not modelled).
+Not modelled: the pool's own bookkeeping around it (accounting, swap log: dict updates).
+
 Reported: step time p50/p99/max idle vs saturated, the step-boundary time (where a wait on the
 daemon would show; there is no blocking call there by construction), daemon throughput
 (pages/s, per worker core), worker page latency, and the production rate of batch-128 decode at
@@ -30,6 +35,7 @@ import os
 import platform
 import statistics
 import time
+from collections import deque
 
 import torch
 
@@ -40,6 +46,7 @@ from mosaickv_sglang.config import MosaicConfig
 import mosaickv_sglang.daemon.channel as channel_mod
 import mosaickv_sglang.daemon.client as client_mod
 from mosaickv_sglang.daemon.client import DaemonClient
+from mosaickv_sglang.segment_store import SegmentStore
 
 SHAPES = {"small": (4, 2, 64), "llama8b": (32, 8, 128)}  # layers, KV heads, head_dim
 
@@ -135,6 +142,8 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=30.0)
     ap.add_argument("--pages-per-step", type=float, default=1.0)
     ap.add_argument("--max-pending", type=int, default=128, help="hot-buffer bound (pages)")
+    ap.add_argument("--store-pages", type=int, default=64,
+                    help="arena pages adopted pages are installed into (oldest released)")
     ap.add_argument("--fit-every", type=int, default=32, help="one basis fit per this many pages")
     ap.add_argument("--production-step-ms", type=float, nargs="+", default=[20.0, 30.0, 60.0],
                     help="stated batch-128 Llama-8B decode step times for the production rate")
@@ -186,24 +195,46 @@ def main() -> None:
     seal_group(read, [tokens * 5], None, cfg, cands, dense)
     inline_fit_ms = (time.perf_counter() - t0) * 1e3
 
+    store = SegmentStore(layers, args.store_pages, heads, head_dim, tokens, cfg.page_tokens,
+                         device, cfg.select.meta_channels if cfg.select.enabled else None,
+                         args.store_pages * (worst_page_bytes(cfg, heads, head_dim, dense)
+                                             + heads * 4096))  # + block alignment
+    installed: deque[int] = deque()
+
+    def install(job) -> None:
+        """What the pool does with a ready job's pages: into the arena (oldest out when full)."""
+        if job.error is not None:
+            return
+        for sealed in job.results:
+            if sealed is False:
+                continue
+            if len(installed) == args.store_pages:
+                store.release(installed.popleft())
+            page = next(p for p in range(1, args.store_pages + 1) if p not in installed)
+            store.install_pages([page], [sealed.segments])
+            installed.append(page)
+
     work = Work(device, args.step_ms)
     bases = None
     state = {"page": 0, "credit": 0.0, "dropped": 0, "done": 0}
 
     def boundary(produce: bool) -> tuple[float, float]:
-        """The scheduler's step boundary: collect + retire ready, then submit new pages.
-        Returns (collect seconds, submit seconds)."""
+        """The scheduler's step boundary: collect, install + retire ready jobs, then submit new
+        pages. Returns (collect seconds, submit seconds); the install's in state["install_s"]."""
         nonlocal bases
         t = time.perf_counter()
         client.collect()
         state["collect_parts"] = breakdown.take()
+        t_install = time.perf_counter()
         for job in client.open_jobs():
             if job.ready:
+                install(job)
                 client.retire(job)
                 state["done"] += len(job.pages)
                 if not job.bases_given and job.error is None:
                     bases = job.bases  # later pages of the block reuse them
         t_submit = time.perf_counter()
+        state["install_s"] = t_submit - t_install
         if produce:
             state["credit"] += args.pages_per_step
             while state["credit"] >= 1:
@@ -217,10 +248,10 @@ def main() -> None:
                 fit = bases is None or page % args.fit_every == 0
                 client.submit([page], [0], [tokens * (1 + page % 30)], page,
                               None if fit else bases)
-        return t_submit - t, time.perf_counter() - t_submit
+        return t_install - t, time.perf_counter() - t_submit
 
     def phase(produce: bool) -> dict:
-        steps, bounds, collects, submits, parts = [], [], [], [], []
+        steps, bounds, collects, submits, parts, installs = [], [], [], [], [], []
         done0, busy0 = state["done"], client.counters.worker_seconds
         t_start = time.perf_counter()
         for _ in range(args.steps):
@@ -229,14 +260,16 @@ def main() -> None:
             breakdown.take()
             c, sub = boundary(produce)
             parts.append(state["collect_parts"])
+            installs.append(state["install_s"])
             steps.append(time.perf_counter() - t)
-            bounds.append(c + sub)
+            bounds.append(c + state["install_s"] + sub)
             collects.append(c)
             submits.append(sub)
         wall = time.perf_counter() - t_start
         return {"step_ms": {k: v * 1e3 for k, v in quantiles(steps).items()},
                 "boundary_ms": {k: v * 1e3 for k, v in quantiles(bounds).items()},
                 "collect_ms": {k: v * 1e3 for k, v in quantiles(collects).items()},
+                "install_ms": {k: v * 1e3 for k, v in quantiles(installs).items()},
                 "submit_ms": {k: v * 1e3 for k, v in quantiles(submits).items()},
                 "slowest_1pct_collect_ms": slowest_breakdown(collects, parts),
                 "wall_s": wall, "pages_done": state["done"] - done0,
@@ -271,12 +304,12 @@ def main() -> None:
                                             for ms in args.production_step_ms},
     }
     rows = [("phase", "step p50 ms", "step p99 ms", "step max ms", "collect p50/p99/max ms",
-             "submit p50/p99/max ms", "pages sealed", "worker busy")]
+             "install p50/p99/max ms", "submit p50/p99/max ms", "pages sealed", "worker busy")]
     for name in ("idle", "saturated"):
         r = out[name]
         rows.append((name, *(f"{r['step_ms'][q]:.2f}" for q in ("p50", "p99", "max")),
                      *("/".join(f"{r[k][q]:.2f}" for q in ("p50", "p99", "max"))
-                       for k in ("collect_ms", "submit_ms")),
+                       for k in ("collect_ms", "install_ms", "submit_ms")),
                      str(r["pages_done"]), f"{r['worker_busy_fraction']:.2f}"))
     if args.json:
         with open(args.json, "w") as fh:

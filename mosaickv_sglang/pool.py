@@ -84,8 +84,31 @@ def cell_fraction(cfg: MosaicConfig, head_num: int, head_dim: int) -> float:
     return cfg.hot_buffer_fraction + (seg + bases) / dense
 
 
+def check_hot_buffer(hot_tokens: int, page_size: int, chunked_prefill_size: int | None,
+                     context_len: int, hot_buffer_fraction: float) -> None:
+    """Refuse at start-up a hot buffer that cannot hold the pages of one prefill chunk: every
+    prompt longer than it would stop the server mid-forward. A chunk's full pages are sealed
+    after its forward, so the buffer needs one chunk (at most context - 1 prompt tokens, whole
+    pages: chunks and prefix matches are page aligned), not a whole prompt. Running requests
+    keep a page or two each on top of that: size the fraction with room for them."""
+    chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 \
+        else context_len
+    need = -(-min(chunk, context_len - 1) // page_size) * page_size
+    if hot_tokens < need:
+        raise ValueError(
+            f"MosaicKV: the hot buffer holds {hot_tokens} tokens (hot_buffer_fraction="
+            f"{hot_buffer_fraction} of the token slots) but one prefill chunk needs {need} "
+            f"(--chunked-prefill-size {chunked_prefill_size}, context {context_len}): raise "
+            f"hot_buffer_fraction to >= {hot_buffer_fraction * need / max(hot_tokens, 1):.3f} in "
+            "--mosaickv-config or lower --chunked-prefill-size")
+
+
 class MosaicKVPool(MHATokenToKVPool):
     """``MHATokenToKVPool`` whose dense buffers are only the hot buffer (see module doc)."""
+
+    @staticmethod
+    def hot_pages_for(size: int, page_size: int, hot_buffer_fraction: float) -> int:
+        return max(2, int((size // page_size + 1) * hot_buffer_fraction))
 
     def __init__(self, size: int, page_size: int, *args, mosaic_config: MosaicConfig, **kwargs):
         if page_size != mosaic_config.segment_tokens:
@@ -93,7 +116,7 @@ class MosaicKVPool(MHATokenToKVPool):
                              f"(= segment_tokens), got {page_size}")
         self.logical_size = size
         self.num_logical_pages = size // page_size + 1
-        hot_pages = max(2, int(self.num_logical_pages * mosaic_config.hot_buffer_fraction))
+        hot_pages = self.hot_pages_for(size, page_size, mosaic_config.hot_buffer_fraction)
         super().__init__(hot_pages * page_size, page_size, *args, **kwargs)
         self.cfg = mosaic_config = fit_rescue(mosaic_config, self.head_dim)
         self.num_hot_pages = hot_pages

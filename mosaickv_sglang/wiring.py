@@ -25,8 +25,12 @@ def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
         return original(self, sizes=sizes, **kwargs)
     from sglang.srt.runtime_context import get_parallel
 
-    from .pool import MosaicKVPool
+    from .pool import MosaicKVPool, check_hot_buffer
 
+    hot = MosaicKVPool.hot_pages_for(sizes.max_total_num_tokens, self.pool_page_size,
+                                     cfg.hot_buffer_fraction) * self.pool_page_size
+    check_hot_buffer(hot, self.pool_page_size, self.server_args.chunked_prefill_size,
+                     self.model_config.context_len, cfg.hot_buffer_fraction)
     return MosaicKVPool(
         sizes.max_total_num_tokens,
         page_size=self.pool_page_size,

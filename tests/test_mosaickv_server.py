@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.slow,
 
 LOSSLESS = {"k_candidates": ["dense:val=fp32"], "v_candidates": ["dense:val=fp32"],
             "sink_candidates": [],
-            "hot_tokens": 0, "select": {"enabled": False}}
+            "hot_tokens": 0, "select": {"enabled": False},
+            "hot_buffer_fraction": 0.5}  # 4096 slots: the hot buffer must hold a 2048 chunk
 
 
 def _essay_ids(n_tokens: int, offset: int = 0) -> list[int]:
@@ -171,3 +172,16 @@ def test_config_that_does_not_fit_the_model_fails_at_startup(tmp_path):
     assert proc.returncode != 0
     assert "k_candidates" in out and "does not fit this model (head_dim 16)" in out, out[-3000:]
     assert "Load weight begin" not in out
+
+
+def test_a_hot_buffer_smaller_than_a_prefill_chunk_is_refused_at_start_up(tmp_path):
+    """4096 slots x 0.25 = 1024 hot tokens cannot hold a 2048-token chunk: the server must
+    stop at start-up naming the key, not crash on the first long prompt."""
+    model = make_tiny_llama(tmp_path / "tiny")
+    with pytest.raises(RuntimeError, match=r"raise hot_buffer_fraction to >= 0\.500"):
+        with running_server(model, tmp_path / "refused.log", "--kv-backend", "mosaickv",
+                            "--mosaickv-config", json.dumps({**LOSSLESS,
+                                                             "hot_buffer_fraction": 0.25}),
+                            "--dtype", "float32", "--max-total-tokens", "4096",
+                            "--chunked-prefill-size", "2048"):
+            pass

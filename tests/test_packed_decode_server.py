@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.slow,
 
 CONFIG = {"basis_block_tokens": 256, "hot_tokens": 32,
           "sink_candidates": ["band:b8=64,b4=0,b2=0,group=32"],
-          "select": {"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64}}
+          "select": {"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64},
+          "hot_buffer_fraction": 0.5}  # 4096 slots: the hot buffer must hold a 2048 chunk
 
 
 def test_triton_decode_path_matches_reference_path(tmp_path):

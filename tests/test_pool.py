@@ -90,3 +90,17 @@ def test_seal_and_reuse_counts_by_position():
     assert counters["sealed_by_position"] == [1, 1, 1]
     assert counters["reused_by_position"] == [2, 2, 1]
     assert counters["reused_pages"] == 5 and counters["sealed_pages"] == 3
+
+
+def test_a_hot_buffer_smaller_than_one_prefill_chunk_is_refused_at_start_up():
+    from mosaickv_sglang.pool import check_hot_buffer
+    check_hot_buffer(8192, 128, 8192, 131072, 0.05)  # one chunk of whole pages: fits
+    with pytest.raises(ValueError, match=r"hot_buffer_fraction.*--chunked-prefill-size 8192"):
+        check_hot_buffer(8064, 128, 8192, 131072, 0.05)
+    # a chunk is at most context - 1 prompt tokens, in whole pages
+    check_hot_buffer(8192, 128, 16384, 8192, 0.25)
+    # chunking off (None or -1): the whole context is one prefill
+    for off in (None, -1):
+        with pytest.raises(ValueError, match="raise hot_buffer_fraction to >= 0.800"):
+            check_hot_buffer(4096, 128, off, 5121, 0.64)
+    check_hot_buffer(4096, 128, -1, 4097, 0.5)

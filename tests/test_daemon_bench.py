@@ -1,0 +1,26 @@
+"""benchmarks/daemon_bench.py end to end on the CPU (small shape): the step boundary it times
+includes installing adopted pages into a SegmentStore, and its JSON carries the breakdown."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path):
+    out = tmp_path / "daemon.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/daemon_bench.py"),
+                           "--shape", "small", "--device", "cpu", "--workers", "1",
+                           "--steps", "100", "--step-ms", "10", "--nice", "0",
+                           "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    sat, idle = result["saturated"], result["idle"]
+    assert sat["pages_done"] >= 1, proc.stdout[-2000:]
+    assert sat["install_ms"]["max"] > 0 and idle["install_ms"]["max"] < sat["install_ms"]["max"]
+    slowest = sat["slowest_1pct_collect_ms"]
+    assert set(slowest) >= {"collect", "alive", "handle", "load", "unpickle", "pump", "gc",
+                            "other", "steps"}
+    assert result["args"]["nice"] == 0 and "install p50/p99/max ms" in proc.stdout
