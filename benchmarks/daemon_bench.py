@@ -35,7 +35,6 @@ import os
 import platform
 import statistics
 import time
-from collections import deque
 
 import torch
 
@@ -199,28 +198,27 @@ def main() -> None:
                          device, cfg.select.meta_channels if cfg.select.enabled else None,
                          args.store_pages * (worst_page_bytes(cfg, heads, head_dim, dense)
                                              + heads * 4096))  # + block alignment
-    installed: deque[int] = deque()
-
     def install(job) -> None:
-        """What the pool does with a ready job's pages: into the arena (oldest out when full)."""
+        """What the pool does with a ready job's pages: into the arena, store pages taken in a
+        ring (the oldest released when it comes round again)."""
         if job.error is not None:
             return
         for sealed in job.results:
             if sealed is False:
                 continue
-            if len(installed) == args.store_pages:
-                store.release(installed.popleft())
-            page = next(p for p in range(1, args.store_pages + 1) if p not in installed)
+            page = 1 + state["installed"] % args.store_pages
+            if state["installed"] >= args.store_pages:
+                store.release(page)
             store.install_pages([page], [sealed.segments])
-            installed.append(page)
+            state["installed"] += 1
 
     work = Work(device, args.step_ms)
     bases = None
-    state = {"page": 0, "credit": 0.0, "dropped": 0, "done": 0}
+    state = {"page": 0, "credit": 0.0, "dropped": 0, "done": 0, "installed": 0}
 
-    def boundary(produce: bool) -> tuple[float, float]:
+    def boundary(produce: bool) -> tuple[float, float, float]:
         """The scheduler's step boundary: collect, install + retire ready jobs, then submit new
-        pages. Returns (collect seconds, submit seconds); the install's in state["install_s"]."""
+        pages. Returns (collect, install, submit) seconds."""
         nonlocal bases
         t = time.perf_counter()
         client.collect()
@@ -234,7 +232,6 @@ def main() -> None:
                 if not job.bases_given and job.error is None:
                     bases = job.bases  # later pages of the block reuse them
         t_submit = time.perf_counter()
-        state["install_s"] = t_submit - t_install
         if produce:
             state["credit"] += args.pages_per_step
             while state["credit"] >= 1:
@@ -248,7 +245,7 @@ def main() -> None:
                 fit = bases is None or page % args.fit_every == 0
                 client.submit([page], [0], [tokens * (1 + page % 30)], page,
                               None if fit else bases)
-        return t_install - t, time.perf_counter() - t_submit
+        return t_install - t, t_submit - t_install, time.perf_counter() - t_submit
 
     def phase(produce: bool) -> dict:
         steps, bounds, collects, submits, parts, installs = [], [], [], [], [], []
@@ -258,11 +255,11 @@ def main() -> None:
             t = time.perf_counter()
             work.run()
             breakdown.take()
-            c, sub = boundary(produce)
+            c, inst, sub = boundary(produce)
             parts.append(state["collect_parts"])
-            installs.append(state["install_s"])
+            installs.append(inst)
             steps.append(time.perf_counter() - t)
-            bounds.append(c + state["install_s"] + sub)
+            bounds.append(c + inst + sub)
             collects.append(c)
             submits.append(sub)
         wall = time.perf_counter() - t_start

@@ -246,7 +246,8 @@ def main() -> None:
     args.logs.mkdir(parents=True, exist_ok=True)
     common = ["--load-format", args.load_format, "--context-length", str(max(contexts) + 1024),
               "--chunked-prefill-size", str(-(-max(contexts) // 128) * 128), "--max-running-requests",
-              str(max(b for b in batches if b != "max") if "max" not in batches else 256), "--grammar-backend", "none", *args.server_arg]
+              str(256 if "max" in batches else max(batches)), "--grammar-backend", "none",
+              *args.server_arg]
     results = []
 
     def launch(system: str):
