@@ -36,6 +36,7 @@ def server_env() -> dict:
 PORT_BASE, PORT_SPAN = 20000, 2000  # below Linux's ephemeral range (32768+)
 _ports_given: set[int] = set()
 _ports_lock = threading.Lock()
+_live_servers: set[subprocess.Popen] = set()  # started by running_server, not yet stopped
 
 
 def free_port() -> int:
@@ -95,6 +96,16 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+def stop_all_servers() -> int:
+    """Stop every server running_server started and has not stopped yet (for a signal handler
+    that must not leave servers holding the GPU when threads still use them); returns how many."""
+    with _ports_lock:
+        procs = list(_live_servers)
+    for proc in procs:
+        stop(proc)
+    return len(procs)
+
+
 @contextmanager
 def running_server(model: Path, log: Path, *args: str, startup_s: float = 300):
     """Yield SimpleNamespace(url, log, proc) for `python -m sglang.launch_server` with args."""
@@ -104,6 +115,8 @@ def running_server(model: Path, log: Path, *args: str, startup_s: float = 300):
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=server_env(),
                                 start_new_session=True)
+    with _ports_lock:
+        _live_servers.add(proc)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + startup_s
@@ -121,6 +134,8 @@ def running_server(model: Path, log: Path, *args: str, startup_s: float = 300):
         yield SimpleNamespace(url=url, log=log, proc=proc)
     finally:
         stop(proc)
+        with _ports_lock:
+            _live_servers.discard(proc)
         release_port(port)
 
 

@@ -141,3 +141,33 @@ def test_generation_is_cut_to_the_context(server, tmp_path, monkeypatch):
     s = report.summarize(prompts, [SYSTEMS["dense"]], store, {"dense": "f"})
     assert s["systems"]["dense"]["generation_cut_to_context"] == 1
     assert s["systems"]["dense"]["status"] == "incomplete"
+
+
+def test_a_cut_last_line_is_dropped_and_the_run_resumes(server, tmp_path, monkeypatch):
+    """A run killed mid-write (SIGTERM at a device call's limit) leaves a cut last line: the next
+    load drops it from the file, reruns only that sample, and the file is valid JSONL again."""
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    prompts = _prompts({"niah_single_1": "good"})
+    path = tmp_path / "r.jsonl"
+    run_prompts(server.url, "dense", "fp", prompts, ResultStore(path), progress=False)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-1]) + lines[-1][:25])  # the last record cut mid-line
+    store = ResultStore(path)
+    assert len(store.samples) == 2
+    assert run_prompts(server.url, "dense", "fp", prompts, store, progress=False)["run"] == 1
+    assert [json.loads(ln)["kind"] for ln in path.read_text().splitlines()] == ["sample"] * 3
+
+
+def test_a_bad_line_inside_the_file_is_an_error(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"kind": "dsl", "system": "dense"}\nnot json\n{"kind": "dsl", "system": "x"}\n')
+    with pytest.raises(ValueError, match="byte 35 is not JSON"):
+        ResultStore(path)
+
+
+def test_a_last_record_without_its_newline_gets_one(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"kind": "dsl", "system": "dense"}')
+    store = ResultStore(path)
+    store.add({"kind": "dsl", "system": "x"})
+    assert [json.loads(ln)["system"] for ln in path.read_text().splitlines()] == ["dense", "x"]

@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..assets.smollm2 import CHECKSUMS
 from ..assets.smollm2 import DEFAULT_OUT as SMOLLM2
-from ..launch import mosaickv_stats, running_server
+from ..launch import mosaickv_stats, running_server, stop_all_servers
 from . import dsl_fidelity, report, ruler_gen, systems
 from .runner import ResultStore, fingerprint, run_prompts
 
@@ -50,6 +54,13 @@ def context_length(model: Path, server_args: list[str]) -> int:
     if "--context-length" in server_args:
         return int(server_args[server_args.index("--context-length") + 1])
     return json.loads((model / "config.json").read_text())["max_position_embeddings"]
+
+
+def model_identity(model: Path) -> str:
+    """What results are keyed by: the model folder's checksums (the same weights at another path,
+    e.g. on another machine, resume), else its path."""
+    sums = model / CHECKSUMS
+    return fingerprint(sums.read_text()) if sums.is_file() else str(model)
 
 
 def failure_reason(log: Path) -> str:
@@ -123,6 +134,16 @@ def load_prompts(args) -> tuple[list, list, dict]:
         ruler_gen.header(args.model, args.seed)
 
 
+def _stop_on_signal(signum, _frame) -> None:
+    """SIGTERM (e.g. `timeout`): stop every server this run started, then exit at once. Threads
+    still waiting on those servers are not joined; every finished sample is already in the
+    results file (a line cut by the exit is dropped on the next load), so a rerun resumes."""
+    n = stop_all_servers()
+    print(f"[ruler] signal {signum}: stopped {n} server(s); rerun the same command to resume",
+          flush=True)
+    os._exit(128 + signum)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", nargs="+", help=f"RULER tasks (default: all 13: {', '.join(ruler_gen.TASKS)})")
@@ -144,11 +165,19 @@ def parse_args(argv=None):
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for every server, repeatable; quote flags with values: "
                          "--server-arg=--attention-backend --server-arg=triton")
+    ap.add_argument("--dense-server-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for the systems on SGLang's own KV cache only (dense, fp8), "
+                         "repeatable: e.g. their attention backend, which --kv-backend mosaickv "
+                         "refuses (it sets its own): --dense-server-arg=--attention-backend "
+                         "--dense-server-arg=triton")
     ap.add_argument("--dsl", type=int, default=0, metavar="N",
                     help="also answer N multiple-choice questions with sgl.select and a fork "
                          "program on every system (eval/dsl_fidelity.py)")
     ap.add_argument("--dsl-length", type=int, default=2048, help="RULER length of the DSL contexts")
     ap.add_argument("--gen-jobs", type=int, default=2, help="RULER generators run at a time")
+    ap.add_argument("--parallel", type=int, default=1, metavar="N",
+                    help="systems served at once, each by its own server (give each a share of "
+                         "the GPU: --server-arg=--mem-fraction-static --server-arg=F with N*F < 0.9)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.systems == ["all"]:
@@ -158,6 +187,8 @@ def parse_args(argv=None):
     args.systems = [s.name for s in systems.get(args.systems)]
     if args.samples is not None and args.samples < 1:
         ap.error(f"--samples {args.samples}: must be >= 1")
+    if args.parallel < 1:
+        ap.error(f"--parallel {args.parallel}: must be >= 1")
     if not (args.model / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json (build SmolLM2 with bash scripts/setup.sh)")
     return args
@@ -170,13 +201,23 @@ def main(argv=None) -> int:
     store = ResultStore(results)
     extra = platform_args(args.concurrency) + args.server_arg
     chosen = systems.get(args.systems)
-    fps = {s.name: fingerprint([s.server_args(), extra, str(args.model)]) for s in chosen}
+    baseline_args = {s.name: args.dense_server_arg if s.kv_backend == "default" else []
+                     for s in chosen}
+    own_args = {s.name: s.server_args() + extra + baseline_args[s.name] for s in chosen}
+    # (the baseline arguments join the fingerprint only when given: older results still resume)
+    fps = {s.name: fingerprint([s.server_args(), extra, model_identity(args.model)] +
+                               ([baseline_args[s.name]] if baseline_args[s.name] else []))
+           for s in chosen}
     print(f"[ruler] {len(prompts)} prompts ({len({(p.task, p.length) for p in prompts})} "
           f"task-lengths) x {len(chosen)} systems; samples -> {results}", flush=True)
     for system in chosen:
         systems.validate(system)
-        run_system(system, prompts, questions, store, fps[system.name], args,
-                   system.server_args() + extra, results.with_suffix(".logs"))
+    signal.signal(signal.SIGTERM, _stop_on_signal)
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for done in [pool.submit(run_system, s, prompts, questions, store, fps[s.name], args,
+                                 own_args[s.name], results.with_suffix(".logs"))
+                     for s in chosen]:
+            done.result()
     summary = report.summarize(prompts, chosen, store, fps)
     summary.update(command=sys.argv, prompts=source, server_args_common=extra,
                    results_file=str(results))

@@ -40,9 +40,30 @@ class ResultStore:
         self.system_records: dict[str, dict] = {}  # system -> latest "stats"/"unsupported" record
         self.dsl: dict[str, dict] = {}  # system -> latest "dsl" record (frontend DSL answers)
         if path.is_file():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    self._index(json.loads(line))
+            self._load(path)
+
+    def _load(self, path: Path) -> None:
+        """Index every record; a cut last line (a run killed mid-write) is cut off the file, so
+        the next append starts on a line of its own; a bad line anywhere else is an error."""
+        raw = path.read_bytes()
+        good_end = 0
+        for line in raw.splitlines(keepends=True):
+            try:
+                rec = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                if raw[good_end + len(line):].strip():
+                    raise ValueError(f"{path}: a line at byte {good_end} is not JSON (only a killed "
+                                     f"run's last line may be cut): {line[:120]!r}") from None
+                print(f"[runner] {path}: cutting off a cut last line (a killed run's)", flush=True)
+                with open(path, "r+b") as fh:
+                    fh.truncate(good_end)
+                return
+            if rec is not None:
+                self._index(rec)
+            good_end += len(line)
+        if raw and not raw.endswith(b"\n"):  # a whole last record whose newline was not written
+            with open(path, "ab") as fh:
+                fh.write(b"\n")
 
     def _index(self, rec: dict) -> None:
         if rec["kind"] == "sample":

