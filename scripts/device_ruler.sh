@@ -52,6 +52,7 @@ run) ;;
 esac
 
 t0=$SECONDS
+set --  # device_env.sh takes archives as arguments: none, the site is unpacked
 source scripts/device_env.sh > /tmp/ruler_env.log 2>&1 || { tail -20 /tmp/ruler_env.log; exit 1; }
 if [ ! -f .assets/SmolLM2-135M-Instruct/config.json ]; then
   [ -f $PARTS/smollm2.part1 ] && cp $PARTS/smollm2.part1 $R/

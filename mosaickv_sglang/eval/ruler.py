@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +36,10 @@ from ..launch import mosaickv_stats, running_server, stop_all_servers
 from . import dsl_fidelity, report, ruler_gen, systems
 from .runner import ResultStore, fingerprint, run_prompts
 
+# SGLang sizes its KV pool from the GPU memory free while it starts: servers starting together
+# saw each other's allocations come and go (pools of 1792 to 281600 tokens, one refused, on the
+# H200), so --parallel starts them one after another and runs them at once.
+_ONE_START_AT_A_TIME = threading.Lock()
 _ERROR_LINE = re.compile(r"(Error|error:|Exception|not supported|unsupported|refuse)", re.I)
 
 
@@ -88,7 +93,8 @@ def run_system(system, prompts, questions, store: ResultStore, fp: str, args,
     t0 = time.time()
     try:
         server = running_server(args.model, log, *server_args, startup_s=args.startup_s)
-        srv = server.__enter__()
+        with _ONE_START_AT_A_TIME:
+            srv = server.__enter__()
     except RuntimeError:
         reason = failure_reason(log)
         store.add({"kind": "unsupported", "system": system.name, "system_fp": fp, "reason": reason})
@@ -176,7 +182,7 @@ def parse_args(argv=None):
     ap.add_argument("--dsl-length", type=int, default=2048, help="RULER length of the DSL contexts")
     ap.add_argument("--gen-jobs", type=int, default=2, help="RULER generators run at a time")
     ap.add_argument("--parallel", type=int, default=1, metavar="N",
-                    help="systems served at once, each by its own server (give each a share of "
+                    help="systems served at once, each by its own server, started one after another (give each a share of "
                          "the GPU: --server-arg=--mem-fraction-static --server-arg=F with N*F < 0.9)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
