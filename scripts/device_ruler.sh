@@ -15,9 +15,13 @@
 # the wheel checked, model verified), then runs eval.ruler for RULER_SETS (default "full ablate":
 # full = dense, mosaickv, fp8 on all 1900 prompts + 20 DSL questions; ablate = the ablations and
 # budgets on a 5-task x 2K/4K x 20-sample subset, dense's samples reused) until LIMIT_S, the
-# systems of a set served at once (--parallel). Both sets share one samples file in
-# /tmp/mosaickv_ruler (kept while warm), copied to $OUT after every set; one carried as
-# .device/ruler/samples.jsonl seeds a fresh machine, so a lost machine resumes too.
+# systems of a set served at once (--parallel), with SPLIT=N by N eval.ruler processes over task
+# groups (see ruler_run). Both sets share one samples file in /tmp/mosaickv_ruler (kept while
+# warm), copied to $OUT after every set; one carried as .device/ruler/samples.jsonl seeds a fresh
+# machine, so a lost machine resumes too. The 2026-11-30 run: calls 1-3 as above (LIMIT_S=500;
+# dense and fp8 finished, MosaicKV was refused: pools sized during simultaneous starts, now
+# started one after another), `RULER_SETS=full LIMIT_S=540 ... run` (MosaicKV 1215 of 1900), then
+# the same split 3 ways (done in 342 s). Budget on the H200: ~7.5K tokens/s sealed per server.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 stage=${1:?usage: device_ruler.sh prepare|env|keep|run}
@@ -69,11 +73,48 @@ common=(--prompts $R/prompts.jsonl.xz --concurrency "${CONCURRENCY:-64}" --no-pr
         --server-arg=--mem-fraction-static --server-arg="${MEM_FRACTION:-0.12}"
         --dense-server-arg=--attention-backend --dense-server-arg=triton
         --dense-server-arg=--disable-cuda-graph)
+TASKS=(niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2 niah_multikey_3
+       niah_multivalue niah_multiquery vt cwe fwe qa_1 qa_2)
 deadline=$((SECONDS + ${LIMIT_S:-540}))
+
+# One eval.ruler over $R/samples.jsonl, or with SPLIT=N, N of them at once over interleaved task
+# groups (N servers of a system: MosaicKV's synchronous sealing runs on its scheduler's thread, so
+# one server seals ~7.5K SmolLM2 tokens/s on the H200 and N of them ~N times that), each on a copy
+# of the samples file, started 28 s apart (SGLang sizes its pool from the memory free while it
+# starts), then what each appended is merged back. Returns the worst exit status.
+ruler_run() {  # set-name, seconds, eval.ruler arguments...
+  local set=$1 left=$2 n=${SPLIT:-1} i rc=0 worst=0
+  shift 2
+  for ((i = 0; i < n; i++)); do
+    local part=() dsl=()
+    [ $i = 0 ] && [ "$set" = full ] && dsl=(--dsl 20)
+    if [ "$n" -gt 1 ]; then
+      for j in "${!TASKS[@]}"; do [ $((j % n)) = $i ] && part+=("${TASKS[$j]}"); done
+      part=(--tasks "${part[@]}")
+      [ -f $R/samples.jsonl ] && cp $R/samples.jsonl $R/$set/split$i.jsonl
+    fi
+    (sleep $((i * 28)); timeout --signal=TERM $((left - i * 28)) python3 -m mosaickv_sglang.eval.ruler \
+        "${common[@]}" "$@" "${part[@]}" "${dsl[@]}" \
+        --results $([ "$n" -gt 1 ] && echo $R/$set/split$i.jsonl || echo $R/samples.jsonl) \
+        --json $R/$set/ruler$i.json > $R/$set/ruler$i.log 2>&1) &
+  done
+  for ((i = 0; i < n; i++)); do wait -n; rc=$?; [ $rc -gt $worst ] && worst=$rc; done
+  if [ "$n" -gt 1 ]; then  # append what each split added beyond the shared start
+    python3 - $R/samples.jsonl $R/$set/split*.jsonl <<'PY'
+import sys, pathlib
+base_path, parts = pathlib.Path(sys.argv[1]), sys.argv[2:]
+base = base_path.read_bytes() if base_path.is_file() else b""
+added = [pathlib.Path(p).read_bytes()[len(base):] for p in parts]
+base_path.write_bytes(base + b"".join(a if a.endswith(b"\n") or not a else a + b"\n" for a in added))
+PY
+  fi
+  return $worst
+}
+
 for set in ${RULER_SETS:-full ablate}; do
   mkdir -p $R/$set
   case $set in
-    full) args=(--systems dense mosaickv fp8 --parallel 3 --dsl 20) ;;
+    full) args=(--systems dense mosaickv fp8 --parallel 3) ;;
     ablate) args=(--systems dense no_rotation global_mask channel_only selection_only mosaickv_hi
                   mosaickv_lo --parallel 6 --tasks niah_single_1 niah_single_2 niah_single_3
                   niah_multikey_1 niah_multiquery --length 2048 --length 4096 --samples 20) ;;
@@ -81,19 +122,20 @@ for set in ${RULER_SETS:-full ablate}; do
   esac
   left=$((deadline - SECONDS))
   [ $left -lt 60 ] && { echo "no time left for set $set"; break; }
-  echo "== set $set ($left s left)"
-  timeout --signal=TERM $left python3 -m mosaickv_sglang.eval.ruler "${common[@]}" "${args[@]}" \
-      --results $R/samples.jsonl --json $R/$set/ruler.json --report $R/$set > $R/$set/ruler.log 2>&1
+  echo "== set $set ($left s left, SPLIT=${SPLIT:-1})"
+  ruler_run $set $((left - 20)) "${args[@]}"
   rc=$?
-  pkill -9 -f sglang 2>/dev/null  # a server the signal handler missed must not hold the GPU
+  pkill -9 -f "sglang.launch_server|sglang::" 2>/dev/null  # none should be left: make sure
   mkdir -p "$OUT/$set"
-  cp $R/$set/ruler.json $R/$set/ruler.md $R/$set/ruler.png "$OUT/$set/" 2>/dev/null
   cp $R/samples.jsonl "$OUT/"
-  tail -c 20000 $R/$set/ruler.log > "$OUT/$set/ruler.log"
-  for log in $R/samples.logs/*.log; do
-    [ -f "$log" ] && grep -E "Error|Traceback|MosaicKV|max_total_num_tokens" "$log" | tail -3 | cut -c1-200 \
+  for log in $R/$set/ruler*.log; do tail -c 6000 "$log" > "$OUT/$set/$(basename "$log")"; done
+  for log in $R/samples.logs/*.log $R/$set/split*.logs/*.log; do
+    [ -f "$log" ] && grep -E "Error|Traceback|MosaicKV:|max_total_num_tokens" "$log" | tail -2 | cut -c1-200 \
         | sed "s|^|$(basename "$log"): |"
   done
-  echo "set $set: rc $rc"; grep -E "^\[ruler\]" $R/$set/ruler.log | tail -8
-  [ -f $R/$set/ruler.md ] && [ $rc = 0 ] && tail -30 $R/$set/ruler.md
+  echo "set $set: rc $rc"; grep -hE "^\[ruler\]" $R/$set/ruler*.log | tail -8
 done
+# The report: from the merged samples file, anywhere (no server), e.g. here with:
+#   python -m mosaickv_sglang.eval.ruler --prompts $PROMPTS --systems dense mosaickv fp8 --dsl 20 \
+#       <the common arguments above> --platform gpu --report-only --results samples.jsonl \
+#       --json ruler.json --report DIR

@@ -118,6 +118,8 @@ def test_summary_losses_over_competent_cells(server, tmp_path, monkeypatch):
     loss = s["systems"]["mosaickv"]["loss"]
     assert loss["worst_at"] == "qa_1@2048" and loss["worst"] == pytest.approx(200 / 3)
     assert loss["average"] == pytest.approx(100 / 3)
+    lo, hi = loss["average_ci95"]  # qa_1's paired differences are 0, 100, 100: resampled
+    assert 0 <= lo < 100 / 3 < hi <= 50
     assert s["systems"]["mosaickv"]["ratio"] == 3.2
     assert s["systems"]["mosaickv"]["identical_to_dense"] == 100.0  # same records copied
     assert s["systems"]["fp8"] == {**s["systems"]["fp8"], "status": "unsupported",
@@ -171,3 +173,48 @@ def test_a_last_record_without_its_newline_gets_one(tmp_path):
     store = ResultStore(path)
     store.add({"kind": "dsl", "system": "x"})
     assert [json.loads(ln)["system"] for ln in path.read_text().splitlines()] == ["dense", "x"]
+
+
+def test_ratio_sums_every_server_that_ran_the_system(tmp_path):
+    """A resumed or split run has several servers' stats: the ratio is bf16 bytes of every token
+    they sealed over every byte kept, and a server that ran no prompt (it repeats an earlier
+    one's stats) is not counted twice."""
+    store = ResultStore(tmp_path / "r.jsonl")
+
+    def stats(tokens, bpt, run):
+        store.add({"kind": "stats", "system": "mosaickv", "system_fp": "fm", "counts": {"run": run},
+                   "mosaickv": {"sealed_tokens": tokens, "sealed_bytes_per_token": bpt,
+                                "dense_bytes_per_token": 100.0, "sealed_ratio": 100.0 / bpt}})
+
+    stats(1000, 25.0, run=10)  # 4x
+    stats(3000, 50.0, run=30)  # 2x
+    stats(3000, 50.0, run=0)  # a rerun with nothing left to do
+    dense_p = _prompts({"niah_single_1": "good"})
+    s = report.summarize(dense_p, [SYSTEMS["mosaickv"]], store, {"mosaickv": "fm"})
+    entry = s["systems"]["mosaickv"]
+    assert entry["ratio"] == pytest.approx(100 * 4000 / (1000 * 25 + 3000 * 50))
+    assert entry["ratio_source"].endswith("summed over the 2 servers that ran it)")
+    assert [r["sealed_tokens"] for r in entry["ratio_per_server"]] == [1000, 3000]
+
+
+def test_report_only_starts_no_server_and_counts_what_is_missing(tmp_path, monkeypatch):
+    """--report-only summarizes a samples file (e.g. a GPU run's, on a CPU with --platform gpu):
+    no server starts, and samples not in the file are counted as missing, not run."""
+    from mosaickv_sglang.eval import ruler, ruler_gen
+
+    def no_server(*a, **k):
+        raise AssertionError("--report-only must not start a server")
+    monkeypatch.setattr(ruler, "running_server", no_server)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 8192}')
+    prompts = _prompts({"niah_single_1": "good"})
+    ruler_gen.export(prompts, tmp_path / "p.jsonl.xz", {"format": ruler_gen.FORMAT, "seed": 1})
+    out = tmp_path / "s.json"
+    assert ruler.main(["--prompts", str(tmp_path / "p.jsonl.xz"), "--model", str(model),
+                       "--tasks", "niah_single_1",
+                       "--platform", "gpu", "--report-only", "--json", str(out)]) == 1
+    s = json.loads(out.read_text())
+    assert s["server_args_common"] == ["--dtype", "bfloat16"]
+    assert s["systems"]["mosaickv"]["status"] == "incomplete"
+    assert s["systems"]["dense"]["missing_samples"] == len(prompts)

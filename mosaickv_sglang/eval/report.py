@@ -6,11 +6,13 @@ task-lengths where dense scores >= COMPETENT points, and those are named in the 
 """
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from .ruler_gen import Prompt
 
 COMPETENT = 50.0
+BOOTSTRAP_REPS, BOOTSTRAP_SEED = 2000, 0
 
 
 def cell(p: Prompt) -> str:
@@ -41,13 +43,19 @@ def summarize(prompts: list[Prompt], systems: list, store, fingerprints: dict[st
                          "missing": len(pairs) - len(got)}
         stats = (record or {}).get("mosaickv")
         ratio, source = s.nominal_ratio, "nominal (bf16 bytes / bytes per element)"
-        if stats and stats.get("sealed_ratio"):
+        per_server = [st for st in store.server_stats(s.name, fp) if st.get("sealed_tokens")]
+        if len(per_server) > 1:
+            ratio, source = combined_ratio(per_server), \
+                f"measured (sealed bytes summed over the {len(per_server)} servers that ran it)"
+        elif stats and stats.get("sealed_ratio"):
             ratio, source = stats["sealed_ratio"], "measured (server sealed_ratio)"
         entry.update(status="ok" if missing == 0 else "incomplete", missing_samples=missing,
                      prompt_token_mismatches=mismatched, generation_cut_to_context=clamped,
                      scores=scores,
                      ratio=ratio, ratio_source=source,
                      stats=stats, wall_s=(record or {}).get("wall_s"),
+                     ratio_per_server=[{"sealed_tokens": st["sealed_tokens"],
+                                        "sealed_ratio": st["sealed_ratio"]} for st in per_server],
                      average=_mean([v["score"] for v in scores.values()]))
         out["systems"][s.name] = entry
     dense = out["systems"].get("dense")
@@ -64,9 +72,37 @@ def summarize(prompts: list[Prompt], systems: list, store, fingerprints: dict[st
             entry["competent_average"] = _mean([entry["scores"][c]["score"] for c in competent])
             entry["identical_to_dense"] = _identical_share(prompts, store, name, fingerprints)
             entry["loss"] = {"average": _mean(list(losses.values())),
+                             "average_ci95": _loss_ci(prompts, store, name, fingerprints, competent),
                              "worst": losses[worst] if worst else None, "worst_at": worst,
                              "per_cell": losses}
     return out
+
+
+def combined_ratio(per_server: list[dict]) -> float:
+    """bf16 bytes of every token the servers sealed / every byte their sealed pages keep."""
+    tokens = sum(st["sealed_tokens"] for st in per_server)
+    kept = sum(st["sealed_tokens"] * st["sealed_bytes_per_token"] for st in per_server)
+    return per_server[0]["dense_bytes_per_token"] * tokens / kept
+
+
+def _loss_ci(prompts: list[Prompt], store, name: str, fingerprints: dict,
+             cells: list[str]) -> list[float] | None:
+    """95% paired-bootstrap interval of the average loss vs dense over `cells`: samples are
+    resampled within each cell, keeping each sample's dense and system scores together (what
+    the sampling of prompts alone makes uncertain; seeded, so the same file gives the same
+    interval)."""
+    diffs: dict[str, list[float]] = {}
+    for p in prompts:
+        d, s = store.done("dense", p, fingerprints["dense"]), store.done(name, p, fingerprints[name])
+        if cell(p) in cells and d and s:
+            diffs.setdefault(cell(p), []).append(d["score"] - s["score"])
+    if not diffs or name == "dense":
+        return None
+    rng = random.Random(BOOTSTRAP_SEED)
+    means = sorted(
+        sum(sum(rng.choices(v, k=len(v))) / len(v) for v in diffs.values()) / len(diffs)
+        for _ in range(BOOTSTRAP_REPS))
+    return [means[int(0.025 * BOOTSTRAP_REPS)], means[int(0.975 * BOOTSTRAP_REPS) - 1]]
 
 
 def _identical_share(prompts: list[Prompt], store, name: str, fingerprints: dict) -> float | None:
@@ -107,6 +143,9 @@ def markdown(summary: dict) -> str:
     if "competent_cells" in summary:
         summary_row(f"average, dense >= {COMPETENT:.0f}", lambda e: _fmt(e["competent_average"]))
         summary_row("avg loss vs dense", lambda e: _fmt(e["loss"]["average"], 2))
+        summary_row("avg loss, 95% paired bootstrap", lambda e: "-" if not e["loss"].get(
+            "average_ci95") else f"[{e['loss']['average_ci95'][0]:.2f}, "
+                                 f"{e['loss']['average_ci95'][1]:.2f}]")
         summary_row("worst loss vs dense", lambda e: f"{_fmt(e['loss']['worst'], 1)} "
                     f"({e['loss']['worst_at'] or '-'})")
         summary_row("% predictions identical to dense", lambda e: _fmt(e["identical_to_dense"], 0))
@@ -137,12 +176,16 @@ def plot(summary: dict, path: Path) -> None:
         if e["status"] == "unsupported" or e.get(key) is None or e.get("ratio") is None:
             continue
         marker = "s" if e["ratio_source"].startswith("nominal") else "o"
-        ax.scatter(e["ratio"], e[key], marker=marker)
+        ci = (e.get("loss") or {}).get("average_ci95") if key == "competent_average" else None
+        # the loss interval drawn around the score: score = dense's - loss
+        yerr = [[ci[1] - e["loss"]["average"]], [e["loss"]["average"] - ci[0]]] if ci else None
+        ax.errorbar(e["ratio"], e[key], yerr=yerr, fmt=marker, capsize=3)
         ax.annotate(name, (e["ratio"], e[key]), textcoords="offset points", xytext=(4, 4),
                     fontsize=8)
     label = f"RULER score over task-lengths with dense >= {COMPETENT:.0f}" \
         if key == "competent_average" else "RULER score (all task-lengths)"
-    ax.set_xlabel("physical compression ratio vs bf16 (squares: nominal)")
+    ax.set_xlabel("physical compression ratio vs bf16\n(squares: nominal; bars: 95% paired "
+                  "bootstrap of the loss vs dense)")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
     fig.tight_layout()

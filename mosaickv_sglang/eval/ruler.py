@@ -43,12 +43,12 @@ _ONE_START_AT_A_TIME = threading.Lock()
 _ERROR_LINE = re.compile(r"(Error|error:|Exception|not supported|unsupported|refuse)", re.I)
 
 
-def platform_args(concurrency: int) -> list[str]:
+def platform_args(concurrency: int, platform: str = "auto") -> list[str]:
     """bf16 on a GPU; fp32 on a CPU (SGLang's bf16 CPU matmuls are several times slower; ratios
     are reported against bf16 either way) with a pool for `concurrency` 8K requests."""
     import torch
 
-    if torch.cuda.is_available():
+    if platform == "gpu" or (platform == "auto" and torch.cuda.is_available()):
         return ["--dtype", "bfloat16"]
     return ["--dtype", "float32", "--max-total-tokens", str(max(32768, 8192 * concurrency))]
 
@@ -184,6 +184,12 @@ def parse_args(argv=None):
     ap.add_argument("--parallel", type=int, default=1, metavar="N",
                     help="systems served at once, each by its own server, started one after another (give each a share of "
                          "the GPU: --server-arg=--mem-fraction-static --server-arg=F with N*F < 0.9)")
+    ap.add_argument("--platform", choices=("auto", "gpu", "cpu"), default="auto",
+                    help="whose server arguments (and so results) to use: this machine's (auto), or "
+                         "another's, e.g. to report a GPU run's samples file on a CPU")
+    ap.add_argument("--report-only", action="store_true",
+                    help="start no server: summarize what the samples file holds (missing samples "
+                         "are counted, not run)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.systems == ["all"]:
@@ -205,7 +211,7 @@ def main(argv=None) -> int:
     prompts, questions, source = load_prompts(args)
     results = args.results or args.json.with_suffix(".samples.jsonl")
     store = ResultStore(results)
-    extra = platform_args(args.concurrency) + args.server_arg
+    extra = platform_args(args.concurrency, args.platform) + args.server_arg
     chosen = systems.get(args.systems)
     baseline_args = {s.name: args.dense_server_arg if s.kv_backend == "default" else []
                      for s in chosen}
@@ -218,12 +224,13 @@ def main(argv=None) -> int:
           f"task-lengths) x {len(chosen)} systems; samples -> {results}", flush=True)
     for system in chosen:
         systems.validate(system)
-    signal.signal(signal.SIGTERM, _stop_on_signal)
-    with ThreadPoolExecutor(args.parallel) as pool:
-        for done in [pool.submit(run_system, s, prompts, questions, store, fps[s.name], args,
-                                 own_args[s.name], results.with_suffix(".logs"))
-                     for s in chosen]:
-            done.result()
+    if not args.report_only:
+        signal.signal(signal.SIGTERM, _stop_on_signal)
+        with ThreadPoolExecutor(args.parallel) as pool:
+            for done in [pool.submit(run_system, s, prompts, questions, store, fps[s.name], args,
+                                     own_args[s.name], results.with_suffix(".logs"))
+                         for s in chosen]:
+                done.result()
     summary = report.summarize(prompts, chosen, store, fps)
     summary.update(command=sys.argv, prompts=source, server_args_common=extra,
                    results_file=str(results))

@@ -38,6 +38,7 @@ class ResultStore:
         self.lock = threading.Lock()
         self.samples: dict[tuple, dict] = {}  # (system, task, length, index) -> latest record
         self.system_records: dict[str, dict] = {}  # system -> latest "stats"/"unsupported" record
+        self.stats_records: dict[str, list[dict]] = {}  # system -> every "stats" record, in order
         self.dsl: dict[str, dict] = {}  # system -> latest "dsl" record (frontend DSL answers)
         if path.is_file():
             self._load(path)
@@ -72,6 +73,8 @@ class ResultStore:
             self.dsl[rec["system"]] = rec
         else:
             self.system_records[rec["system"]] = rec
+            if rec["kind"] == "stats":
+                self.stats_records.setdefault(rec["system"], []).append(rec)
 
     def add(self, rec: dict) -> None:
         with self.lock:
@@ -94,6 +97,13 @@ class ResultStore:
         if rec and rec["system_fp"] == system_fp and rec["questions"] == question_keys:
             return rec["answers"]
         return None
+
+    def server_stats(self, system: str, system_fp: str) -> list[dict]:
+        """The MosaicKV stats of every server that ran prompts of this system (a resumed or split
+        run has several; a server that ran none repeats an earlier one's and is left out)."""
+        return [r["mosaickv"] for r in self.stats_records.get(system, [])
+                if r["system_fp"] == system_fp and r.get("mosaickv")
+                and (r.get("counts") or {}).get("run", 0) > 0]
 
     def system_record(self, system: str, system_fp: str) -> dict | None:
         """The latest per-system record ("stats" after a finished run, or "unsupported")."""
