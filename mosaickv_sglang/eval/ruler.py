@@ -141,7 +141,7 @@ def load_prompts(args) -> tuple[list, list, dict]:
 
 
 def _stop_on_signal(signum, _frame) -> None:
-    """SIGTERM (e.g. `timeout`): stop every server this run started, then exit at once. Threads
+    """SIGTERM (e.g. `timeout`) or Ctrl-C: stop every server this run started, exit at once. Threads
     still waiting on those servers are not joined; every finished sample is already in the
     results file (a line cut by the exit is dropped on the next load), so a rerun resumes."""
     n = stop_all_servers()
@@ -182,8 +182,9 @@ def parse_args(argv=None):
     ap.add_argument("--dsl-length", type=int, default=2048, help="RULER length of the DSL contexts")
     ap.add_argument("--gen-jobs", type=int, default=2, help="RULER generators run at a time")
     ap.add_argument("--parallel", type=int, default=1, metavar="N",
-                    help="systems served at once, each by its own server, started one after another (give each a share of "
-                         "the GPU: --server-arg=--mem-fraction-static --server-arg=F with N*F < 0.9)")
+                    help="systems served at once, each by its own server, started one after "
+                         "another (give each a share of the GPU: --server-arg=--mem-fraction-static "
+                         "--server-arg=F with N*F < 0.9)")
     ap.add_argument("--platform", choices=("auto", "gpu", "cpu"), default="auto",
                     help="whose server arguments (and so results) to use: this machine's (auto), or "
                          "another's, e.g. to report a GPU run's samples file on a CPU")
@@ -225,7 +226,8 @@ def main(argv=None) -> int:
     for system in chosen:
         systems.validate(system)
     if not args.report_only:
-        signal.signal(signal.SIGTERM, _stop_on_signal)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # threads would keep serving otherwise
+            signal.signal(sig, _stop_on_signal)
         with ThreadPoolExecutor(args.parallel) as pool:
             for done in [pool.submit(run_system, s, prompts, questions, store, fps[s.name], args,
                                      own_args[s.name], results.with_suffix(".logs"))
