@@ -75,7 +75,7 @@ common=(--prompts $R/prompts.jsonl.xz --concurrency "${CONCURRENCY:-64}" --no-pr
         --dense-server-arg=--disable-cuda-graph)
 TASKS=(niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2 niah_multikey_3
        niah_multivalue niah_multiquery vt cwe fwe qa_1 qa_2)
-deadline=$((SECONDS + ${LIMIT_S:-540}))
+deadline=$((t0 + ${LIMIT_S:-540}))  # counted from the call's start, model build included
 
 # One eval.ruler over $R/samples.jsonl, or with SPLIT=N, N of them at once over interleaved task
 # groups (N servers of a system: MosaicKV's synchronous sealing runs on its scheduler's thread, so
@@ -123,7 +123,8 @@ for set in ${RULER_SETS:-full ablate}; do
   left=$((deadline - SECONDS))
   [ $left -lt 60 ] && { echo "no time left for set $set"; break; }
   echo "== set $set ($left s left, SPLIT=${SPLIT:-1})"
-  ruler_run $set $((left - 20)) "${args[@]}"
+  # a SIGTERMed eval.ruler stops its servers in up to 30 s (together), then the copies below
+  ruler_run $set $((left - 45)) "${args[@]}"
   rc=$?
   pkill -9 -f "sglang.launch_server|sglang::" 2>/dev/null  # none should be left: make sure
   mkdir -p "$OUT/$set"

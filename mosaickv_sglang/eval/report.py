@@ -85,6 +85,14 @@ def combined_ratio(per_server: list[dict]) -> float:
     return per_server[0]["dense_bytes_per_token"] * tokens / kept
 
 
+def _paired(prompts: list[Prompt], store, name: str, fingerprints: dict):
+    """(prompt, dense record, `name`'s record) for every prompt both have finished."""
+    for p in prompts:
+        d, s = store.done("dense", p, fingerprints["dense"]), store.done(name, p, fingerprints[name])
+        if d and s:
+            yield p, d, s
+
+
 def _loss_ci(prompts: list[Prompt], store, name: str, fingerprints: dict,
              cells: list[str]) -> list[float] | None:
     """95% paired-bootstrap interval of the average loss vs dense over `cells`: samples are
@@ -92,9 +100,8 @@ def _loss_ci(prompts: list[Prompt], store, name: str, fingerprints: dict,
     the sampling of prompts alone makes uncertain; seeded, so the same file gives the same
     interval)."""
     diffs: dict[str, list[float]] = {}
-    for p in prompts:
-        d, s = store.done("dense", p, fingerprints["dense"]), store.done(name, p, fingerprints[name])
-        if cell(p) in cells and d and s:
+    for p, d, s in _paired(prompts, store, name, fingerprints):
+        if cell(p) in cells:
             diffs.setdefault(cell(p), []).append(d["score"] - s["score"])
     if not diffs or name == "dense":
         return None
@@ -107,9 +114,7 @@ def _loss_ci(prompts: list[Prompt], store, name: str, fingerprints: dict,
 
 def _identical_share(prompts: list[Prompt], store, name: str, fingerprints: dict) -> float | None:
     """% of samples (all cells) whose greedy prediction is the same text as dense's."""
-    pairs = [(store.done("dense", p, fingerprints["dense"]), store.done(name, p, fingerprints[name]))
-             for p in prompts]
-    pairs = [(d, s) for d, s in pairs if d and s]
+    pairs = [(d, s) for _, d, s in _paired(prompts, store, name, fingerprints)]
     return 100.0 * sum(d["prediction"] == s["prediction"] for d, s in pairs) / len(pairs) \
         if pairs else None
 
