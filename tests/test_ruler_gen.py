@@ -86,3 +86,14 @@ def test_select_skips_cells_the_file_excludes():
     assert [p.key for p in got] == ["vt/2048/0", "qa_2/4096/0", "vt/4096/0"]  # file order
     with pytest.raises(ValueError, match=r"no samples for \['qa_2@2048'\]"):
         ruler_gen.select(prompts, ["vt", "qa_2"])
+
+
+def test_select_by_cells_takes_exactly_those_task_lengths():
+    prompts = [_prompt(t, n, i) for n in (2048, 4096) for t in ("vt", "qa_1") for i in range(2)]
+    got = ruler_gen.select(prompts, samples=1, cells=["qa_1@4096", "vt@2048"])
+    assert [p.key for p in got] == ["vt/2048/0", "qa_1/4096/0"]  # file order, only those cells
+    with pytest.raises(ValueError, match=r"no samples for \['cwe@2048'\]"):
+        ruler_gen.select(prompts, cells=["vt@2048", "cwe@2048"])
+    for bad in ("vt", "vt@2k", "nope@2048"):
+        with pytest.raises(ValueError, match=f"cell '{bad}'"):
+            ruler_gen.select(prompts, cells=[bad])

@@ -218,3 +218,19 @@ def test_report_only_starts_no_server_and_counts_what_is_missing(tmp_path, monke
     assert s["server_args_common"] == ["--dtype", "bfloat16"]
     assert s["systems"]["mosaickv"]["status"] == "incomplete"
     assert s["systems"]["dense"]["missing_samples"] == len(prompts)
+
+
+def test_cells_replace_tasks_and_lengths(tmp_path):
+    from mosaickv_sglang.eval import ruler
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 8192}')
+    base = ["--model", str(model), "--json", str(tmp_path / "s.json")]
+    args = ruler.parse_args(base + ["--cells", "niah_single_2@8192", "vt@2048"])
+    assert args.tasks == ["niah_single_2", "vt"] and args.length == [2048, 8192]
+    for extra in (["--tasks", "vt"], ["--length", "2048"]):
+        with pytest.raises(SystemExit):
+            ruler.parse_args(base + ["--cells", "vt@2048"] + extra)
+    with pytest.raises(SystemExit):
+        ruler.parse_args(base + ["--cells", "vt@two"])

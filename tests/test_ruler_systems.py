@@ -30,6 +30,9 @@ def test_ablations_differ_from_the_default_in_one_thing():
     assert diff("no_rotation") == {"k_candidates", "v_candidates"}
     assert all(",rot=0" in s for s in SYSTEMS["no_rotation"].config["k_candidates"])
     assert diff("global_mask") == {"k_candidates", "v_candidates", "k_error_budget", "v_error_budget"}
+    assert diff("mosaickv_k4") == {"k_candidates"}
+    k4 = SYSTEMS["mosaickv_k4"].config["k_candidates"]
+    assert k4 and set(k4) < set(d["k_candidates"]) and all(",b2=0," in c for c in k4)
     sel = SYSTEMS["selection_only"].mosaic_config()
     assert sel.k_candidates == ["dense"] and sel.select.enabled and sel.select.budget_tokens == 1024
 

@@ -127,13 +127,15 @@ def load_prompts(args) -> tuple[list, list, dict]:
         if meta.get("excluded"):
             print(f"[ruler] {args.prompts} excludes {meta['excluded']} (not generated)", flush=True)
         prompts = ruler_gen.select(everything, args.tasks, args.length, args.samples,
-                                   meta.get("excluded", ()))
+                                   meta.get("excluded", ()), args.cells)
         dsl_source = ruler_gen.select(everything, [dsl_fidelity.TASK], [args.dsl_length]) \
             if args.dsl else []
         return prompts, dsl_fidelity.questions_from(dsl_source, args.dsl), \
             {**meta, "file": str(args.prompts)}
     prompts = ruler_gen.generate_all(args.tasks or ruler_gen.TASKS, args.length or [4096],
                                      args.samples or 4, args.seed, args.model, args.gen_jobs)
+    if args.cells:
+        prompts = ruler_gen.select(prompts, cells=args.cells)
     dsl_source = ruler_gen.generate(dsl_fidelity.TASK, args.dsl_length, args.dsl, args.seed,
                                     args.model) if args.dsl else []
     return prompts, dsl_fidelity.questions_from(dsl_source, args.dsl), \
@@ -155,6 +157,9 @@ def parse_args(argv=None):
     ap.add_argument("--tasks", nargs="+", help=f"RULER tasks (default: all 13: {', '.join(ruler_gen.TASKS)})")
     ap.add_argument("--length", nargs="+", type=int, action="extend",
                     help="RULER lengths, repeatable (default: 4096, or every length in --prompts)")
+    ap.add_argument("--cells", nargs="+", metavar="TASK@LENGTH",
+                    help="exactly these task-lengths instead of --tasks x --length, e.g. the ones "
+                         "where dense scored >= 50 in an earlier run")
     ap.add_argument("--samples", type=int, help="samples per task-length (default: 4, or all in --prompts)")
     ap.add_argument("--systems", nargs="+", default=list(systems.DEFAULT_SYSTEMS),
                     help=f"'all' or names from {list(systems.SYSTEMS)} (default: dense mosaickv)")
@@ -198,6 +203,15 @@ def parse_args(argv=None):
     if "dense" not in args.systems:
         ap.error("--systems must include 'dense': every loss is measured against it")
     args.systems = [s.name for s in systems.get(args.systems)]
+    if args.cells:
+        if args.tasks or args.length:
+            ap.error("--cells replaces --tasks and --length: give one or the other")
+        try:
+            cells = [ruler_gen.parse_cell(c) for c in args.cells]
+        except ValueError as e:
+            ap.error(f"--cells: {e}")
+        args.tasks = sorted({t for t, _ in cells})
+        args.length = sorted({n for _, n in cells})
     if args.samples is not None and args.samples < 1:
         ap.error(f"--samples {args.samples}: must be >= 1")
     if args.parallel < 1:

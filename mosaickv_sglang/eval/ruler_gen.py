@@ -192,13 +192,25 @@ def load(path: Path) -> tuple[dict, list[Prompt]]:
     return meta, [Prompt(**json.loads(line)) for line in lines[1:]]
 
 
+def parse_cell(name: str) -> tuple[str, int]:
+    """'task@length' -> (task, length); an unknown task or a bad length is an error naming it."""
+    task, sep, length = name.partition("@")
+    if not sep or task not in TASKS or not length.isdigit():
+        raise ValueError(f"cell {name!r}: expected TASK@LENGTH with TASK in {list(TASKS)}")
+    return task, int(length)
+
+
 def select(prompts: list[Prompt], tasks=None, lengths=None, samples: int | None = None,
-           excluded=()) -> list[Prompt]:
-    """The prompts of the given tasks/lengths (default: all in the file), the first `samples` of
-    each; errors name what is missing, except cells the file's header lists as excluded."""
+           excluded=(), cells=None) -> list[Prompt]:
+    """The prompts of the given tasks/lengths (default: all in the file), or of the given
+    'task@length' cells, the first `samples` of each; errors name what is missing, except cells
+    the file's header lists as excluded."""
     have = {(p.task, p.length) for p in prompts}
-    want = [(t, n) for n in (lengths or sorted({p.length for p in prompts}))
-            for t in (tasks or TASKS) if f"{t}@{n}" not in excluded]
+    if cells:
+        want = [parse_cell(c) for c in cells]
+    else:
+        want = [(t, n) for n in (lengths or sorted({p.length for p in prompts}))
+                for t in (tasks or TASKS) if f"{t}@{n}" not in excluded]
     missing = [f"{t}@{n}" for t, n in want if (t, n) not in have]
     if missing:
         raise ValueError(f"prompts file has no samples for {missing}; it holds "
