@@ -41,7 +41,7 @@ DEFAULT_RESCUE_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 
 DECODE_KERNELS = ("auto", "triton", "reference")
 PACK_KERNELS = ("auto", "triton", "torch")
-FIT_SOLVERS = ("auto", "host", "device", "jacobi")
+FIT_SOLVERS = ("auto", "host", "device", "jacobi", "identity")
 
 
 @dataclass
@@ -113,7 +113,8 @@ class MosaicConfig:
     # pages are; top-r energy within 0.2% of eigh's, measured in NOTES.md), or "auto" (jacobi
     # for pages on a GPU, where it fits a Llama-8B block 18x faster than host on the H200;
     # host for CPU pages, where LAPACK is 5x faster than jacobi). CPU pages are fitted on the
-    # CPU with host and device alike.
+    # CPU with host and device alike. "identity" fits nothing: every basis is the identity, i.e.
+    # no rotation (the no_rotation ablation; bands then take raw channels in index order).
     fit_solver: str = "auto"
 
     def __post_init__(self):

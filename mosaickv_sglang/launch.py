@@ -109,21 +109,49 @@ def stop_all_servers() -> int:
     return len(procs)
 
 
+# SGLang 0.5.17 logs this once the KV pool is allocated: the end of the window in which a server
+# sizes its pool from the GPU memory free (free at its start vs free after its weights), which a
+# server starting beside it would disturb.
+POOL_SIZED_MARKER = "Memory pool end"
+
+
 @contextmanager
-def running_server(model: Path, log: Path, *args: str, startup_s: float = 300):
-    """Yield SimpleNamespace(url, log, proc) for `python -m sglang.launch_server` with args."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
-           "--host", "127.0.0.1", "--port", str(port), *args]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=server_env(),
-                                start_new_session=True)
+def running_server(model: Path, log: Path, *args: str, startup_s: float = 300,
+                   sizing_lock: threading.Lock | None = None):
+    """Yield SimpleNamespace(url, log, proc) for `python -m sglang.launch_server` with args.
+
+    `sizing_lock`, shared by servers started at once on one GPU, is held from the launch until
+    this server's pool is allocated (POOL_SIZED_MARKER in its log, or it is healthy, or it
+    failed), so each sizes its pool with the others' pools already in place, while their
+    warm-ups (most of a start) overlap."""
+    if sizing_lock is not None:
+        sizing_lock.acquire()
+    holding = sizing_lock is not None
+
+    def release():
+        nonlocal holding
+        if holding:
+            holding = False
+            sizing_lock.release()
+
+    try:
+        port = free_port()
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+               "--host", "127.0.0.1", "--port", str(port), *args]
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=server_env(),
+                                    start_new_session=True)
+    except BaseException:
+        release()
+        raise
     with _ports_lock:
         _live_servers.add(proc)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + startup_s
         while True:
+            if holding and POOL_SIZED_MARKER in log.read_text(errors="replace"):
+                release()
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
             try:
@@ -134,8 +162,10 @@ def running_server(model: Path, log: Path, *args: str, startup_s: float = 300):
             if time.time() > deadline:
                 raise RuntimeError(f"server not healthy after {startup_s} s:\n{log.read_text()[-4000:]}")
             time.sleep(1)
+        release()
         yield SimpleNamespace(url=url, log=log, proc=proc)
     finally:
+        release()
         stop(proc)
         with _ports_lock:
             _live_servers.discard(proc)

@@ -21,3 +21,49 @@ def test_stop_all_servers_stops_every_live_group(monkeypatch):
     for p in procs:  # the whole group went, the child too
         with pytest.raises(ProcessLookupError):
             os.killpg(p.pid, 0)
+
+
+_POPEN = subprocess.Popen
+
+
+def _fake_server(monkeypatch, code: str) -> None:
+    """running_server launches `code` (a stand-in server that never gets healthy) instead."""
+    monkeypatch.setattr(launch.subprocess, "Popen",
+                        lambda cmd, **kw: _POPEN([sys.executable, "-c", code], **kw))
+
+
+def test_sizing_lock_is_released_once_the_pool_is_sized(tmp_path, monkeypatch):
+    """A server holds the shared lock until its log says its pool is allocated, not until it is
+    healthy (its warm-up overlaps the next server's start), and gives it back when it fails."""
+    import threading
+    import time
+
+    lock = threading.Lock()
+    _fake_server(monkeypatch, f"import time; time.sleep(1.5); print({launch.POOL_SIZED_MARKER!r}, "
+                              "flush=True); time.sleep(60)")
+    failure = []
+
+    def start():
+        try:
+            with launch.running_server(tmp_path, tmp_path / "a.log", startup_s=8, sizing_lock=lock):
+                pass
+        except RuntimeError as e:
+            failure.append(str(e))
+
+    t = threading.Thread(target=start)
+    t0 = time.time()
+    t.start()
+    time.sleep(0.5)
+    assert lock.locked()  # held while the pool is being sized
+    assert lock.acquire(timeout=6)  # released at the marker...
+    waited = time.time() - t0
+    assert 1.5 <= waited < 6 and t.is_alive() and not failure  # ...before the server is healthy
+    lock.release()
+    t.join()
+    assert failure and "not healthy" in failure[0]
+
+    _fake_server(monkeypatch, "raise SystemExit(3)")  # dies before sizing anything
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        with launch.running_server(tmp_path, tmp_path / "b.log", startup_s=8, sizing_lock=lock):
+            pass
+    assert not lock.locked()

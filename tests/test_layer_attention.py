@@ -485,3 +485,31 @@ def test_large_scores_are_stable(scale, select, seed):
     assert max_logit > 1e3, repro(seed)
     assert_rel_close(out, expect, 1e-5, f"q*{scale:g} select={select} max logit {max_logit:.3g}",
                      seed)
+
+
+def test_identity_bases_are_bands_on_raw_channels(seed):
+    """fit_solver=identity (the no-rotation ablation the packed kernel can read) stores exactly
+    what rot=0 bands store and attends the same, page selection included."""
+    h, g, d, seg, pt, hot, nseg, t = rand_shape()
+    d = 64
+    k, v = kv(h, t, d)
+    spec = "band:b8=4,b4=44,b2=16,group=32"
+    common = dict(segment_tokens=seg, page_tokens=pt, basis_block_tokens=seg, hot_tokens=hot,
+                  sink_segments=0, k_error_budget=math.inf, v_error_budget=math.inf,
+                  select=SelectionConfig(enabled=True, budget_tokens=max(pt, seg // 2),
+                                         sink_tokens=0, recent_tokens=pt))
+    ident = compress_layer(k, v, MosaicConfig(k_candidates=[spec], v_candidates=[spec],
+                                              fit_solver="identity", **common))
+    raw = compress_layer(k, v, MosaicConfig(k_candidates=[spec + ",rot=0"],
+                                            v_candidates=[spec + ",rot=0"], **common))
+    eye = torch.eye(d, dtype=BASIS_DTYPE)
+    assert all(torch.equal(b, eye.expand(h, d, d)) for b in ident.k_bases + ident.v_bases)
+    for a, b in zip(ident.segments, raw.segments):
+        for kind in ("k", "v"):
+            ta, tb = getattr(a, kind).encoded.tensors, getattr(b, kind).encoded.tensors
+            assert ta.keys() == tb.keys() and all(torch.equal(ta[n], tb[n]) for n in ta), kind
+    q = torch.randn(2, h * g, d)
+    pos = hot_positions(2, ident.hot_start, t)
+    out_i, _ = decode_attention(q, ident, pos, common["select"], pt)
+    out_r, _ = decode_attention(q, raw, pos, common["select"], pt)
+    assert_rel_close(out_i, out_r, 1e-5, "identity bases vs rot=0", seed)

@@ -27,14 +27,15 @@ def test_ablations_differ_from_the_default_in_one_thing():
         return {k for k, v in SYSTEMS[name].mosaic_config().to_dict().items() if d[k] != v}
     assert diff("mosaickv") == set()
     assert diff("channel_only") == {"select"} and not SYSTEMS["channel_only"].mosaic_config().select.enabled
-    assert diff("no_rotation") == {"k_candidates", "v_candidates"}
-    assert all(",rot=0" in s for s in SYSTEMS["no_rotation"].config["k_candidates"])
+    assert diff("no_rotation") == {"fit_solver"}
+    assert SYSTEMS["no_rotation"].mosaic_config().fit_solver == "identity"
     assert diff("global_mask") == {"k_candidates", "v_candidates", "k_error_budget", "v_error_budget"}
     assert diff("mosaickv_k4") == {"k_candidates"}
     k4 = SYSTEMS["mosaickv_k4"].config["k_candidates"]
     assert k4 and set(k4) < set(d["k_candidates"]) and all(",b2=0," in c for c in k4)
     sel = SYSTEMS["selection_only"].mosaic_config()
-    assert sel.k_candidates == ["dense"] and sel.select.enabled and sel.select.budget_tokens == 1024
+    assert sel.k_candidates == sel.v_candidates == [systems.NEAR_LOSSLESS] == sel.sink_candidates
+    assert sel.select.enabled and sel.select.budget_tokens == 2048
 
 
 def test_global_mask_bytes_match_the_band_it_replaces():

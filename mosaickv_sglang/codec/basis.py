@@ -43,6 +43,16 @@ def fit_basis(x: torch.Tensor, jacobi: bool = False) -> torch.Tensor:
     return q.transpose(-1, -2).to(BASIS_DTYPE)
 
 
+def fit_with(x: torch.Tensor, solver: str) -> torch.Tensor:
+    """The read transform a resolved `fit_solver` gives for x [..., S, D]: the identity for
+    "identity" (no rotation, an ablation; stored and read like any basis, so the kernels and the
+    byte counts are the same), else `fit_basis` by eigh or jacobi."""
+    if solver == "identity":
+        d = x.shape[-1]
+        return torch.eye(d, dtype=BASIS_DTYPE, device=x.device).expand(*x.shape[:-2], d, d).clone()
+    return fit_basis(x, jacobi=solver == "jacobi")
+
+
 # jacobi_axes' fixed schedule (measured: tests/test_basis_fit.py, NOTES.md "GEMM-only basis fit")
 JACOBI_STEPS = 6
 JACOBI_DAMPING = 0.5  # all pairs rotate at once: full Jacobi angles overshoot

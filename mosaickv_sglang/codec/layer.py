@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import MosaicConfig
-from .basis import fit_basis, resolve_fit_solver, write_transform
+from .basis import fit_with, resolve_fit_solver, write_transform
 from .pages import PageMeta, build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy, strategy_id
 from .timing import phase
@@ -297,11 +297,11 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
     cands = Candidates.from_config(cfg)
     layer = CompressedLayer(hot_start=sealed)
     kf, vf = k.float(), v.float()
-    jacobi = resolve_fit_solver(cfg.fit_solver, k.device) == "jacobi"
+    solver = resolve_fit_solver(cfg.fit_solver, k.device)
     for block_start in range(0, sealed, cfg.basis_block_tokens):
         block_end = min(block_start + cfg.basis_block_tokens, sealed)
-        kb = fit_basis(kf[:, block_start:block_end], jacobi=jacobi)
-        vb = fit_basis(vf[:, block_start:block_end], jacobi=jacobi)
+        kb = fit_with(kf[:, block_start:block_end], solver)
+        vb = fit_with(vf[:, block_start:block_end], solver)
         layer.k_bases.append(kb)
         layer.v_bases.append(vb)
         basis_id = len(layer.k_bases) - 1

@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..config import FIT_SOLVERS, MosaicConfig
-from .basis import fit_basis, resolve_fit_solver
+from .basis import fit_with, resolve_fit_solver
 from .layer import Candidates, Segment, seal_segments, segment_bytes
 from .pages import build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy
@@ -103,7 +103,8 @@ def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None
     * "device": cuSOLVER, one call per layer as before (cuSOLVER loops over matrices anyway,
       and the covariance GEMMs keep the batch shape, hence the bits, they had);
     * "jacobi": `jacobi_axes` (batched GEMMs) where the pages are, layers batched as for host;
-    * "auto": jacobi for pages on a GPU, host for CPU pages (`resolve_fit_solver`).
+    * "auto": jacobi for pages on a GPU, host for CPU pages (`resolve_fit_solver`);
+    * "identity": no fit, identity bases (the no-rotation ablation).
 
     Every head is fitted alone, so on the CPU all of them equal fitting layer by layer, bit for
     bit (jacobi's batched GEMMs included: tests/test_seal_batch.py)."""
@@ -121,7 +122,7 @@ def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None
                 # contiguous, like the per-layer concatenation the fit always got
                 flat = part.permute(1, 2, 0, 3, 4).reshape(n * h, p * s, d).contiguous()
                 with HostSolvers(host_threads()) if solver == "host" else nullcontext():
-                    b = fit_basis(flat, jacobi=solver == "jacobi")
+                    b = fit_with(flat, solver)
                 bases.extend(b.reshape(n, h, *b.shape[1:]).unbind(0))
     return BasisPair(*out)
 

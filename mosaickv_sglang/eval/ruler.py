@@ -38,8 +38,9 @@ from .runner import ResultStore, fingerprint, run_prompts
 
 # SGLang sizes its KV pool from the GPU memory free while it starts: servers starting together
 # saw each other's allocations come and go (pools of 1792 to 281600 tokens, one refused, on the
-# H200), so --parallel starts them one after another and runs them at once.
-_ONE_START_AT_A_TIME = threading.Lock()
+# H200), so --parallel lets one server at a time size its pool (launch.running_server's
+# sizing_lock), overlapping their warm-ups, and runs them at once.
+_ONE_POOL_SIZING_AT_A_TIME = threading.Lock()
 _ERROR_LINE = re.compile(r"(Error|error:|Exception|not supported|unsupported|refuse)", re.I)
 
 
@@ -76,6 +77,9 @@ def failure_reason(log: Path) -> str:
     return (errors or lines or ["server exited without output"])[-1][:500]
 
 
+_STOPPING = threading.Event()  # set by a signal: servers dying now are not "unsupported"
+
+
 def run_system(system, prompts, questions, store: ResultStore, fp: str, args,
                server_args: list[str], log_dir: Path) -> None:
     """Start the system's server, run what is not done yet (RULER prompts, then the DSL
@@ -92,10 +96,12 @@ def run_system(system, prompts, questions, store: ResultStore, fp: str, args,
     print(f"[ruler] {system.name}: starting server ({' '.join(server_args)}); log {log}", flush=True)
     t0 = time.time()
     try:
-        server = running_server(args.model, log, *server_args, startup_s=args.startup_s)
-        with _ONE_START_AT_A_TIME:
-            srv = server.__enter__()
+        server = running_server(args.model, log, *server_args, startup_s=args.startup_s,
+                                sizing_lock=_ONE_POOL_SIZING_AT_A_TIME)
+        srv = server.__enter__()
     except RuntimeError:
+        if _STOPPING.is_set():
+            return
         reason = failure_reason(log)
         store.add({"kind": "unsupported", "system": system.name, "system_fp": fp, "reason": reason})
         print(f"[ruler] {system.name}: unsupported: {reason}", flush=True)
@@ -146,6 +152,7 @@ def _stop_on_signal(signum, _frame) -> None:
     """SIGTERM (e.g. `timeout`) or Ctrl-C: stop every server this run started, exit at once. Threads
     still waiting on those servers are not joined; every finished sample is already in the
     results file (a line cut by the exit is dropped on the next load), so a rerun resumes."""
+    _STOPPING.set()
     n = stop_all_servers()
     print(f"[ruler] signal {signum}: stopped {n} server(s); rerun the same command to resume",
           flush=True)

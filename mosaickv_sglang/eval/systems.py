@@ -7,11 +7,17 @@ thing buys:
 * ``fp8``: SGLang's own FP8 KV cache (``--kv-cache-dtype fp8_e4m3``), 2x below bf16 by construction;
 * ``mosaickv``: the default config (rotated banded quantization chosen per segment, page selection
   with a 4096-token budget);
-* ``no_rotation``: the default's candidates in the raw basis (no SVD rotation), same budgets;
+* ``no_rotation``: the default with identity bases (``fit_solver: identity``): no SVD rotation,
+  bands on raw channels in index order (what rot=0 candidates store), same budgets, read by the
+  packed kernel (rot=0 candidates are not: the reference path made that ablation ~100x slower on
+  the H200);
 * ``global_mask``: a ThinK-like shared channel mask, r chosen so its bytes match the default's
   middle band candidate, taken for every segment;
 * ``channel_only``: the default without page selection (every page read);
-* ``selection_only``: dense bf16 values, page selection with a 1024-token budget;
+* ``selection_only``: near-lossless values (8 bits on every rotated channel, the sink's band: the
+  packed kernel reads bands only, not bf16) and page selection reading 2048 tokens per step,
+  about the bytes the default reads per step (4096 tokens at ~4.6 bits); selection saves reads,
+  not memory, so "equal bytes" is equal bytes read;
 * ``mosaickv_sel1k``: the default with the same 1024-token selection budget;
 * ``mosaickv_k4``: the default without its 2-bit K candidate (K at >= 4.5 bits/scalar): the
   rotated chooser sends more K segments to 2 bits than the raw-basis one (18% vs 2% on the CPU);
@@ -26,7 +32,9 @@ from dataclasses import dataclass
 from ..config import MosaicConfig, check_fits
 
 ACCEPT_ALL = 1e9  # an error budget every segment meets: the (single) candidate is always taken
-SELECTION_BUDGET = 1024  # tokens read per decode step by the selection ablations
+SELECTION_BUDGET = 1024  # tokens read per decode step by the smaller-budget default
+SELECTION_ONLY_BUDGET = 2048  # 8-bit tokens read per step by selection_only: ~ the default's bytes
+NEAR_LOSSLESS = "band:b8=64,b4=0,b2=0,group=32"  # 8 bits on every channel (the default sink)
 MASK_MATCH = "band:b8=4,b4=60,b2=0,group=128"  # the default's middle candidate (4.5 bits/scalar)
 SMOLLM2_HEAD_DIM = 64
 
@@ -86,18 +94,18 @@ def build_systems() -> dict[str, System]:
         System("fp8", "SGLang FP8 KV cache (--kv-cache-dtype fp8_e4m3)", kv_backend="default",
                extra_args=("--kv-cache-dtype", "fp8_e4m3"), nominal_ratio=2.0, family="baseline"),
         System("mosaickv", "MosaicKV default config", family="mosaickv"),
-        System("no_rotation", "default candidates without the SVD rotation (rot=0), same budgets",
-               config={"k_candidates": [s + ",rot=0" for s in d.k_candidates],
-                       "v_candidates": [s + ",rot=0" for s in d.v_candidates]},
+        System("no_rotation", "default with identity bases (no SVD rotation: bands on raw "
+               "channels), same candidates and budgets", config={"fit_solver": "identity"},
                family="ablation"),
         System("global_mask", f"ThinK-like global channel mask mask:r={r} (bytes of {MASK_MATCH}) "
                "for every segment", config=_fixed(f"mask:r={r}", f"mask:r={r}"), family="ablation"),
         System("channel_only", "default without page selection (channel/value compression only)",
                config=no_select, family="ablation"),
-        System("selection_only", f"dense bf16 values, page selection reading {SELECTION_BUDGET} "
-               "tokens per step (sequence dimension only)",
-               config={"k_candidates": ["dense"], "v_candidates": ["dense"],
-                       "sink_candidates": [], **sel_budget}, family="ablation"),
+        System("selection_only", f"near-lossless values ({NEAR_LOSSLESS}), page selection "
+               f"reading {SELECTION_ONLY_BUDGET} tokens per step (~ the default's bytes read)",
+               config={**_fixed(NEAR_LOSSLESS, NEAR_LOSSLESS),
+                       "select": {"enabled": True, "budget_tokens": SELECTION_ONLY_BUDGET}},
+               family="ablation"),
         System("mosaickv_sel1k", f"default with a {SELECTION_BUDGET}-token selection budget",
                config=sel_budget, family="budget"),
         System("mosaickv_k4", "default without the 2-bit K candidate (K >= 4.5 bits/scalar)",
