@@ -234,3 +234,20 @@ def test_cells_replace_tasks_and_lengths(tmp_path):
             ruler.parse_args(base + ["--cells", "vt@2048"] + extra)
     with pytest.raises(SystemExit):
         ruler.parse_args(base + ["--cells", "vt@two"])
+
+
+def test_a_sample_served_after_an_unsupported_record_supersedes_it(tmp_path):
+    """A server that failed to start (e.g. killed while starting) and a later one that served the
+    same system: its samples say it runs; only a same-fingerprint sample clears the record."""
+    from mosaickv_sglang.eval.runner import ResultStore
+
+    path = tmp_path / "r.jsonl"
+    store = ResultStore(path)
+    store.add({"kind": "unsupported", "system": "lo", "system_fp": "a", "reason": "exited"})
+    store.add({"kind": "sample", "system": "lo", "system_fp": "b", "task": "vt", "length": 2048,
+               "index": 0})
+    assert store.system_record("lo", "a")["kind"] == "unsupported"  # another config's sample
+    store.add({"kind": "sample", "system": "lo", "system_fp": "a", "task": "vt", "length": 2048,
+               "index": 0})
+    assert store.system_record("lo", "a") is None
+    assert ResultStore(path).system_record("lo", "a") is None  # the same when loaded

@@ -69,6 +69,9 @@ class ResultStore:
     def _index(self, rec: dict) -> None:
         if rec["kind"] == "sample":
             self.samples[(rec["system"], rec["task"], rec["length"], rec["index"])] = rec
+            last = self.system_records.get(rec["system"])
+            if last and last["kind"] == "unsupported" and last["system_fp"] == rec["system_fp"]:
+                del self.system_records[rec["system"]]  # a later server of it did serve
         elif rec["kind"] == "dsl":
             self.dsl[rec["system"]] = rec
         else:
