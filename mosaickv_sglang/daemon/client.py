@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from ..codec.arena import ArenaPage
 from ..codec.seal import BasisPair, SealedPage
 from ..config import MosaicConfig
 from .channel import Channel, ChannelSpec, load
@@ -61,7 +62,7 @@ class Job:
     slots: list[int] = field(default_factory=list)
     worker: int = -1
     event: object = None  # CUDA event after the copies into the slots
-    results: list[SealedPage | None] = field(default_factory=list)
+    results: list[ArenaPage | SealedPage | None] = field(default_factory=list)
     error: str | None = None
     cancelled: bool = False
 
@@ -82,6 +83,10 @@ class DaemonCounters:
     resubmitted_pages: int = 0
     worker_pages: int = 0
     worker_seconds: float = 0.0
+    # results read arena-ready (adopted with a few bulk copies) / as per-tensor SealedPages (a
+    # segment the arena cannot hold, e.g. a dense fallback: unpickled and installed per tensor)
+    arena_ready_pages: int = 0
+    per_tensor_pages: int = 0
 
 
 @dataclass
@@ -302,6 +307,14 @@ class DaemonClient:
                         self.device)
             if job.bases is None:
                 job.bases = page.bases  # fitted by the worker, sent with the first page
+            if isinstance(page, ArenaPage):
+                self.counters.arena_ready_pages += 1
+            else:
+                if not self.counters.per_tensor_pages:
+                    logger.warning("MosaicKV daemon: a result holds segments the arena cannot "
+                                   "(e.g. a dense fallback) and is read per tensor, slower on "
+                                   "the scheduler thread; counted in stats (per_tensor_pages)")
+                self.counters.per_tensor_pages += 1
             job.results[i] = page
             self.latencies.append(msg["seconds"])
             self.counters.worker_pages += 1
