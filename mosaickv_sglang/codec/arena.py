@@ -361,7 +361,7 @@ def pack_page(page: SealedPage, page_tokens: int) -> ArenaPage | None:
     for seg, lay in zip(segs, lays):
         n = heads * lay.head_bytes
         write_blocks(blocks[base:base + n].view(1, heads, lay.head_bytes), lay, [seg])
-        parts.setdefault((lay.k.spec, lay.v.spec), tensor_parts(seg))
+        parts.setdefault((seg.k.strategy.spec, seg.v.strategy.spec), tensor_parts(seg))
         base += n
     meta = None if segs[0].pages is None else PageMeta(
         *(torch.stack([getattr(seg.pages, f) for seg in segs]) for f in META_FIELDS))
