@@ -76,16 +76,15 @@ class SegmentStore:
         self.segment_tokens, self.page_tokens = segment_tokens, page_tokens
         self.capacity = capacity_bytes // ALIGN * ALIGN  # bytes per layer
         self.arena_full = 0  # segments left unpacked because the arena had no room
-        # Per layer a view of one tensor per kind (arena, headers, page metadata), so an adopted
-        # page (`adopt`: all layers at once) is one write per kind.
         # Uninitialized: only installed blocks are ever read (and CPU pages stay uncommitted).
-        self._data = torch.empty(layers, max(self.capacity, ALIGN), dtype=torch.uint8,
-                                 device=device)
-        self.data = list(self._data.unbind(0))
+        self.data = [torch.empty(max(self.capacity, ALIGN), dtype=torch.uint8, device=device)
+                     for _ in range(layers)]
+        # Headers and page metadata: per layer a view of one tensor per table, so an adopted
+        # page (`adopt`: all layers at once) is one write per table.
         self._headers = torch.zeros(layers, pages + 1, HEADER_WIDTH, dtype=torch.int32,
                                     device=device)
         self.headers = list(self._headers.unbind(0))
-        self._header_rows: dict[tuple, torch.Tensor] = {}  # layout key -> its header at base 0
+        self._header_rows: list[torch.Tensor] = []  # per layout id: its header at base 0
         self.packed = torch.zeros(layers, pages + 1, dtype=torch.bool)  # host: kernel-readable
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
         self.free: list[dict[int, list[int]]] = [{} for _ in range(layers)]  # size -> bases
@@ -201,13 +200,13 @@ class SegmentStore:
             self.plans = torch.stack(self._plans).to(self.device)
             self.width_classes = band_width_classes(torch.stack(self._plans))  # host copy
             self.min_group = min(self.min_group, lay.k.group, lay.v.group)
-            self._header_rows[lay.key()] = lay.header(0, self.layouts[lay.key()])
+            self._header_rows.append(lay.header(0, self.layouts[lay.key()]))
         return self.layouts[lay.key()]
 
     def adopt(self, page: int, ap: ArenaPage) -> "StoredSegments | None":
-        """An arena-ready page (a daemon result, all layers) in: a block per layer, then one copy
-        of its bytes into the arena, one header write and one write per page-metadata field for
-        all layers. Returns its lazily made Segments, or None when some layer's arena has no room
+        """An arena-ready page (a daemon result, all layers) in: a block per layer, one copy of
+        each layer's bytes into the arena, one header write and one write per page-metadata field
+        for all layers. Returns its lazily made Segments, or None when some layer's arena has no room
         (nothing stored: the caller installs `ap.segments()` through `install_pages`)."""
         lays = ap.layouts()
         sizes = [self.heads * lay.head_bytes for lay in lays]
@@ -219,19 +218,19 @@ class SegmentStore:
                     self.free[lyr].setdefault(n, []).append(b)
                 return None
             bases.append(base)
+        ids = {}  # layouts are shared objects (`layout_of`): look each one up once
         for lay in lays:
-            self._layout_id(lay)  # registers a new layout and its header row
-        rows = torch.stack([self._header_rows[lay.key()] for lay in lays])
+            if id(lay) not in ids:
+                ids[id(lay)] = self._layout_id(lay)
+        rows = torch.stack([self._header_rows[ids[id(lay)]] for lay in lays])
         rows[:, HDR["base16"]] = torch.tensor(bases, dtype=torch.int32) // ALIGN
         self._headers[:, page] = rows.to(self.device)
-        # arena row (ALIGN bytes) of every blob row: layer l's block at row l * stride + base
-        units = torch.tensor(sizes) // ALIGN
-        starts = torch.arange(len(sizes)) * (self._data.shape[1] // ALIGN) + \
-            torch.tensor(bases) // ALIGN
-        at = torch.repeat_interleave(starts - (units.cumsum(0) - units), units) + \
-            torch.arange(int(units.sum()))
-        self._data.view(-1, ALIGN).index_copy_(0, at.to(self.device),
-                                               ap.blocks.to(self.device).view(-1, ALIGN))
+        # one contiguous copy per layer: an index_copy_ over ALIGN-byte rows instead took 4.5 ms
+        # a Llama-8B page on a CPU, a plain copy of its 4 MB 0.4 ms
+        blob, off = ap.blocks.to(self.device), 0
+        for data, base, size in zip(self.data, bases, sizes):
+            data[base:base + size].copy_(blob[off:off + size])
+            off += size
         if self._meta is not None:
             for f in META_FIELDS:
                 table = getattr(self._meta, f)
