@@ -42,9 +42,9 @@ STARTUP_S = 300.0  # a new worker may take this long to import torch before it f
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
 LATENCY_SAMPLES = 4096
 # Finished pages read per step boundary, over all workers (taken in turn): reading one costs the
-# scheduler thread a copy and an unpickle of ~400 tensor views (the slowest H200-host boundaries
-# with 2 reads were ~20 ms of unpickling before views became one as_strided each), so a burst is
-# spread over steps. One page per step is still above what the workers finish (6-14 pages/s on
+# scheduler thread a copy of its bytes (and, for the per-tensor results that are not arena-ready,
+# an unpickle of ~400 tensor views: ~20 ms for 2 reads on the H200 host before views became one
+# as_strided each), and adopting it a copy into the arena, so a burst is spread over steps. One page per step is still above what the workers finish (6-14 pages/s on
 # 12 cores vs 10-40 steps/s); a backlog waits in the hot buffer (backpressure bounds it).
 LOADS_PER_STEP = 1
 
