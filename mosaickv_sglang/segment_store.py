@@ -177,7 +177,8 @@ class SegmentStore:
             write_blocks(staged, lay, segs)
             blocks.index_copy_(0, rows, staged.view(-1, ALIGN))
         self.pack_counts["kernel" if kernel else "torch"] += len(segs)
-        for seg, views in zip(segs, block_views(self.data[layer], bases, lay, tensor_parts(segs[0]))):
+        views_of = block_views(self.data[layer], bases, lay, tensor_parts(segs[0]))
+        for seg, views in zip(segs, views_of):
             for (kind, name), view in views.items():
                 (seg.k if kind == "k" else seg.v).encoded.tensors[name] = view
         if self.meta is not None:
@@ -206,8 +207,11 @@ class SegmentStore:
     def adopt(self, page: int, ap: ArenaPage) -> "StoredSegments | None":
         """An arena-ready page (a daemon result, all layers) in: a block per layer, one copy of
         each layer's bytes into the arena, one header write and one write per page-metadata field
-        for all layers. Returns its lazily made Segments, or None when some layer's arena has no room
-        (nothing stored: the caller installs `ap.segments()` through `install_pages`)."""
+        for all layers. Returns its lazily made Segments, or None when some layer's arena has no
+        room (nothing stored: the caller installs `ap.segments()` through `install_pages`)."""
+        if self.meta is not None and ap.pages is None:
+            raise ValueError("SegmentStore: selection is on but an arena-ready page came without "
+                             "page metadata")
         lays = ap.layouts()
         sizes = [self.heads * lay.head_bytes for lay in lays]
         bases = []

@@ -44,8 +44,9 @@ LATENCY_SAMPLES = 4096
 # Finished pages read per step boundary, over all workers (taken in turn): reading one costs the
 # scheduler thread a copy of its bytes (and, for the per-tensor results that are not arena-ready,
 # an unpickle of ~400 tensor views: ~20 ms for 2 reads on the H200 host before views became one
-# as_strided each), and adopting it a copy into the arena, so a burst is spread over steps. One page per step is still above what the workers finish (6-14 pages/s on
-# 12 cores vs 10-40 steps/s); a backlog waits in the hot buffer (backpressure bounds it).
+# as_strided each), and adopting it a copy into the arena, so a burst is spread over steps. One
+# page per step is still above what the workers finish (6-14 pages/s on 12 cores vs 10-40
+# steps/s); a backlog waits in the hot buffer (backpressure bounds it).
 LOADS_PER_STEP = 1
 
 
@@ -342,7 +343,8 @@ class DaemonClient:
         c, st = self.counters, self.stats()
         p99 = st["page_seconds_p99"]
         return (f", daemon: {st['queued_pages']} queued / {st['inflight_pages']} in flight, "
-                f"adopted {c.adopted_pages}, discarded {c.discarded_pages}, backpressure seals "
+                f"adopted {c.adopted_pages} (read arena-ready {c.arena_ready_pages}, per tensor "
+                f"{c.per_tensor_pages}), discarded {c.discarded_pages}, backpressure seals "
                 f"{c.sync_seals_backpressure}, fallback seals {c.sync_seals_fallback}, restarts "
                 f"{c.restarts}, page p99 {'-' if p99 is None else f'{p99 * 1e3:.0f} ms'}")
 

@@ -6,8 +6,9 @@ positions; the page K/V and, for reuse jobs, the bases are in the shared-memory 
 same `codec.seal` code the synchronous path runs, writes each sealed page into its slot's result
 region and sends back only offsets. A page the serving arena can hold goes out arena-ready
 (`codec.arena.pack_page`: the store's own block layout), so the scheduler adopts it with a few
-bulk copies; any other page goes out as its SealedPage (the per-tensor path, counted there). It beats a heartbeat in shared memory between pages and
-exits when its parent scheduler is gone or the job pipe closes.
+bulk copies; any other page goes out as its SealedPage (the per-tensor path, counted there). It
+beats a heartbeat in shared memory between pages and exits when its parent scheduler is gone or
+the job pipe closes.
 """
 from __future__ import annotations
 
