@@ -217,9 +217,12 @@ class SegmentStore:
         bases = []
         for layer, size in enumerate(sizes):
             base = self._alloc(layer, size)
-            if base is None:
+            if base is None:  # undo this page's blocks: the allocator is as it was
                 for lyr, (b, n) in enumerate(zip(bases, sizes)):
-                    self.free[lyr].setdefault(n, []).append(b)
+                    if self.top[lyr] == b + n:
+                        self.top[lyr] = b
+                    else:
+                        self.free[lyr].setdefault(n, []).append(b)
                 return None
             bases.append(base)
         ids = {}  # layouts are shared objects (`layout_of`): look each one up once

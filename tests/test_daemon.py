@@ -183,6 +183,45 @@ def test_arena_ready_results_are_the_inline_seal_bytes_in_the_store(pools, seed,
     assert all(torch.equal(x, y) for x, y in zip(attend(a, slots, seed), attend(b, slots, seed)))
 
 
+def test_an_arena_ready_page_without_room_leaves_the_store_as_it_was(pools, seed):
+    """`SegmentStore.adopt` takes all layers or none: with room for one page, a second adopt
+    returns None and allocates nothing; `install_pages` of its own-byte Segments then counts
+    every layer as arena_full; once the first page is released, the second adopts with the
+    same bytes."""
+    from mosaickv_sglang.codec.arena import pack_page
+    from mosaickv_sglang.segment_store import SegmentStore
+
+    b = pools("off", k_error_budget=1.0, v_error_budget=1.0)
+    slots = torch.arange(PS, 3 * PS)
+    write(b, slots, seed)
+    b.seal_request(slots, len(slots))
+    ap = pack_page(b.sealed[2], b.cfg.page_tokens)
+    assert ap is not None, repro(seed)
+    room = max(H * lay.head_bytes for lay in ap.layouts())
+    store = SegmentStore(LAYERS, 4, H, D, PS, b.cfg.page_tokens, "cpu", 8, room)
+    assert store.adopt(1, ap) is not None
+    state = (list(store.top), [dict(f) for f in store.free], dict(store.blocks))
+    assert store.adopt(2, ap) is None
+    assert state == (store.top, store.free, store.blocks) and not store.packed[:, 2].any()
+    segs = ap.segments()
+    store.install_pages([2], [segs])
+    assert store.arena_full == LAYERS and not store.packed[:, 2].any()
+    for x, y in zip(segs, b.sealed[2].segments):
+        for name, t in x.k.encoded.tensors.items():
+            assert torch.equal(t, y.k.encoded.tensors[name]), name
+    store.release(1)
+    store.release(2)
+    got = store.adopt(2, ap)
+    assert got is not None and len(got) == LAYERS
+    for layer in range(LAYERS):
+        base, size = store.blocks[(layer, 2)]
+        ref, _ = b.store.blocks[(layer, 2)]
+        assert torch.equal(store.data[layer][base:base + size],
+                           b.store.data[layer][ref:ref + size]), layer
+        assert torch.equal(got[layer].v.encoded.tensors["codes4"],
+                           b.sealed[2].segments[layer].v.encoded.tensors["codes4"])
+
+
 def test_a_step_boundary_reads_at_most_loads_per_step_results(pools):
     """Finished pages of every worker wait in their pipes; each collect() reads at most
     LOADS_PER_STEP of them (the scheduler thread's cost per step is bounded) and all arrive."""
