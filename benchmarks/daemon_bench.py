@@ -13,8 +13,8 @@ new pages into slots). Phases:
   from the queue and counted (in the server that is the backpressure seal, whose cost per page
   is measured separately as `inline_seal_ms`).
 
-An adopted page is installed as the pool does it (`SegmentStore.install_pages`: arena writes,
-headers, page metadata) into a store of --store-pages pages, the oldest released when it is full;
+An adopted page is installed as the pool does it (`SegmentStore.adopt` for an arena-ready result,
+else `install_pages`: arena writes, headers, page metadata) into a store of --store-pages pages, the oldest released when it is full;
 `install_ms` times that part of the boundary (before 2026-11-30 evening it was not modelled).
 Not modelled: the pool's own bookkeeping around it (accounting, swap log: dict updates).
 
@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from mosaickv_sglang.codec.arena import ArenaPage
 from mosaickv_sglang.codec.layer import Candidates
 from mosaickv_sglang.codec.seal import seal_group
 from mosaickv_sglang.codec.strategies import parse_strategy
@@ -209,7 +210,10 @@ def main() -> None:
             page = 1 + state["installed"] % args.store_pages
             if state["installed"] >= args.store_pages:
                 store.release(page)
-            store.install_pages([page], [sealed.segments])
+            # as pool._install: arena-ready results in one copy, others (or no room) per tensor
+            if not isinstance(sealed, ArenaPage) or store.adopt(page, sealed) is None:
+                store.install_pages([page], [sealed.segments() if isinstance(sealed, ArenaPage)
+                                             else sealed.segments])
             state["installed"] += 1
 
     work = Work(device, args.step_ms)
@@ -249,14 +253,20 @@ def main() -> None:
 
     def phase(produce: bool) -> dict:
         steps, bounds, collects, submits, parts, installs = [], [], [], [], [], []
+        page_loads, page_installs = [], []  # ms per adopted page: read + unpickle, install
         done0, busy0 = state["done"], client.counters.worker_seconds
         t_start = time.perf_counter()
         for _ in range(args.steps):
             t = time.perf_counter()
             work.run()
             breakdown.take()
+            read0, installed0 = client.counters.worker_pages, state["installed"]
             c, inst, sub = boundary(produce)
             parts.append(state["collect_parts"])
+            if client.counters.worker_pages - read0 == 1:  # LOADS_PER_STEP: at most one
+                page_loads.append(state["collect_parts"]["load"])
+            if state["installed"] > installed0:
+                page_installs.append(inst * 1e3 / (state["installed"] - installed0))
             installs.append(inst)
             steps.append(time.perf_counter() - t)
             bounds.append(c + inst + sub)
@@ -269,6 +279,11 @@ def main() -> None:
                 "install_ms": {k: v * 1e3 for k, v in quantiles(installs).items()},
                 "submit_ms": {k: v * 1e3 for k, v in quantiles(submits).items()},
                 "slowest_1pct_collect_ms": slowest_breakdown(collects, parts),
+                # the scheduler thread's cost of adopting one page: its read out of the slot
+                # (copy + unpickle) and its install into the store (arena, headers, metadata)
+                "adopt_page_ms": {"load": quantiles(page_loads) if page_loads else None,
+                                  "install": quantiles(page_installs) if page_installs else None,
+                                  "pages": len(page_installs)},
                 "wall_s": wall, "pages_done": state["done"] - done0,
                 "worker_busy_fraction": (client.counters.worker_seconds - busy0)
                 / (wall * args.workers)}
@@ -323,6 +338,11 @@ def main() -> None:
         f"{ms} ms -> {v:.1f} pages/s" for ms, v in out["production_pages_per_s_batch128"].items()))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    a = saturated["adopt_page_ms"]
+    if a["load"] and a["install"]:
+        print(f"adopting one page on the scheduler thread ({a['pages']} pages), ms p50/mean/max: "
+              + ", ".join(f"{k} " + "/".join(f"{a[k][q]:.2f}" for q in ("p50", "mean", "max"))
+                          for k in ("load", "install")))
     for name in ("idle", "saturated"):
         b = out[name]["slowest_1pct_collect_ms"]
         print(f"{name}: slowest 1% of collects ({b['steps']} steps), mean ms: "

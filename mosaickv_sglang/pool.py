@@ -31,6 +31,7 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
+from .codec.arena import ArenaPage
 from .codec.basis import unrotate
 from .codec.layer import Candidates, CompressedLayer, segment_bytes
 from .codec.pages import build_page_meta
@@ -328,25 +329,35 @@ class MosaicKVPool(MHATokenToKVPool):
             dst[local, 0].copy_(self.k_buffer[local][phys].transpose(0, 1), non_blocking=True)
             dst[local, 1].copy_(self.v_buffer[local][phys].transpose(0, 1), non_blocking=True)
 
-    def _install(self, pages: list[int], sealed: list[SealedPage]) -> None:
+    def _install(self, pages: list[int], sealed: list[SealedPage | ArenaPage]) -> None:
         """The one place sealed pages enter ``self.sealed`` (``release_pages``/``clear`` are the
-        only exits): store each layer's segments of all `pages` in one batch, account their
-        bytes and give their hot pages back."""
+        only exits): store each layer's segments of all `pages` in one batch (arena-ready daemon
+        results with one copy each), account their bytes and give their hot pages back."""
         for page in pages:
             if page in self.sealed:
                 raise RuntimeError(f"MosaicKV: page {page} sealed twice")
         if len(set(pages)) != len(pages):
             raise RuntimeError(f"MosaicKV: pages {pages} installed twice in one batch")
         for page, sp in zip(pages, sealed):
-            self.sealed[page] = sp
-            for seg in sp.segments:
-                for kind, c in (("k", seg.k), ("v", seg.v)):
-                    key = f"{kind}:{c.strategy.spec}"
-                    self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
-                    self.counters.over_budget += c.reason == "over-budget"
-                    self.counters.rescued += c.reason == "rescued"
-        self.store.install_pages(pages, [sp.segments for sp in sealed])
+            for kind, spec, reason in sp.kinds():
+                key = f"{kind}:{spec}"
+                self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
+                self.counters.over_budget += reason == "over-budget"
+                self.counters.rescued += reason == "rescued"
+        sealed, rest = list(sealed), []  # rest: pages for the per-segment install
+        for i, (page, sp) in enumerate(zip(pages, sealed)):
+            if isinstance(sp, ArenaPage):  # a daemon result: in with one copy (store.adopt)
+                segs = self.store.adopt(page, sp)
+                if segs is None:  # no room: as views of its bytes, counted by install_pages
+                    segs = sp.segments()
+                    rest.append(i)
+                sealed[i] = SealedPage(sp.position, segs, sp.bases, sp.nbytes)
+            else:
+                rest.append(i)
+        if rest:
+            self.store.install_pages([pages[i] for i in rest], [sealed[i].segments for i in rest])
         for page, sp in zip(pages, sealed):
+            self.sealed[page] = sp
             self._account(sp, +1)
             self.free_hot_pages.append(int(self.hot_page_of[page]))
             self.hot_page_of[page] = -1
@@ -388,7 +399,7 @@ class MosaicKVPool(MHATokenToKVPool):
 
         return adopt(self, tp_group)
 
-    def _finish(self, job, sealed: list[SealedPage] | None) -> int:
+    def _finish(self, job, sealed: list[SealedPage | ArenaPage] | None) -> int:
         """A job leaves the daemon: install its live pages (sealing them here if `sealed` is
         None), then submit the pages that waited for its bases. Returns pages installed."""
         self.daemon.retire(job)

@@ -11,17 +11,23 @@ the pool was sized with at start-up (`capacity_bytes`). Segments the kernel cann
 `band` in the SVD basis, e.g. a dense fallback), or that find the arena full, stay in their own
 tensors and are flagged unpacked (counted); their requests decode on the reference path.
 
+A daemon result comes arena-ready (`codec.arena.ArenaPage`: the worker ran `write_blocks`), so
+`adopt` takes all its layers with one arena copy and one write per table, and its Segments are
+made only when something reads them (`StoredSegments`).
+
 Who writes a block's codes and scales (`pack_kernel`): on CUDA the GPU pack kernel
 (`band_pack.pack_layout`) encodes them in place from the chooser's rotated K/V, one launch per
 layout and kind per batch, instead of staging the chooser's encoded tensors and scattering them
 (the chooser still encodes every candidate: it measures each one's error). Both write the same
-bytes (tests/test_pack_install.py); segments without rotated K/V (daemon results) take the torch
-copy. Counted per path in `pack_counts`.
+bytes (tests/test_pack_install.py); segments without rotated K/V (daemon results that were not
+arena-ready) take the torch copy. Counted per path in `pack_counts`.
 """
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -29,19 +35,15 @@ from mosaickv_kernels.band_decode import band_width_classes
 from mosaickv_kernels.band_pack import pack_layout
 from mosaickv_kernels.page_select import PackedPageMeta
 
-from .codec.arena import (ALIGN, HEADER_WIDTH, PLAN_FIELDS, BlockLayout, band_channels,
-                          block_views, write_blocks)
+from .codec.arena import (ALIGN, HDR, HEADER_WIDTH, META_FIELDS, PLAN_FIELDS, ArenaPage,
+                          BlockLayout, band_channels, block_views, layout_of, packable,
+                          tensor_parts, write_blocks)
 from .codec.layer import Segment, own_storage
+from .codec.pages import PageMeta
 from .codec.strategies.band import Band
 from .config import PACK_KERNELS
 
 logger = logging.getLogger(__name__)
-
-
-def packable(seg: Segment, page_tokens: int) -> bool:
-    """The kernel reads K and V as rotated bands whose token groups hold whole pages."""
-    return all(isinstance(c.strategy, Band) and c.strategy.rot and c.strategy.group % page_tokens == 0
-               for c in (seg.k, seg.v))
 
 
 def use_pack_kernel(choice: str, device) -> bool:
@@ -77,30 +79,34 @@ class SegmentStore:
         # Uninitialized: only installed blocks are ever read (and CPU pages stay uncommitted).
         self.data = [torch.empty(max(self.capacity, ALIGN), dtype=torch.uint8, device=device)
                      for _ in range(layers)]
-        self.headers = [torch.zeros(pages + 1, HEADER_WIDTH, dtype=torch.int32, device=device)
-                        for _ in range(layers)]
+        # Headers and page metadata: per layer a view of one tensor per table, so an adopted
+        # page (`adopt`: all layers at once) is one write per table.
+        self._headers = torch.zeros(layers, pages + 1, HEADER_WIDTH, dtype=torch.int32,
+                                    device=device)
+        self.headers = list(self._headers.unbind(0))
+        self._header_rows: list[torch.Tensor] = []  # per layout id: its header at base 0
         self.packed = torch.zeros(layers, pages + 1, dtype=torch.bool)  # host: kernel-readable
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
         self.free: list[dict[int, list[int]]] = [{} for _ in range(layers)]  # size -> bases
         self.top = [0] * layers  # bump pointer per layer
         self.live_bytes = 0
         self.layouts: dict[tuple, int] = {}  # BlockLayout.key() -> layout id (plans row)
-        self._layout_of: dict[tuple, BlockLayout] = {}  # (K spec, V spec, tokens) -> layout
         self._plans: list[torch.Tensor] = []
         self.plans = torch.zeros(1, 2, len(PLAN_FIELDS), head_dim, dtype=torch.int32, device=device)
         self.width_classes: list[tuple[int, ...]] = []  # of the layouts in plans, for the kernel
         self.min_group = segment_tokens
         # Page-selection metadata per layer, indexed by logical page like the headers (the GPU
         # selector reads it by segment id); None when selection is off.
-        self.meta = None
+        self.meta = self._meta = None
         if meta_channels is not None:
             m, pps = min(meta_channels, head_dim), segment_tokens // page_tokens
-            self.meta = [PackedPageMeta(
-                torch.zeros(pages + 1, heads, m, dtype=torch.int32, device=device),
-                torch.zeros(pages + 1, heads, pps, m, dtype=torch.float16, device=device),
-                torch.zeros(pages + 1, heads, pps, m, dtype=torch.float16, device=device),
-                torch.zeros(pages + 1, heads, pps, dtype=torch.float16, device=device))
-                for _ in range(layers)]
+            self._meta = PackedPageMeta(
+                torch.zeros(layers, pages + 1, heads, m, dtype=torch.int32, device=device),
+                torch.zeros(layers, pages + 1, heads, pps, m, dtype=torch.float16, device=device),
+                torch.zeros(layers, pages + 1, heads, pps, m, dtype=torch.float16, device=device),
+                torch.zeros(layers, pages + 1, heads, pps, dtype=torch.float16, device=device))
+            self.meta = [PackedPageMeta(*(getattr(self._meta, f)[layer] for f in META_FIELDS))
+                         for layer in range(layers)]
 
     # ---- install / release ----------------------------------------------------------------
     def install_pages(self, pages: list[int], segments: list[list[Segment]]) -> None:
@@ -127,11 +133,7 @@ class SegmentStore:
             if self.meta is not None and (seg.pages is None or not seg.pages_rotated):
                 raise ValueError("SegmentStore: selection is on but a band segment came without "
                                  "page metadata in its K basis")
-            key = (seg.k.strategy.spec, seg.v.strategy.spec, seg.tokens)
-            lay = self._layout_of.get(key)
-            if lay is None:
-                lay = self._layout_of[key] = BlockLayout.of(seg.k.strategy, seg.v.strategy,
-                                                            seg.tokens, self.head_dim)
+            lay = layout_of(seg.k.strategy.spec, seg.v.strategy.spec, seg.tokens, self.head_dim)
             base = self._alloc(layer, self.heads * lay.head_bytes)
             if base is None:
                 self.arena_full += 1
@@ -150,15 +152,9 @@ class SegmentStore:
                bases: list[int]) -> None:
         """The writes of `install` for segments of one layout, their blocks at `bases`."""
         size = self.heads * lay.head_bytes
-        if lay.key() not in self.layouts:
-            self.layouts[lay.key()] = len(self._plans)
-            self._plans.append(lay.channel_plan())
-            self.plans = torch.stack(self._plans).to(self.device)
-            self.width_classes = band_width_classes(torch.stack(self._plans))  # host copy
-            self.min_group = min(self.min_group, lay.k.group, lay.v.group)
         at = torch.tensor(pages, device=self.device)
         # headers first: the pack kernel finds each block through its header row
-        self.headers[layer][at] = lay.headers(bases, self.layouts[lay.key()]).to(self.device)
+        self.headers[layer][at] = lay.headers(bases, self._layout_id(lay)).to(self.device)
         rows = (torch.tensor(bases)[:, None] + torch.arange(0, size, ALIGN)) // ALIGN
         rows = rows.flatten().to(self.device)
         blocks = self.data[layer].view(-1, ALIGN)
@@ -181,7 +177,8 @@ class SegmentStore:
             write_blocks(staged, lay, segs)
             blocks.index_copy_(0, rows, staged.view(-1, ALIGN))
         self.pack_counts["kernel" if kernel else "torch"] += len(segs)
-        for seg, views in zip(segs, block_views(self.data[layer], bases, lay, segs)):
+        views_of = block_views(self.data[layer], bases, lay, tensor_parts(segs[0]))
+        for seg, views in zip(segs, views_of):
             for (kind, name), view in views.items():
                 (seg.k if kind == "k" else seg.v).encoded.tensors[name] = view
         if self.meta is not None:
@@ -195,6 +192,61 @@ class SegmentStore:
         for page, base in zip(pages, bases):
             self.blocks[(layer, page)] = (base, size)
         self.live_bytes += size * len(segs)
+
+    def _layout_id(self, lay: BlockLayout) -> int:
+        """The plans row of a layout, added (with its kernel width class) when first seen."""
+        if lay.key() not in self.layouts:
+            self.layouts[lay.key()] = len(self._plans)
+            self._plans.append(lay.channel_plan())
+            self.plans = torch.stack(self._plans).to(self.device)
+            self.width_classes = band_width_classes(torch.stack(self._plans))  # host copy
+            self.min_group = min(self.min_group, lay.k.group, lay.v.group)
+            self._header_rows.append(lay.header(0, self.layouts[lay.key()]))
+        return self.layouts[lay.key()]
+
+    def adopt(self, page: int, ap: ArenaPage) -> "StoredSegments | None":
+        """An arena-ready page (a daemon result, all layers) in: a block per layer, one copy of
+        each layer's bytes into the arena, one header write and one write per page-metadata field
+        for all layers. Returns its lazily made Segments, or None when some layer's arena has no
+        room (nothing stored: the caller installs `ap.segments()` through `install_pages`)."""
+        if self.meta is not None and ap.pages is None:
+            raise ValueError("SegmentStore: selection is on but an arena-ready page came without "
+                             "page metadata")
+        lays = ap.layouts()
+        sizes = [self.heads * lay.head_bytes for lay in lays]
+        bases = []
+        for layer, size in enumerate(sizes):
+            base = self._alloc(layer, size)
+            if base is None:  # undo this page's blocks: the allocator is as it was
+                for lyr, (b, n) in enumerate(zip(bases, sizes)):
+                    if self.top[lyr] == b + n:
+                        self.top[lyr] = b
+                    else:
+                        self.free[lyr].setdefault(n, []).append(b)
+                return None
+            bases.append(base)
+        ids = {}  # layouts are shared objects (`layout_of`): look each one up once
+        for lay in lays:
+            if id(lay) not in ids:
+                ids[id(lay)] = self._layout_id(lay)
+        rows = torch.stack([self._header_rows[ids[id(lay)]] for lay in lays])
+        rows[:, HDR["base16"]] = torch.tensor(bases, dtype=torch.int32) // ALIGN
+        self._headers[:, page] = rows.to(self.device)
+        # one contiguous copy per layer: an index_copy_ over ALIGN-byte rows instead took 4.5 ms
+        # a Llama-8B page on a CPU, a plain copy of its 4 MB 0.4 ms
+        blob, off = ap.blocks.to(self.device), 0
+        for data, base, size in zip(self.data, bases, sizes):
+            data[base:base + size].copy_(blob[off:off + size])
+            off += size
+        if self._meta is not None:
+            for f in META_FIELDS:
+                table = getattr(self._meta, f)
+                table[:, page] = getattr(ap.pages, f).to(self.device, table.dtype)
+        self.packed[:, page] = True
+        for layer, (base, size) in enumerate(zip(bases, sizes)):
+            self.blocks[(layer, page)] = (base, size)
+        self.live_bytes += sum(sizes)
+        return StoredSegments(self, page, ap)
 
     def release(self, page: int) -> None:
         for layer in range(len(self.data)):
@@ -228,3 +280,30 @@ class SegmentStore:
         meta = sum(m.nbytes() for m in self.meta) if self.meta is not None else 0
         return sum(t.numel() * t.element_size() for t in self.data + self.headers) + \
             self.plans.numel() * self.plans.element_size() + meta
+
+
+class StoredSegments(Sequence):
+    """An adopted `ArenaPage`'s Segments, one per layer, each made on first read as views of
+    its block and metadata rows in the store: the decode kernels read the store directly, so
+    only the reference path, prefill decompression and stats() ever make them."""
+
+    def __init__(self, store: SegmentStore, page: int, ap: ArenaPage):
+        # everything but the page's bytes, which now live in the store
+        self.store, self.page = store, page
+        self.ap = replace(ap, blocks=None, headers=ap.headers.clone(), pages=None)
+        self.made: list[Segment | None] = [None] * len(ap.specs)
+
+    def __len__(self) -> int:
+        return len(self.made)
+
+    def __getitem__(self, layer):
+        if isinstance(layer, slice):
+            return [self[i] for i in range(len(self))[layer]]
+        if self.made[layer] is None:
+            store = self.store
+            pages = None if store.meta is None else PageMeta(
+                store.meta[layer].channels[self.page].to(torch.uint8),
+                *(getattr(store.meta[layer], f)[self.page] for f in META_FIELDS[1:]))
+            base, _ = store.blocks[(layer, self.page)]
+            self.made[layer] = self.ap.segment(layer, store.data[layer], base, pages)
+        return self.made[layer]

@@ -13,6 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from mosaickv_sglang.codec.attention import decode_attention
+from conftest import repro
+from mosaickv_sglang.codec.arena import HDR
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.daemon import adopt as adopt_mod
 from mosaickv_sglang.daemon.adopt import agree, agree_state
@@ -141,6 +143,83 @@ def test_daemon_seals_equal_sync_seals_and_reads_switch_atomically(pools):
     assert st["adopted_pages"] == 7 and st["submitted_pages"] == 7 and st["free_slots"] == 8
     assert st["sync_seals_backpressure"] == st["discarded_pages"] == st["restarts"] == 0
     assert st["swaps"]["pages"] == 7 and not a.swaps.pending  # every swap logged at a step
+
+
+def test_arena_ready_results_are_the_inline_seal_bytes_in_the_store(pools, seed, caplog):
+    """A page the worker sends arena-ready and the store adopts with one copy holds exactly the
+    bytes the inline seal installs: arena block (padding included: both arenas start poisoned),
+    header row (but its base), page metadata; its Segments and decode outputs are the same. The
+    sink page here stays dense (no sink candidate): it takes the per-tensor path, counted and
+    logged once."""
+    cfg = dict(k_error_budget=1.0, v_error_budget=1.0, sink_candidates=[])
+    a, b = pools("process", **cfg), pools("off", **cfg)
+    slots = torch.arange(PS, 8 * PS + 40)  # pages 1..7 full (page 1 the sink), partial page 8
+    for p in (a, b):
+        for data in p.store.data:
+            data.fill_(0x5A)
+        write(p, slots, seed)
+        p.seal_request(slots, len(slots))
+    with caplog.at_level("WARNING", logger="mosaickv_sglang.daemon.client"):
+        settle(a)
+    st = a.stats()["daemon"]
+    assert (st["arena_ready_pages"], st["per_tensor_pages"]) == (6, 1), repro(seed)
+    assert sum("read per tensor" in r.message for r in caplog.records) == 1
+    same_pages(a, b)
+    assert a.store.blocks.keys() == b.store.blocks.keys() and len(a.store.blocks) == 6 * LAYERS
+    base16 = HDR["base16"]
+    for (layer, page), (base, size) in b.store.blocks.items():
+        other, other_size = a.store.blocks[(layer, page)]
+        assert size == other_size
+        assert torch.equal(a.store.data[layer][other:other + size],
+                           b.store.data[layer][base:base + size]), (layer, page, repro(seed))
+        ha, hb = a.store.headers[layer][page].clone(), b.store.headers[layer][page].clone()
+        assert ha[base16] * 16 == other and hb[base16] * 16 == base
+        ha[base16] = hb[base16] = 0
+        assert torch.equal(ha, hb), (layer, page)
+        for f in ("channels", "lo", "hi", "rest_norm"):
+            assert torch.equal(getattr(a.store.meta[layer], f)[page],
+                               getattr(b.store.meta[layer], f)[page]), (f, layer, page)
+    assert torch.equal(a.store.packed, b.store.packed)
+    assert all(torch.equal(x, y) for x, y in zip(attend(a, slots, seed), attend(b, slots, seed)))
+
+
+def test_an_arena_ready_page_without_room_leaves_the_store_as_it_was(pools, seed):
+    """`SegmentStore.adopt` takes all layers or none: with room for one page, a second adopt
+    returns None and allocates nothing; `install_pages` of its own-byte Segments then counts
+    every layer as arena_full; once the first page is released, the second adopts with the
+    same bytes."""
+    from mosaickv_sglang.codec.arena import pack_page
+    from mosaickv_sglang.segment_store import SegmentStore
+
+    b = pools("off", k_error_budget=1.0, v_error_budget=1.0)
+    slots = torch.arange(PS, 3 * PS)
+    write(b, slots, seed)
+    b.seal_request(slots, len(slots))
+    ap = pack_page(b.sealed[2], b.cfg.page_tokens)
+    assert ap is not None, repro(seed)
+    room = max(H * lay.head_bytes for lay in ap.layouts())
+    store = SegmentStore(LAYERS, 4, H, D, PS, b.cfg.page_tokens, "cpu", 8, room)
+    assert store.adopt(1, ap) is not None
+    state = (list(store.top), [dict(f) for f in store.free], dict(store.blocks))
+    assert store.adopt(2, ap) is None
+    assert state == (store.top, store.free, store.blocks) and not store.packed[:, 2].any()
+    segs = ap.segments()
+    store.install_pages([2], [segs])
+    assert store.arena_full == LAYERS and not store.packed[:, 2].any()
+    for x, y in zip(segs, b.sealed[2].segments):
+        for name, t in x.k.encoded.tensors.items():
+            assert torch.equal(t, y.k.encoded.tensors[name]), name
+    store.release(1)
+    store.release(2)
+    got = store.adopt(2, ap)
+    assert got is not None and len(got) == LAYERS
+    for layer in range(LAYERS):
+        base, size = store.blocks[(layer, 2)]
+        ref, _ = b.store.blocks[(layer, 2)]
+        assert torch.equal(store.data[layer][base:base + size],
+                           b.store.data[layer][ref:ref + size]), layer
+        assert torch.equal(got[layer].v.encoded.tensors["codes4"],
+                           b.sealed[2].segments[layer].v.encoded.tensors["codes4"])
 
 
 def test_a_step_boundary_reads_at_most_loads_per_step_results(pools):

@@ -1,6 +1,7 @@
 """benchmarks/daemon_bench.py end to end on the CPU (small shape): the step boundary it times
 includes installing adopted pages into a SegmentStore, and its JSON carries the breakdown."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,10 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path):
                            "--shape", "small", "--device", "cpu", "--workers", "1",
                            "--steps", "100", "--step-ms", "10", "--nice", "0",
                            "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          # this checkout's package, as its workers (-m from cwd) import it, not
+                          # whichever one the environment has installed
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
     sat, idle = result["saturated"], result["idle"]
@@ -24,3 +28,5 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path):
     assert set(slowest) >= {"collect", "alive", "handle", "load", "unpickle", "pump", "gc",
                             "other", "steps"}
     assert result["args"]["nice"] == 0 and "install p50/p99/max ms" in proc.stdout
+    adopt = sat["adopt_page_ms"]
+    assert adopt["pages"] >= 1 and adopt["install"]["max"] > 0 and adopt["load"]["max"] > 0

@@ -27,14 +27,20 @@ makes it packable.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
-
 from .basis import kernel_transform
-from .layer import CompressedLayer
+from .layer import Choice, CompressedLayer, Segment
+from .pages import PageMeta
 from .quant import SCALE_DTYPE
+from .strategies import Encoded, parse_strategy
 from .strategies.band import BAND_BITS, Band
+
+if TYPE_CHECKING:
+    from .seal import BasisPair, SealedPage
 
 ALIGN = 16  # bytes; every part and every (segment, head) block starts on this boundary
 KIND_FIELDS = ("b8", "b4", "b2", "group",
@@ -51,6 +57,12 @@ MAX_ARENA_BYTES = (2**31 - 1) * ALIGN  # base16 is int32
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def packable(seg: Segment, page_tokens: int) -> bool:
+    """The kernel reads K and V as rotated bands whose token groups hold whole pages."""
+    return all(isinstance(c.strategy, Band) and c.strategy.rot and c.strategy.group % page_tokens == 0
+               for c in (seg.k, seg.v))
 
 
 def band_channels(band: Band, head_dim: int) -> dict[int, int]:
@@ -238,24 +250,29 @@ def write_blocks(blocks: torch.Tensor, lay: BlockLayout, segs: list) -> None:
                 src.contiguous().view(torch.uint8).reshape(m, h, -1))
 
 
+def tensor_parts(seg) -> list[tuple[str, str, torch.dtype, tuple[int, ...]]]:
+    """(kind, name, dtype, shape) of a segment's K and V tensors: what `block_views` rebuilds."""
+    return [(kind, name, t.dtype, tuple(t.shape)) for kind, choice in (("k", seg.k), ("v", seg.v))
+            for name, t in choice.encoded.tensors.items()]
+
+
 def block_views(arena: torch.Tensor, bases: list[int], lay: BlockLayout,
-                segs: list) -> list[dict[tuple[str, str], torch.Tensor]]:
+                parts: list) -> list[dict[tuple[str, str], torch.Tensor]]:
     """Per segment (of one layout, its block at byte `bases[i]` of the 1-D uint8 `arena`), per
-    (kind, name), a view of where `write_blocks` put that tensor (its first dim the heads), with
-    the tensor's dtype and shape: one `as_strided` each, as this runs for every part of every
-    sealed segment."""
+    (kind, name) of `parts` (`tensor_parts`), a view of where `write_blocks` put that tensor (its
+    first dim the heads), with the tensor's dtype and shape: one `as_strided` each, as this runs
+    for every part of every sealed segment."""
     typed = {torch.uint8: arena}
-    parts = []  # (kind, name, dtype, shape, strides, byte offset, element size)
-    for kind, choice in (("k", segs[0].k), ("v", segs[0].v)):
-        for name, t in choice.encoded.tensors.items():
-            if t.dtype not in typed:
-                typed[t.dtype] = arena.view(t.dtype)
-            size = t.element_size()
-            parts.append((kind, name, typed[t.dtype], t.shape,
-                          _contiguous_strides(t.shape[1:], lay.head_bytes // size),
-                          lay.offsets[f"{kind}.{name}"], size))
+    plan = []  # (kind, name, typed arena, shape, strides, byte offset, element size)
+    for kind, name, dtype, shape in parts:
+        if dtype not in typed:
+            typed[dtype] = arena.view(dtype)
+        size = dtype.itemsize
+        plan.append((kind, name, typed[dtype], shape,
+                     _contiguous_strides(shape[1:], lay.head_bytes // size),
+                     lay.offsets[f"{kind}.{name}"], size))
     return [{(kind, name): typed_arena.as_strided(shape, strides, (base + off) // size)
-             for kind, name, typed_arena, shape, strides, off, size in parts} for base in bases]
+             for kind, name, typed_arena, shape, strides, off, size in plan} for base in bases]
 
 
 def _contiguous_strides(shape, outer: int) -> tuple[int, ...]:
@@ -265,6 +282,93 @@ def _contiguous_strides(shape, outer: int) -> tuple[int, ...]:
         strides.append(n)
         n *= dim
     return (outer, *reversed(strides))
+
+
+@lru_cache(maxsize=None)
+def layout_of(k_spec: str, v_spec: str, tokens: int, head_dim: int) -> BlockLayout:
+    """The BlockLayout of two band specs (parsed once: adopting a page looks up every layer's)."""
+    return BlockLayout.of(parse_strategy(k_spec), parse_strategy(v_spec), tokens, head_dim)
+
+
+META_FIELDS = ("channels", "lo", "hi", "rest_norm")
+
+
+@dataclass
+class ArenaPage:
+    """A sealed page in the bytes the serving store keeps (what a daemon worker sends back):
+    every layer's (segment, head) blocks back to back in `blocks`, exactly as `write_blocks`
+    lays them into the arena (padding zeroed), and the per-layer tables stacked over layers. So
+    the scheduler adopts it with one arena copy and one write per table
+    (`SegmentStore.adopt`), not ~400 per-tensor objects; Segments are made only when read."""
+    position: int
+    heads: int
+    tokens: int
+    head_dim: int
+    nbytes: int  # SealedPage.nbytes of the page
+    bases: BasisPair
+    specs: list[tuple[str, str]]  # per layer: K and V band spec
+    choices: list[tuple[float, float, str, str]]  # per layer: K, V error; K, V reason
+    parts: dict[tuple[str, str], list]  # (K spec, V spec) -> its `tensor_parts`
+    blocks: torch.Tensor  # uint8 [sum over layers of heads * head_bytes]
+    headers: torch.Tensor  # int32 [L, len(layer.HEADER_FIELDS)]: the segments' codec headers
+    pages: PageMeta | None  # page metadata, every field stacked over layers ([L, ...])
+
+    def layouts(self) -> list[BlockLayout]:
+        return [layout_of(k, v, self.tokens, self.head_dim) for k, v in self.specs]
+
+    def kinds(self) -> list[tuple[str, str, str]]:
+        """(kind, strategy spec, chooser reason) of every layer's K and V (pool counters)."""
+        return [(kind, spec, reason) for (k, v), (_, _, kr, vr) in zip(self.specs, self.choices)
+                for kind, spec, reason in (("k", k, kr), ("v", v, vr))]
+
+    def segment(self, layer: int, arena: torch.Tensor, base: int,
+                pages: PageMeta | None) -> Segment:
+        """Layer `layer`'s Segment, its tensors views of the block at byte `base` of `arena`."""
+        lay = layout_of(*self.specs[layer], self.tokens, self.head_dim)
+        views = block_views(arena, [base], lay, self.parts[self.specs[layer]])[0]
+        k_err, v_err, k_reason, v_reason = self.choices[layer]
+        choices = [Choice(lay.k if kind == "k" else lay.v,
+                          Encoded(kind, (self.heads, self.tokens, self.head_dim),
+                                  {name: t for (kd, name), t in views.items() if kd == kind}),
+                          err, reason)
+                   for kind, err, reason in (("k", k_err, k_reason), ("v", v_err, v_reason))]
+        return Segment(self.position, self.tokens, choices[0], choices[1], 0, pages,
+                       pages is not None, self.headers[layer])
+
+    def segments(self) -> list[Segment]:
+        """Every layer's Segment as views of this page's own bytes (a page the arena has no room
+        for keeps them; `SegmentStore.install_pages` then gives them their own storage)."""
+        out, base = [], 0
+        for layer, lay in enumerate(self.layouts()):
+            pages = None if self.pages is None else PageMeta(
+                *(getattr(self.pages, f)[layer] for f in META_FIELDS))
+            out.append(self.segment(layer, self.blocks, base, pages))
+            base += self.heads * lay.head_bytes
+        return out
+
+
+def pack_page(page: SealedPage, page_tokens: int) -> ArenaPage | None:
+    """A sealed page as an ArenaPage (`write_blocks` per layer into one zeroed buffer), or None
+    when a segment is not one the arena holds (`packable`: e.g. a dense fallback)."""
+    segs = page.segments
+    if not all(packable(seg, page_tokens) for seg in segs):
+        return None
+    heads, tokens, head_dim = segs[0].k.encoded.shape
+    lays = [layout_of(seg.k.strategy.spec, seg.v.strategy.spec, seg.tokens, head_dim)
+            for seg in segs]
+    blocks = torch.zeros(sum(heads * lay.head_bytes for lay in lays), dtype=torch.uint8)
+    base, parts = 0, {}
+    for seg, lay in zip(segs, lays):
+        n = heads * lay.head_bytes
+        write_blocks(blocks[base:base + n].view(1, heads, lay.head_bytes), lay, [seg])
+        parts.setdefault((seg.k.strategy.spec, seg.v.strategy.spec), tensor_parts(seg))
+        base += n
+    meta = None if segs[0].pages is None else PageMeta(
+        *(torch.stack([getattr(seg.pages, f) for seg in segs]) for f in META_FIELDS))
+    return ArenaPage(page.position, heads, tokens, head_dim, page.nbytes, page.bases,
+                     [(seg.k.strategy.spec, seg.v.strategy.spec) for seg in segs],
+                     [(seg.k.error, seg.v.error, seg.k.reason, seg.v.reason) for seg in segs],
+                     parts, blocks, torch.stack([seg.header for seg in segs]), meta)
 
 
 def _check_segment(i: int, b: int, seg, page_tokens: int, basis: int) -> tuple[Band, Band]:

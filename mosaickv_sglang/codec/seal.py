@@ -46,6 +46,11 @@ class SealedPage:
     bases: BasisPair
     nbytes: int = 0
 
+    def kinds(self) -> list[tuple[str, str, str]]:
+        """(kind, strategy spec, chooser reason) of every layer's K and V (pool counters)."""
+        return [(kind, c.strategy.spec, c.reason) for seg in self.segments
+                for kind, c in (("k", seg.k), ("v", seg.v))]
+
 
 SEAL_BATCH = 256  # segments (page x layer) encoded per chooser call: bounds the transient memory
 

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from ..codec.arena import ArenaPage
 from ..codec.seal import BasisPair, SealedPage
 from ..config import MosaicConfig
 from .channel import Channel, ChannelSpec, load
@@ -41,10 +42,11 @@ STARTUP_S = 300.0  # a new worker may take this long to import torch before it f
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
 LATENCY_SAMPLES = 4096
 # Finished pages read per step boundary, over all workers (taken in turn): reading one costs the
-# scheduler thread a copy and an unpickle of ~400 tensor views (the slowest H200-host boundaries
-# with 2 reads were ~20 ms of unpickling before views became one as_strided each), so a burst is
-# spread over steps. One page per step is still above what the workers finish (6-14 pages/s on
-# 12 cores vs 10-40 steps/s); a backlog waits in the hot buffer (backpressure bounds it).
+# scheduler thread a copy of its bytes (and, for the per-tensor results that are not arena-ready,
+# an unpickle of ~400 tensor views: ~20 ms for 2 reads on the H200 host before views became one
+# as_strided each), and adopting it a copy into the arena, so a burst is spread over steps. One
+# page per step is still above what the workers finish (6-14 pages/s on 12 cores vs 10-40
+# steps/s); a backlog waits in the hot buffer (backpressure bounds it).
 LOADS_PER_STEP = 1
 
 
@@ -61,7 +63,7 @@ class Job:
     slots: list[int] = field(default_factory=list)
     worker: int = -1
     event: object = None  # CUDA event after the copies into the slots
-    results: list[SealedPage | None] = field(default_factory=list)
+    results: list[ArenaPage | SealedPage | None] = field(default_factory=list)
     error: str | None = None
     cancelled: bool = False
 
@@ -82,6 +84,10 @@ class DaemonCounters:
     resubmitted_pages: int = 0
     worker_pages: int = 0
     worker_seconds: float = 0.0
+    # results read arena-ready (adopted with a few bulk copies) / as per-tensor SealedPages (a
+    # segment the arena cannot hold, e.g. a dense fallback: unpickled and installed per tensor)
+    arena_ready_pages: int = 0
+    per_tensor_pages: int = 0
 
 
 @dataclass
@@ -302,6 +308,14 @@ class DaemonClient:
                         self.device)
             if job.bases is None:
                 job.bases = page.bases  # fitted by the worker, sent with the first page
+            if isinstance(page, ArenaPage):
+                self.counters.arena_ready_pages += 1
+            else:
+                if not self.counters.per_tensor_pages:
+                    logger.warning("MosaicKV daemon: a result holds segments the arena cannot "
+                                   "(e.g. a dense fallback) and is read per tensor, slower on "
+                                   "the scheduler thread; counted in stats (per_tensor_pages)")
+                self.counters.per_tensor_pages += 1
             job.results[i] = page
             self.latencies.append(msg["seconds"])
             self.counters.worker_pages += 1
@@ -329,7 +343,8 @@ class DaemonClient:
         c, st = self.counters, self.stats()
         p99 = st["page_seconds_p99"]
         return (f", daemon: {st['queued_pages']} queued / {st['inflight_pages']} in flight, "
-                f"adopted {c.adopted_pages}, discarded {c.discarded_pages}, backpressure seals "
+                f"adopted {c.adopted_pages} (read arena-ready {c.arena_ready_pages}, per tensor "
+                f"{c.per_tensor_pages}), discarded {c.discarded_pages}, backpressure seals "
                 f"{c.sync_seals_backpressure}, fallback seals {c.sync_seals_fallback}, restarts "
                 f"{c.restarts}, page p99 {'-' if p99 is None else f'{p99 * 1e3:.0f} ms'}")
 

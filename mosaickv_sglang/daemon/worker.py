@@ -4,8 +4,11 @@ Started by `client.DaemonClient` as ``python -m mosaickv_sglang.daemon.worker '<
 never shares the scheduler's GIL and starts without importing SGLang. It reads jobs (slot ids and
 positions; the page K/V and, for reuse jobs, the bases are in the shared-memory slots), runs the
 same `codec.seal` code the synchronous path runs, writes each sealed page into its slot's result
-region and sends back only offsets. It beats a heartbeat in shared memory between pages and
-exits when its parent scheduler is gone or the job pipe closes.
+region and sends back only offsets. A page the serving arena can hold goes out arena-ready
+(`codec.arena.pack_page`: the store's own block layout), so the scheduler adopts it with a few
+bulk copies; any other page goes out as its SealedPage (the per-tensor path, counted there). It
+beats a heartbeat in shared memory between pages and exits when its parent scheduler is gone or
+the job pipe closes.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from ..codec.arena import pack_page
 from ..codec.layer import Candidates
 from ..codec.seal import BasisPair, fit_bases, seal_pages
 from ..codec.strategies import parse_strategy
@@ -77,7 +81,8 @@ class Worker:
                               self.dense)[0]
             # the bases travel once (first page of a fit job); elsewhere the scheduler has them
             refs = {} if job["fit"] and i == 0 else {id(bases): "bases"}
-            offset, length = dump(page, self.channel.result(slots[i]), refs)
+            offset, length = dump(pack_page(page, self.cfg.page_tokens) or page,
+                                  self.channel.result(slots[i]), refs)
             t1 = time.perf_counter()
             self.results.send({"id": job["id"], "index": i, "offset": offset, "length": length,
                                "seconds": t1 - t0})
