@@ -130,6 +130,28 @@ def test_summary_losses_over_competent_cells(server, tmp_path, monkeypatch):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_losses_of_an_incomplete_system_are_paired(server, tmp_path, monkeypatch):
+    """A system that finished only some samples is compared with dense on those samples: a cell
+    where dense fails the samples the system skipped shows no loss, not an unpaired one."""
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    store = ResultStore(tmp_path / "r.jsonl")
+    prompts = _prompts({"niah_single_1": "good", "qa_1": "good"})
+    run_prompts(server.url, "dense", "fd", prompts, store, progress=False)
+    for p in prompts:
+        rec = dict(store.done("dense", p, "fd"))
+        if p.task == "qa_1" and p.index == 2:
+            store.add({**rec, "score": 0.0})  # dense misses it; the system never ran it
+            continue
+        store.add({**rec, "system": "mosaickv", "system_fp": "fm"})
+    s = report.summarize(prompts, [SYSTEMS["dense"], SYSTEMS["mosaickv"]], store,
+                         {"dense": "fd", "mosaickv": "fm"})
+    entry = s["systems"]["mosaickv"]
+    assert entry["status"] == "incomplete" and entry["scores"]["qa_1@2048"]["score"] == 100.0
+    assert s["systems"]["dense"]["scores"]["qa_1@2048"]["score"] == pytest.approx(200 / 3)
+    assert entry["loss"]["per_cell"] == {"niah_single_1@2048": 0.0, "qa_1@2048": 0.0}
+    assert entry["loss"]["paired_samples"] == 5 and entry["loss"]["average_ci95"] == [0.0, 0.0]
+
+
 def test_generation_is_cut_to_the_context(server, tmp_path, monkeypatch):
     """SGLang refuses prompt + max_new_tokens > context: the budget is cut (and counted), and a
     prompt that leaves no room is an error, not a request."""

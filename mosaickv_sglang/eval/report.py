@@ -66,15 +66,17 @@ def summarize(prompts: list[Prompt], systems: list, store, fingerprints: dict[st
         for name, entry in out["systems"].items():
             if entry["status"] == "unsupported":
                 continue
-            losses = {c: dense["scores"][c]["score"] - entry["scores"][c]["score"]
-                      for c in competent if entry["scores"][c]["score"] is not None}
+            # paired: over the samples both finished (all of a cell's, for a complete system)
+            diffs = _cell_diffs(prompts, store, name, fingerprints, competent)
+            losses = {c: _mean(v) for c, v in diffs.items()}
             worst = max(losses, key=losses.get) if losses else None
             entry["competent_average"] = _mean([entry["scores"][c]["score"] for c in competent])
             entry["identical_to_dense"] = _identical_share(prompts, store, name, fingerprints)
             entry["loss"] = {"average": _mean(list(losses.values())),
-                             "average_ci95": _loss_ci(prompts, store, name, fingerprints, competent),
+                             "average_ci95": None if name == "dense" else _loss_ci(diffs),
                              "worst": losses[worst] if worst else None, "worst_at": worst,
-                             "per_cell": losses}
+                             "per_cell": losses,
+                             "paired_samples": sum(len(v) for v in diffs.values())}
     return out
 
 
@@ -93,17 +95,22 @@ def _paired(prompts: list[Prompt], store, name: str, fingerprints: dict):
             yield p, d, s
 
 
-def _loss_ci(prompts: list[Prompt], store, name: str, fingerprints: dict,
-             cells: list[str]) -> list[float] | None:
-    """95% paired-bootstrap interval of the average loss vs dense over `cells`: samples are
-    resampled within each cell, keeping each sample's dense and system scores together (what
-    the sampling of prompts alone makes uncertain; seeded, so the same file gives the same
-    interval)."""
+def _cell_diffs(prompts: list[Prompt], store, name: str, fingerprints: dict,
+                cells: list[str]) -> dict[str, list[float]]:
+    """Per cell of `cells`, dense's score minus `name`'s for every sample both finished."""
     diffs: dict[str, list[float]] = {}
     for p, d, s in _paired(prompts, store, name, fingerprints):
         if cell(p) in cells:
             diffs.setdefault(cell(p), []).append(d["score"] - s["score"])
-    if not diffs or name == "dense":
+    return diffs
+
+
+def _loss_ci(diffs: dict[str, list[float]]) -> list[float] | None:
+    """95% paired-bootstrap interval of the average loss over the cells of `diffs`
+    (`_cell_diffs`): samples are resampled within each cell, keeping each sample's dense and
+    system scores together (what the sampling of prompts alone makes uncertain; seeded, so the
+    same file gives the same interval)."""
+    if not diffs:
         return None
     rng = random.Random(BOOTSTRAP_SEED)
     means = sorted(
