@@ -62,12 +62,15 @@ def test_jacobi_axes_are_deterministic_and_scale_free(seed):
 
 
 def test_the_checks_catch_a_wrong_basis(seed):
-    """The checks can fail: raw channels (the identity) capture far less than the exact top-8
-    energy of K-like data, and the jacobi axes reversed are not sorted."""
-    x = kv_like(4, 512, 64, "k", torch.Generator().manual_seed(seed))
+    """The checks can fail: a random rotation captures far less than the exact top-8 energy of
+    K-like data (<= 0.63 over 3000 seeds), and the jacobi axes reversed are not sorted. (Raw
+    channels are no such basis: K-like energy sits in a few outlier channels, and the identity
+    reached 0.996 of the exact top-8 on ~17% of seeds, which made this test flaky.)"""
+    gen = torch.Generator().manual_seed(seed)
+    x = kv_like(4, 512, 64, "k", gen)
     c = cov(x).double()
-    assert float(energy_ratios(c, torch.eye(64).expand(4, 64, 64), [8])[8].max()) < MIN_RATIO, \
-        repro(seed)
+    random_axes, _ = torch.linalg.qr(torch.randn(4, 64, 64, generator=gen))
+    assert float(energy_ratios(c, random_axes, [8])[8].max()) < MIN_RATIO, repro(seed)
     flipped = jacobi_axes(cov(x)).flip(-1).double()
     assert not bool((((c @ flipped) * flipped).sum(-2).diff(dim=-1) <= 0).all()), repro(seed)
 
