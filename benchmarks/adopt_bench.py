@@ -16,8 +16,10 @@ daemon_bench.py measures the same cost inside the step loop, with workers compet
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", type=Path, help="also write the medians here")
     args = ap.parse_args()
     torch.set_num_threads(1)  # the scheduler thread
     layers, heads, head_dim = SHAPES[args.shape]
@@ -89,6 +92,11 @@ def main() -> None:
             assert torch.equal(getattr(a.meta[layer], f)[1], getattr(b.meta[layer], f)[1]), f
     print(f"device {args.device}, shape {args.shape}: both paths stored the same bytes; "
           f"arena_ready/per_tensor total {sum(out['arena_ready']) / sum(out['per_tensor']):.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "device": args.device, "shape": args.shape, "reps": args.reps, "same_bytes": True,
+            "median_ms": {n: {"load": ld, "install": ins} for n, (ld, ins) in out.items()}},
+            indent=2) + "\n")
 
 
 if __name__ == "__main__":

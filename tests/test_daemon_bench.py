@@ -30,3 +30,16 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path):
     assert result["args"]["nice"] == 0 and "install p50/p99/max ms" in proc.stdout
     adopt = sat["adopt_page_ms"]
     assert adopt["pages"] >= 1 and adopt["install"]["max"] > 0 and adopt["load"]["max"] > 0
+
+
+def test_adopt_bench_compares_both_paths_on_the_same_bytes(tmp_path):
+    """benchmarks/adopt_bench.py (small shape, CPU): both adoption paths timed, stores equal."""
+    out = tmp_path / "adopt.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/adopt_bench.py"), "--shape",
+                           "small", "--device", "cpu", "--reps", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["same_bytes"] and set(result["median_ms"]) == {"per_tensor", "arena_ready"}
+    assert all(v["load"] > 0 and v["install"] > 0 for v in result["median_ms"].values())

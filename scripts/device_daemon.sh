@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On the H200 device machine, from the repo root; needs only torch + Triton (nothing carried).
+# Issue 5 in one call, each step alone on the GPU and the host cores:
+#   1. adopt_bench on CUDA: one Llama-3.1-8B page adopted per tensor vs arena-ready (load + install
+#      on the scheduler thread, both stores checked byte-equal);
+#   2. daemon_bench at the Llama-8B shape, 12 workers, the session-5 call-4 command, with the
+#      workers at nice 0 and then at nice 19 (the default): step time idle vs saturated (p50/p99),
+#      pages/s, per-page load/install, side by side in one call.
+# JSON and logs under $OUT; prints the tables last. Env: *_LIMIT_S, DAEMON_STEPS (300).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+source scripts/device_env.sh > "$OUT/env.log" 2>&1 || { tail -5 "$OUT/env.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+timeout "${ADOPT_LIMIT_S:-90}" python3 benchmarks/adopt_bench.py --device cuda --reps 50 --json "$OUT/adopt_bench.json" \
+    > "$OUT/adopt_bench.log" 2>&1
+echo "adopt bench rc $?"
+for nice in 0 19; do
+  timeout "${DAEMON_LIMIT_S:-150}" python3 benchmarks/daemon_bench.py --shape llama8b --device cuda \
+      --workers 12 --slots 32 --steps "${DAEMON_STEPS:-300}" --step-ms 30 --isolate --nice $nice \
+      --json "$OUT/daemon_nice$nice.json" > "$OUT/daemon_nice$nice.log" 2>&1
+  echo "daemon bench nice $nice rc $?"
+done
+for f in adopt_bench daemon_nice0 daemon_nice19; do
+  echo "== $f"; tail -"${TAIL_LINES:-20}" "$OUT/$f.log"
+done
