@@ -273,3 +273,41 @@ def test_a_sample_served_after_an_unsupported_record_supersedes_it(tmp_path):
                "index": 0})
     assert store.system_record("lo", "a") is None
     assert ResultStore(path).system_record("lo", "a") is None  # the same when loaded
+
+
+def test_a_server_stopped_early_counts_by_its_last_checkpoint(tmp_path, monkeypatch):
+    """A MosaicKV server's stats are checkpointed while it runs; one stopped before its final
+    record (a call's time limit) is counted by its last checkpoint, one that finished by its
+    final record only."""
+    import threading
+
+    from mosaickv_sglang.eval import ruler
+
+    store = ResultStore(tmp_path / "r.jsonl")
+    st = {"sealed_tokens": 0, "sealed_bytes_per_token": 25.0, "dense_bytes_per_token": 100.0,
+          "sealed_ratio": 4.0}
+
+    def fake_stats(url):
+        st["sealed_tokens"] += 1000
+        if st["sealed_tokens"] > 3000:
+            raise ConnectionError("server gone")
+        return dict(st)
+    monkeypatch.setattr(ruler, "mosaickv_stats", fake_stats)
+    monkeypatch.setattr(ruler, "CHECKPOINT_EVERY_S", 0.01)
+    ruler._checkpoints("http://x", store, "mosaickv", "fm", "cut", threading.Event())
+    assert store.checkpoints["mosaickv"]["cut"]["mosaickv"]["sealed_tokens"] == 3000  # the last
+    # a server that finished: its checkpoint is superseded by its final record
+    store.add({"kind": "checkpoint", "system": "mosaickv", "system_fp": "fm", "server": "done",
+               "mosaickv": {**st, "sealed_tokens": 500}})
+    store.add({"kind": "stats", "system": "mosaickv", "system_fp": "fm", "server": "done",
+               "counts": {"run": 3}, "mosaickv": {**st, "sealed_tokens": 1000,
+                                                  "sealed_bytes_per_token": 50.0}})
+    assert ResultStore(store.path).server_stats("mosaickv", "fm") == [
+        ({**st, "sealed_tokens": 1000, "sealed_bytes_per_token": 50.0}, False),
+        ({**st, "sealed_tokens": 3000}, True)]
+    s = report.summarize(_prompts({"niah_single_1": "good"}), [SYSTEMS["mosaickv"]], store,
+                         {"mosaickv": "fm"})
+    entry = s["systems"]["mosaickv"]
+    assert entry["ratio"] == pytest.approx(100 * 4000 / (1000 * 50 + 3000 * 25))
+    assert entry["ratio_source"].endswith("2 servers that ran it; 1 stopped early: their last "
+                                          "stats checkpoint)")

@@ -43,10 +43,14 @@ def summarize(prompts: list[Prompt], systems: list, store, fingerprints: dict[st
                          "missing": len(pairs) - len(got)}
         stats = (record or {}).get("mosaickv")
         ratio, source = s.nominal_ratio, "nominal (bf16 bytes / bytes per element)"
-        per_server = [st for st in store.server_stats(s.name, fp) if st.get("sealed_tokens")]
-        if len(per_server) > 1:
+        servers = [(st, cut) for st, cut in store.server_stats(s.name, fp) if st.get("sealed_tokens")]
+        per_server = [st for st, _ in servers]
+        n_cut = sum(cut for _, cut in servers)
+        cut_note = f"; {n_cut} stopped early: their last stats checkpoint" if n_cut else ""
+        if len(per_server) > 1 or n_cut:
             ratio, source = combined_ratio(per_server), \
-                f"measured (sealed bytes summed over the {len(per_server)} servers that ran it)"
+                f"measured (sealed bytes summed over the {len(per_server)} servers that ran it" \
+                f"{cut_note})"
         elif stats and stats.get("sealed_ratio"):
             ratio, source = stats["sealed_ratio"], "measured (server sealed_ratio)"
         entry.update(status="ok" if missing == 0 else "incomplete", missing_samples=missing,

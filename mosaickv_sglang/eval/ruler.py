@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -78,6 +79,22 @@ def failure_reason(log: Path) -> str:
 
 
 _STOPPING = threading.Event()  # set by a signal: servers dying now are not "unsupported"
+CHECKPOINT_EVERY_S = 60.0  # a MosaicKV server's stats are recorded this often while it runs
+
+
+def _checkpoints(url: str, store: ResultStore, system: str, fp: str, server: str,
+                 done: threading.Event) -> None:
+    """Record the server's MosaicKV stats every CHECKPOINT_EVERY_S until `done`: a server stopped
+    before its final "stats" record (a call's time limit) still has a measured ratio."""
+    while not done.wait(CHECKPOINT_EVERY_S):
+        try:
+            stats = mosaickv_stats(url)
+        except Exception as e:  # the server is going away: its last checkpoint stands
+            print(f"[ruler] {system}: stats checkpoint failed ({e!r}); keeping the last one",
+                  flush=True)
+            return
+        store.add({"kind": "checkpoint", "system": system, "system_fp": fp, "server": server,
+                   "mosaickv": stats})
 
 
 def run_system(system, prompts, questions, store: ResultStore, fp: str, args,
@@ -106,6 +123,10 @@ def run_system(system, prompts, questions, store: ResultStore, fp: str, args,
         store.add({"kind": "unsupported", "system": system.name, "system_fp": fp, "reason": reason})
         print(f"[ruler] {system.name}: unsupported: {reason}", flush=True)
         return
+    server_id, done = uuid.uuid4().hex[:12], threading.Event()
+    if system.kv_backend == "mosaickv":
+        threading.Thread(target=_checkpoints, daemon=True,
+                         args=(srv.url, store, system.name, fp, server_id, done)).start()
     try:
         print(f"[ruler] {system.name}: up in {time.time() - t0:.0f}s, {len(pending)} prompts to run",
               flush=True)
@@ -121,8 +142,9 @@ def run_system(system, prompts, questions, store: ResultStore, fp: str, args,
             store.add({"kind": "dsl", "system": system.name, "system_fp": fp,
                        "questions": qkeys, "answers": answers})
         store.add({"kind": "stats", "system": system.name, "system_fp": fp, "mosaickv": stats,
-                   "counts": counts, "wall_s": round(time.time() - t0, 1)})
+                   "counts": counts, "wall_s": round(time.time() - t0, 1), "server": server_id})
     finally:
+        done.set()
         server.__exit__(None, None, None)
 
 

@@ -39,6 +39,9 @@ class ResultStore:
         self.samples: dict[tuple, dict] = {}  # (system, task, length, index) -> latest record
         self.system_records: dict[str, dict] = {}  # system -> latest "stats"/"unsupported" record
         self.stats_records: dict[str, list[dict]] = {}  # system -> every "stats" record, in order
+        # system -> server id -> its latest "checkpoint" (stats taken while it ran: what is left
+        # of a server stopped before its "stats" record, e.g. by a call's time limit)
+        self.checkpoints: dict[str, dict[str, dict]] = {}
         self.dsl: dict[str, dict] = {}  # system -> latest "dsl" record (frontend DSL answers)
         if path.is_file():
             self._load(path)
@@ -74,6 +77,8 @@ class ResultStore:
                 del self.system_records[rec["system"]]  # a later server of it did serve
         elif rec["kind"] == "dsl":
             self.dsl[rec["system"]] = rec
+        elif rec["kind"] == "checkpoint":
+            self.checkpoints.setdefault(rec["system"], {})[rec["server"]] = rec
         else:
             self.system_records[rec["system"]] = rec
             if rec["kind"] == "stats":
@@ -101,12 +106,17 @@ class ResultStore:
             return rec["answers"]
         return None
 
-    def server_stats(self, system: str, system_fp: str) -> list[dict]:
-        """The MosaicKV stats of every server that ran prompts of this system (a resumed or split
-        run has several; a server that ran none repeats an earlier one's and is left out)."""
-        return [r["mosaickv"] for r in self.stats_records.get(system, [])
-                if r["system_fp"] == system_fp and r.get("mosaickv")
-                and (r.get("counts") or {}).get("run", 0) > 0]
+    def server_stats(self, system: str, system_fp: str) -> list[tuple[dict, bool]]:
+        """(MosaicKV stats, from a checkpoint) of every server that ran prompts of this system (a
+        resumed or split run has several; a server that ran none repeats an earlier one's and is
+        left out): its final record, or the last checkpoint of one stopped before it."""
+        final = [r for r in self.stats_records.get(system, [])
+                 if r["system_fp"] == system_fp and r.get("mosaickv")
+                 and (r.get("counts") or {}).get("run", 0) > 0]
+        ended = {r.get("server") for r in self.stats_records.get(system, [])}
+        cut = [r for sid, r in self.checkpoints.get(system, {}).items()
+               if r["system_fp"] == system_fp and sid not in ended]
+        return [(r["mosaickv"], False) for r in final] + [(r["mosaickv"], True) for r in cut]
 
     def system_record(self, system: str, system_fp: str) -> dict | None:
         """The latest per-system record ("stats" after a finished run, or "unsupported")."""
