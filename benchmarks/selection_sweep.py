@@ -1,0 +1,60 @@
+"""Where page selection loses accuracy: attention error of the default at one context length
+while only the selection changes (metadata channels, budget), on real SmolLM2 K/V (codec level,
+no server; see mosaickv_sglang/bench/fidelity.py for the metrics).
+
+    python benchmarks/selection_sweep.py --tokens 8192 --json OUT.json
+
+Prints one row per variant: physical ratio, attention error vs exact dense attention, attention
+mass recall of the top-64 tokens, and the share of pages a decode step reads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from mosaickv_sglang.bench.capture import capture
+from mosaickv_sglang.bench.fidelity import Method, evaluate
+from mosaickv_sglang.config import MosaicConfig, SelectionConfig
+
+METRICS = ("physical_ratio", "attn_rel_err", "mass_recall", "pages_read")
+
+
+def variants(meta_channels: list[int], budgets: list[int]) -> list[tuple[str, MosaicConfig]]:
+    d = MosaicConfig()
+    out = [("no selection", replace(d, select=SelectionConfig(enabled=False)))]
+    out += [(f"meta_channels={m}" + (" (default)" if m == d.select.meta_channels else ""),
+             replace(d, select=replace(d.select, meta_channels=m))) for m in meta_channels]
+    out += [(f"budget_tokens={b}", replace(d, select=replace(d.select, budget_tokens=b)))
+            for b in budgets]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--meta-channels", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[2048, 6144])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    cap = capture(n_tokens=args.tokens)
+    layers = list(range(len(cap.k)))
+    print(f"{cap.prompt_tokens}-token context, {len(layers)} layers, {cap.q[0].shape[0]} decode "
+          f"queries", flush=True)
+    rows = []
+    for name, cfg in variants(args.meta_channels, args.budgets):
+        t0 = time.time()
+        r = evaluate(Method(name, cfg, "mosaickv"), cap, layers)
+        rows.append({"variant": name, **{k: r[k] for k in METRICS}})
+        print(f"  {name:30s} " + "  ".join(f"{k} {r[k]:.4f}" for k in METRICS)
+              + f"  ({time.time() - t0:.0f}s)", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"context_tokens": cap.prompt_tokens, "rows": rows},
+                                        indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,22 @@
+"""benchmarks/selection_sweep.py on real SmolLM2 K/V at 2K: one row per variant, and reading
+fewer pages never lowers the attention error below reading all of them."""
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_selection_sweep_rows(tmp_path):
+    spec = importlib.util.spec_from_file_location("selection_sweep",
+                                                  ROOT / "benchmarks/selection_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--tokens", "2048", "--meta-channels", "8", "--budgets", "512",
+                       "--json", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["no selection", "meta_channels=8 (default)", "budget_tokens=512"]
+    full, tight = rows["no selection"], rows["budget_tokens=512"]
+    assert full["pages_read"] == 1.0 and 0 < tight["pages_read"] < 1.0
+    assert tight["attn_rel_err"] > full["attn_rel_err"] > 0
