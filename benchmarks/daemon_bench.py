@@ -38,7 +38,6 @@ import time
 
 import torch
 
-from mosaickv_sglang.codec.arena import ArenaPage
 from mosaickv_sglang.codec.layer import Candidates
 from mosaickv_sglang.codec.seal import seal_group
 from mosaickv_sglang.codec.strategies import parse_strategy
@@ -210,10 +209,7 @@ def main() -> None:
             page = 1 + state["installed"] % args.store_pages
             if state["installed"] >= args.store_pages:
                 store.release(page)
-            # as pool._install: arena-ready results in one copy, others (or no room) per tensor
-            if not isinstance(sealed, ArenaPage) or store.adopt(page, sealed) is None:
-                store.install_pages([page], [sealed.segments() if isinstance(sealed, ArenaPage)
-                                             else sealed.segments])
+            store.store_pages([page], [sealed])  # as pool._install
             state["installed"] += 1
 
     work = Work(device, args.step_ms)

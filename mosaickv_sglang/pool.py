@@ -344,18 +344,8 @@ class MosaicKVPool(MHATokenToKVPool):
                 self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
                 self.counters.over_budget += reason == "over-budget"
                 self.counters.rescued += reason == "rescued"
-        sealed, rest = list(sealed), []  # rest: pages for the per-segment install
-        for i, (page, sp) in enumerate(zip(pages, sealed)):
-            if isinstance(sp, ArenaPage):  # a daemon result: in with one copy (store.adopt)
-                segs = self.store.adopt(page, sp)
-                if segs is None:  # no room: as views of its bytes, counted by install_pages
-                    segs = sp.segments()
-                    rest.append(i)
-                sealed[i] = SealedPage(sp.position, segs, sp.bases, sp.nbytes)
-            else:
-                rest.append(i)
-        if rest:
-            self.store.install_pages([pages[i] for i in rest], [sealed[i].segments for i in rest])
+        sealed = [SealedPage(sp.position, segs, sp.bases, sp.nbytes)
+                  for sp, segs in zip(sealed, self.store.store_pages(pages, sealed))]
         for page, sp in zip(pages, sealed):
             self.sealed[page] = sp
             self._account(sp, +1)

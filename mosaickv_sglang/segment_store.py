@@ -109,6 +109,26 @@ class SegmentStore:
                          for layer in range(layers)]
 
     # ---- install / release ----------------------------------------------------------------
+    def store_pages(self, pages: list[int], sealed: list) -> list[Sequence[Segment]]:
+        """Sealed pages in, whatever form they came in: an arena-ready daemon result
+        (`ArenaPage`) by `adopt` (one copy), the rest (SealedPages, or an ArenaPage the arena has
+        no room for, as views of its own bytes) in one `install_pages` batch. Returns each page's
+        per-layer Segments."""
+        segments: list = [None] * len(pages)
+        rest = []  # indices for the per-segment install
+        for i, (page, sp) in enumerate(zip(pages, sealed)):
+            if isinstance(sp, ArenaPage):
+                segments[i] = self.adopt(page, sp)
+                if segments[i] is not None:
+                    continue
+                segments[i] = sp.segments()
+            else:
+                segments[i] = sp.segments
+            rest.append(i)
+        if rest:
+            self.install_pages([pages[i] for i in rest], [segments[i] for i in rest])
+        return segments
+
     def install_pages(self, pages: list[int], segments: list[list[Segment]]) -> None:
         """Sealed pages (each one segment per layer) in, one `install` batch per layer; the
         segments the arena does not take get their own storage (`own_storage`)."""
@@ -208,7 +228,7 @@ class SegmentStore:
         """An arena-ready page (a daemon result, all layers) in: a block per layer, one copy of
         each layer's bytes into the arena, one header write and one write per page-metadata field
         for all layers. Returns its lazily made Segments, or None when some layer's arena has no
-        room (nothing stored: the caller installs `ap.segments()` through `install_pages`)."""
+        room (nothing stored: `store_pages` then installs `ap.segments()` per segment)."""
         if self.meta is not None and ap.pages is None:
             raise ValueError("SegmentStore: selection is on but an arena-ready page came without "
                              "page metadata")
