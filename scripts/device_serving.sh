@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the H200 device machine, from the repo root. Carry .device/server/server-base.tar.xz,
+# On the H200 device machine, from the repo root. Carry (in one call, or base + tok with
+# PREPARE_ONLY=1 and then the rest in the next call while the machine is warm) .device/server/server-base.tar.xz,
 # .device/server/server-flashinfer.tar.xz (the server imports flashinfer even with the triton
 # backend), .device/tok.tar.xz (the SmolLM2 tokenizer files, xz) and, for GPU_TESTS=1,
 # .device/pytest_site.tar.xz (pytest, trimmed to fit the 64 MiB carry) or .device/pytest (wheels).
@@ -18,9 +19,21 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 t0=$SECONDS
-source scripts/device_env.sh .device/server/server-base.tar.xz \
-    .device/server/server-flashinfer.tar.xz > "$OUT/env.log" 2>&1 || { tail -20 "$OUT/env.log"; exit 1; }
-tar -xJf .device/tok.tar.xz -C .device
+# An archive absent from this call's carry is fine when an earlier call on this (still warm)
+# machine unpacked it: the tree, two bundles and the tokenizer exceed one 64 MiB carry, so they
+# can come as `PREPARE_ONLY=1` (base + tok) and then this call (FlashInfer), back to back.
+site=${MOSAICKV_DEVICE_SITE:-/tmp/mosaickv_site}
+archives=()
+for a in .device/server/server-base.tar.xz .device/server/server-flashinfer.tar.xz; do
+  if [ -f "$a" ]; then archives+=("$a")
+  elif [ ! -f "$site/bundles/$(basename "$a" .tar.xz).json" ]; then
+    echo "$a neither carried nor unpacked by an earlier call on this machine"; exit 1
+  fi
+done
+source scripts/device_env.sh "${archives[@]}" > "$OUT/env.log" 2>&1 || { tail -20 "$OUT/env.log"; exit 1; }
+if [ -f .device/tok.tar.xz ]; then tar -xJf .device/tok.tar.xz -C "$site"
+elif [ ! -d "$site/tok" ]; then echo "no tokenizer: carry .device/tok.tar.xz"; exit 1; fi
+if [ "${PREPARE_ONLY:-0}" = 1 ]; then echo "unpacked in $((SECONDS - t0)) s: ${archives[*]}"; exit 0; fi
 echo "bundle ready in $((SECONDS - t0)) s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rm -f /tmp/bg_done
@@ -52,7 +65,7 @@ rm -f /tmp/bg_done
   wait
   touch /tmp/bg_done
 ) &
-args=(--make-llama8b /tmp/llama8b --tokenizer .device/tok --load-format dummy
+args=(--make-llama8b /tmp/llama8b --tokenizer $site/tok --load-format dummy
       --contexts "${CONTEXTS:-32768}" --systems "${SYSTEMS:-dense,mosaickv}"
       --batches "${BATCHES:-1,8}" --output "${OUTPUT:-64}"
       --server-arg=--mem-fraction-static --server-arg="${MEM_FRACTION:-0.85}"
@@ -61,7 +74,7 @@ args=(--make-llama8b /tmp/llama8b --tokenizer .device/tok --load-format dummy
 [ "${PARALLEL:-0}" = 1 ] && args+=(--parallel-start)
 # AGENT=1: the multi-turn agent workload (benchmarks/agent_bench.py) on each server after its rows
 [ "${AGENT:-0}" = 1 ] && args+=(--after-bench "timeout ${AGENT_LIMIT_S:-80} python3 \
-benchmarks/agent_bench.py --url {url} --systems {system} --model /tmp/llama8b --tokenizer .device/tok \
+benchmarks/agent_bench.py --url {url} --systems {system} --model /tmp/llama8b --tokenizer $site/tok \
 --workloads ${AGENT_WORKLOADS:-native,dsl} --sessions ${AGENT_SESSIONS:-16} --turns ${AGENT_TURNS:-4} \
 --system-tokens 16384 --user-tokens 64 --output 16 --logs /tmp/agent_logs --json $OUT/agent_{system}.json")
 [ -n "${MOSAICKV_CONFIG:-}" ] && args+=(--mosaickv-config "$MOSAICKV_CONFIG")
