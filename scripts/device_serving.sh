@@ -26,7 +26,7 @@ site=${MOSAICKV_DEVICE_SITE:-/tmp/mosaickv_site}
 archives=()
 for a in .device/server/server-base.tar.xz .device/server/server-flashinfer.tar.xz; do
   if [ -f "$a" ]; then archives+=("$a")
-  elif [ ! -f "$site/bundles/$(basename "$a" .tar.xz).json" ]; then
+  elif [ "${PREPARE_ONLY:-0}" != 1 ] && [ ! -f "$site/bundles/$(basename "$a" .tar.xz).json" ]; then
     echo "$a neither carried nor unpacked by an earlier call on this machine"; exit 1
   fi
 done
