@@ -44,6 +44,10 @@ SYSTEMS = {  # name -> what it adds to the common server arguments
     "fp8": ["--kv-cache-dtype", "fp8_e4m3", *NO_PREFILL_GRAPHS],  # SGLang's built-in FP8 cache
     "mosaickv": ["--kv-backend", "mosaickv"],
 }
+# The same dense/FP8 caches with FlashInfer's attention instead of --dense-backend, so both of
+# SGLang's GPU backends can be served side by side in one run.
+SYSTEMS.update({f"{name}_flashinfer": [*SYSTEMS[name], "--attention-backend", "flashinfer"]
+                for name in ("dense", "fp8")})
 
 
 def system_args(system: str, dense_backend: str) -> list[str]:
@@ -51,7 +55,8 @@ def system_args(system: str, dense_backend: str) -> list[str]:
         raise SystemExit(f"unknown system {system!r}: use {', '.join(SYSTEMS)}")
     if system == "mosaickv":
         return list(SYSTEMS[system])
-    return ["--kv-backend", "default", "--attention-backend", dense_backend, *SYSTEMS[system]]
+    backend = [] if "--attention-backend" in SYSTEMS[system] else ["--attention-backend", dense_backend]
+    return ["--kv-backend", "default", *backend, *SYSTEMS[system]]
 
 
 def add_server_args(ap: argparse.ArgumentParser) -> None:
