@@ -83,7 +83,7 @@ def _runs(serving: list[dict], agent: list[dict]) -> list[tuple[str, dict]]:
     """(label, row) per run that measured inter-token latency."""
     many = len({r["source"] for r in serving}) > 1  # then say which run a bar is from
     runs = [(f"{r['system']}\n{r['context'] // 1024}K x{r['batch']}"
-             + (f"\n{r['source'].rsplit('/', 1)[-1]}" if many else ""), r) for r in serving]
+             + (f"\n{r['source']}" if many else ""), r) for r in serving]
     runs += [(f"{r['system']}\n{r['workload']} {r['sessions']}x{r['turns']}", r) for r in agent
              if "itl_ms_p50" in r]
     return runs

@@ -19,6 +19,18 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 t0=$SECONDS
+# AGENT=1 runs on the servers serving_bench started, whose context length and concurrency come
+# from CONTEXTS and BATCHES: refuse before the (minutes of) start-up a pair that cannot hold the
+# agent's 16K system prompt + turns, or its sessions at once (a call was lost to that).
+if [ "${AGENT:-0}" = 1 ]; then
+  ctx_max=$(tr ',' '\n' <<< "${CONTEXTS:-32768}" | sort -n | tail -1)
+  need=$((16384 + ${AGENT_TURNS:-4} * (64 + 16) + 64))
+  batch_max=$(tr ',' '\n' <<< "${BATCHES:-1,8}" | sed 's/^max$/999999/' | sort -n | tail -1)
+  if [ "$ctx_max" -lt "$need" ] || [ "$batch_max" -lt "${AGENT_SESSIONS:-16}" ]; then
+    echo "AGENT=1 needs CONTEXTS up to >= $need (has $ctx_max) and BATCHES up to >= AGENT_SESSIONS" \
+         "${AGENT_SESSIONS:-16} (has $batch_max)"; exit 1
+  fi
+fi
 # An archive absent from this call's carry is fine when an earlier call on this (still warm)
 # machine unpacked it: the tree, two bundles and the tokenizer exceed one 64 MiB carry, so they
 # can come as `PREPARE_ONLY=1` (base + tok) and then this call (FlashInfer), back to back.
