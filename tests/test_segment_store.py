@@ -85,3 +85,50 @@ def test_headers_of_a_batch_equal_header_per_base():
     lay = BlockLayout.of(seg.k.strategy, seg.v.strategy, S, D)
     bases = [0, 4096, 16 * 12345]
     assert torch.equal(lay.headers(bases, 3), torch.stack([lay.header(b, 3) for b in bases]))
+
+
+def test_adopting_a_page_issues_as_many_tensor_writes_for_any_layer_count(seed):
+    """An arena-ready page is adopted with a fixed number of writing tensor ops (one fused copy
+    for all layers' blocks, one per table), not one per layer: on CUDA each write is a launch on
+    the scheduler thread. Counted at 2 and 6 layers; views (slices, selects) are free."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mosaickv_sglang.codec.arena import pack_page
+    from mosaickv_sglang.codec.seal import seal_group, worst_page_bytes
+    from mosaickv_sglang.codec.strategies import parse_strategy
+
+    views = {"slice", "select", "as_strided", "view", "detach", "alias", "lift_fresh", "unbind",
+             "t", "transpose", "expand", "unsqueeze", "squeeze"}
+
+    class Writes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in views:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cfg, dense = MosaicConfig(), parse_strategy("dense")
+    g = torch.Generator().manual_seed(seed)
+    counts = {}
+    for layers in (2, 6):
+        kv = (torch.randn(layers, 2, H, cfg.segment_tokens, D, generator=g)
+              * torch.logspace(0.5, -1, D)).bfloat16()
+        page = seal_group(lambda idx: (kv[None, :, 0], kv[None, :, 1]), [cfg.segment_tokens], None,
+                          cfg, Candidates.from_config(cfg), dense)[0]
+        ap = pack_page(page, cfg.page_tokens)
+        store = SegmentStore(layers, 2, H, D, cfg.segment_tokens, cfg.page_tokens, "cpu",
+                             cfg.select.meta_channels, 2 * worst_page_bytes(cfg, H, D, dense))
+        assert store.adopt(1, ap) is not None, repro(seed)  # first use: layout rows made here
+        store.release(1)
+        with Writes() as w:
+            assert store.adopt(1, ap) is not None, repro(seed)
+        counts[layers] = sorted(w.ops)
+        for layer in range(layers):  # and it did write every layer's block
+            base, size = store.blocks[(layer, 1)]
+            off = sum(store.blocks[(lyr, 1)][1] for lyr in range(layer))
+            assert torch.equal(store.data[layer][base:base + size], ap.blocks[off:off + size])
+    assert counts[2] == counts[6], (counts, repro(seed))
+    assert counts[6].count("_foreach_copy_") == 2 and "copy_" in counts[6]
