@@ -150,7 +150,8 @@ def seal_segment(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.T
 def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
                   basis_id: int, starts: list[int], cfg: MosaicConfig, cands: Candidates,
                   sink: bool, select_meta: bool, fallback: Strategy = DENSE,
-                  timer=None, keep_rotated: bool = False) -> list[Segment]:
+                  timer=None, keep_rotated: bool = False,
+                  write: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[Segment]:
     """N segments' K and V [N, H, S, D] (float) with their bases [N, H, D, D] -> N sealed
     Segments: the chooser's strategies, page metadata in the space its scores are computed in,
     and the header. Each candidate is encoded once for all N (segments are independent: every
@@ -158,12 +159,15 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
     a whole request (pages x layers) cheap. A segment's tensors are views of the batch's (no
     copy per segment): the serving store copies them into its arena, and whatever keeps a
     segment elsewhere calls `own_storage`. Shared by the offline codec and the serving pool.
-    `keep_rotated` also hands each segment its rotated K/V (`Segment.rotated`)."""
+    `keep_rotated` also hands each segment its rotated K/V (`Segment.rotated`). `write`: the
+    bases' write transforms (`write_transform(kb)`, `write_transform(vb)`) when the caller has
+    them, so pages sharing a basis block invert each basis once, not once per segment."""
     budgets = (cfg.sink_error_budget,) * 2 if sink else (cfg.k_error_budget, cfg.v_error_budget)
     k_cands, v_cands = (cands.sink, cands.sink) if sink else (cands.k, cands.v)
     reason = "sink" if sink else "within-budget"
     with phase(timer, "choose_encode"):
-        k_rot, v_rot = _rotate_batch(k, kb), _rotate_batch(v, vb)
+        kw, vw = write if write is not None else (write_transform(kb), write_transform(vb))
+        k_rot, v_rot = k.float() @ kw, v.float() @ vw
         kc, k_dec = _choose_batch(k, k_rot, "k", k_cands, budgets[0], reason,
                                   fallback, need_decoded=select_meta, rescue=cands.rescue)
         vc, _ = _choose_batch(v, v_rot, "v", v_cands, budgets[1], reason, fallback,
@@ -198,11 +202,6 @@ def own_storage(seg: Segment) -> None:
                                 seg.pages.rest_norm)))
     seg.header = seg.header.clone()
     seg.rotated = None
-
-
-def _rotate_batch(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """x [N, H, S, D] into their bases [N, H, D, D] for storage: x @ R^-1 (float32)."""
-    return x.float() @ write_transform(basis)
 
 
 def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded=False,

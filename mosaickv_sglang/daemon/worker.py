@@ -23,7 +23,7 @@ import torch
 
 from ..codec.arena import pack_page
 from ..codec.layer import Candidates
-from ..codec.seal import BasisPair, fit_bases, seal_pages
+from ..codec.seal import BasisPair, fit_bases, seal_pages, write_transforms
 from ..codec.strategies import parse_strategy
 from ..config import MosaicConfig
 from .channel import Channel, ChannelSpec, dump
@@ -75,10 +75,11 @@ class Worker:
         else:
             b = self.channel.bases(slots[0])
             bases = BasisPair([b[i, 0] for i in range(layers)], [b[i, 1] for i in range(layers)])
+        write = write_transforms(bases)  # once per job, however many pages it seals
         for i, position in enumerate(job["positions"]):
             kv = self.channel.kv(slots[i])[None]  # one page at a time: each result goes out
             page = seal_pages(kv[:, :, 0], kv[:, :, 1], [position], bases, self.cfg, self.cands,
-                              self.dense)[0]
+                              self.dense, write=write)[0]
             # the bases travel once (first page of a fit job); elsewhere the scheduler has them
             refs = {} if job["fit"] and i == 0 else {id(bases): "bases"}
             offset, length = dump(pack_page(page, self.cfg.page_tokens) or page,
