@@ -19,17 +19,19 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 t0=$SECONDS
-# AGENT=1 runs on the servers serving_bench started, whose context length and concurrency come
-# from CONTEXTS and BATCHES: refuse before the (minutes of) start-up a pair that cannot hold the
-# agent's 16K system prompt + turns, or its sessions at once (a call was lost to that).
+# AGENT=1 runs on the servers serving_bench started, whose context length comes from CONTEXTS:
+# refuse before the (minutes of) start-up one that cannot hold the agent's 16K system prompt +
+# turns (a call was lost to that); its sessions run at once (--max-running-requests below).
+agent_args=()
 if [ "${AGENT:-0}" = 1 ]; then
   ctx_max=$(tr ',' '\n' <<< "${CONTEXTS:-32768}" | sort -n | tail -1)
   need=$((16384 + ${AGENT_TURNS:-4} * (64 + 16) + 64))
-  batch_max=$(tr ',' '\n' <<< "${BATCHES:-1,8}" | sed 's/^max$/999999/' | sort -n | tail -1)
-  if [ "$ctx_max" -lt "$need" ] || [ "$batch_max" -lt "${AGENT_SESSIONS:-16}" ]; then
-    echo "AGENT=1 needs CONTEXTS up to >= $need (has $ctx_max) and BATCHES up to >= AGENT_SESSIONS" \
-         "${AGENT_SESSIONS:-16} (has $batch_max)"; exit 1
+  if [ "$ctx_max" -lt "$need" ]; then
+    echo "AGENT=1 needs CONTEXTS up to >= $need tokens (has $ctx_max)"; exit 1
   fi
+  batch_max=$(tr ',' '\n' <<< "${BATCHES:-1,8}" | sed 's/^max$/256/' | sort -n | tail -1)
+  agent_args=(--server-arg=--max-running-requests
+              --server-arg=$((batch_max > ${AGENT_SESSIONS:-16} ? batch_max : ${AGENT_SESSIONS:-16})))
 fi
 # An archive absent from this call's carry is fine when an earlier call on this (still warm)
 # machine unpacked it: the tree, two bundles and the tokenizer exceed one 64 MiB carry, so they
@@ -84,6 +86,7 @@ args=(--make-llama8b /tmp/llama8b --tokenizer $site/tok --load-format dummy
       --server-arg=--sampling-backend --server-arg=pytorch
       --wait-for /tmp/bg_done --logs "$OUT/logs" --json "$OUT/serving.json")
 [ "${PARALLEL:-0}" = 1 ] && args+=(--parallel-start)
+args+=("${agent_args[@]}")  # after serving_bench's own --max-running-requests: the last one wins
 # AGENT=1: the multi-turn agent workload (benchmarks/agent_bench.py) on each server after its rows
 [ "${AGENT:-0}" = 1 ] && args+=(--after-bench "timeout ${AGENT_LIMIT_S:-80} python3 \
 benchmarks/agent_bench.py --url {url} --systems {system} --model /tmp/llama8b --tokenizer $site/tok \
