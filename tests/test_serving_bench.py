@@ -36,3 +36,20 @@ def test_batches_parse_ints_and_max_and_name_bad_items():
     for bad in ("0", "1,x", "-2", "1,,2"):
         with pytest.raises(SystemExit, match="positive ints or 'max'"):
             serving_bench.parse_batches(bad)
+
+
+def test_each_dense_system_names_one_attention_backend():
+    """`dense_flashinfer` / `fp8_flashinfer` serve the same caches as `dense` / `fp8` with
+    FlashInfer's attention whatever --dense-backend says; the plain ones take --dense-backend;
+    MosaicKV takes neither (the plugin sets its own)."""
+    def backends(system, dense_backend="triton"):
+        args = serving_bench.system_args(system, dense_backend)
+        return [args[i + 1] for i, a in enumerate(args) if a == "--attention-backend"]
+
+    assert backends("dense") == ["triton"] and backends("fp8", "torch_native") == ["torch_native"]
+    assert backends("dense_flashinfer") == backends("fp8_flashinfer", "torch_native") == ["flashinfer"]
+    assert backends("mosaickv") == []
+    fp8 = serving_bench.system_args("fp8_flashinfer", "triton")
+    assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    with pytest.raises(SystemExit, match="unknown system"):
+        serving_bench.system_args("dense_flashinfer2", "triton")
