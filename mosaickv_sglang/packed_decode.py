@@ -39,8 +39,7 @@ class StepPlan:
     kernel_reqs: torch.Tensor  # int64 [K] (device): batch indices decoded by the kernel
     reference_slots: dict[int, torch.Tensor]  # batch index -> its slots, for the torch reference
     row_req: torch.Tensor  # int64 [R] (device): batch index of each row
-    blocks: list  # the BasisPairs of this step's rows, each once
-    row_block: torch.Tensor  # int64 [R] (device): index into blocks (len(blocks): identity)
+    row_bases: list  # each row's BasisPair (None: the identity, a row without sealed pages)
     seg_indptr: torch.Tensor  # int32 [R+1]
     seg_ids: torch.Tensor  # int32 [sum pages]
     hot_index: torch.Tensor  # int64 [R, T_max]: hot-buffer rows (padding -> row 0)
@@ -148,10 +147,8 @@ class PackedDecode:
                 row_req.append(i)
                 row_pages.append(run)
                 hot_rows.append(hot if r == max(len(runs) - 1, 0) else hot[:0])
-        # Each row's basis block; a row without pages reads the identity, appended after them.
-        blocks, index = pool.basis_blocks([run[0] for run in row_pages if run])
-        index = iter(index)
-        row_block = [next(index) if run else len(blocks) for run in row_pages]
+        # Each row's basis block; a row without pages reads the identity.
+        row_bases = [pool.sealed[run[0]].bases if run else None for run in row_pages]
         dev = pool.device
         t_max = max([h.numel() for h in hot_rows] + [1])
         hot_index = torch.zeros(len(hot_rows), t_max, dtype=torch.long)
@@ -171,8 +168,7 @@ class PackedDecode:
             rows = RowSelection(row_req, [len(p) * pps for p in row_pages], dev)
         self.step = StepPlan(
             torch.tensor(kernel_reqs, dtype=torch.long).to(dev), reference_slots,
-            torch.tensor(row_req, dtype=torch.long).to(dev), blocks,
-            torch.tensor(row_block, dtype=torch.long).to(dev),
+            torch.tensor(row_req, dtype=torch.long).to(dev), row_bases,
             indptr.to(dev),
             torch.tensor([p for run in row_pages for p in run], dtype=torch.int32).to(dev),
             hot_index.to(dev), torch.tensor([h.numel() for h in hot_rows], dtype=torch.int32).to(dev),
@@ -231,8 +227,9 @@ class PackedDecode:
         st, pool = self.step, self.pool
         # The kernel reads q @ k_basis and o_rot @ v_basis^T, i.e. q R^T and o_rot R with R the
         # stored read transform: each block's R once, gathered per row, transposed.
-        k_basis = torch.stack([b.k[local] for b in st.blocks] + [self.eye])[st.row_block]
-        v_basis = torch.stack([b.v[local] for b in st.blocks] + [self.eye])[st.row_block]
+        # (stacked in row order: one op per kind, no gather after it)
+        k_basis = torch.stack([self.eye if b is None else b.k[local] for b in st.row_bases])
+        v_basis = torch.stack([self.eye if b is None else b.v[local] for b in st.row_bases])
         self.timer.lap("bases")
         hot_k = pool.k_buffer[local][st.hot_index].permute(0, 2, 1, 3).contiguous()
         hot_v = pool.v_buffer[local][st.hot_index].permute(0, 2, 1, 3).contiguous()

@@ -144,7 +144,7 @@ def unrotate(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
 def kernel_transform(basis: torch.Tensor) -> torch.Tensor:
     """R^T in fp32, contiguous, batched over leading dims: the kernels read q @ it (into the
     basis), o_rot @ it^T and x_rot @ it^T (back from it)."""
-    return basis.float().transpose(-1, -2).contiguous()
+    return basis.transpose(-1, -2).to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def rotate_query(q: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
