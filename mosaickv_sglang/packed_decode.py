@@ -122,24 +122,32 @@ class PackedDecode:
         page_slots = req_to_token[forward_batch.req_pool_indices[:bsz], :max(seq_lens):ps].cpu()
         kernel_reqs, reference_slots = [], {}
         row_req, row_pages, hot_rows, needs_select = [], [], [], False
+        sealed_ids = []  # each kernel request's sealed pages (tensor): the rows' pages in order
         for i, seq_len in enumerate(seq_lens):
-            pages = (page_slots[i, :-(-seq_len // ps)] // ps).tolist()
-            n = 0
-            while n < len(pages) and pages[n] in pool.sealed:
-                n += 1
-            if n and not bool(pool.store.packed[:, pages[:n]].all()):
+            page_ids = page_slots[i, :-(-seq_len // ps)] // ps
+            pages = page_ids.tolist()
+            # One pass over the sealed prefix: its length n and its runs of pages sharing a basis
+            # block (one dict lookup per page: this loop is most of the step's host plan).
+            runs: list[list[int]] = []
+            n, last = len(pages), None
+            for j, p in enumerate(pages):
+                page = pool.sealed.get(p)
+                if page is None:
+                    n = j
+                    break
+                if page.bases is last:
+                    runs[-1].append(p)
+                else:
+                    runs.append([p])
+                    last = page.bases
+            if n and not bool(pool.store.packed[:, page_ids[:n]].all()):
                 rid = int(forward_batch.req_pool_indices[i])
                 reference_slots[i] = req_to_token[rid, :seq_len]
                 continue
             kernel_reqs.append(i)
+            sealed_ids.append(page_ids[:n])
             needs_select |= self.cfg.select.enabled and n * ps > self.cfg.select.budget_tokens
-            runs: list[list[int]] = []
-            for p in pages[:n]:
-                if runs and pool.sealed[p].bases is pool.sealed[runs[-1][-1]].bases:
-                    runs[-1].append(p)
-                else:
-                    runs.append([p])
-            hot = pool.hot_page_of[pages[n:]]
+            hot = pool.hot_page_of[page_ids[n:]]
             if bool((hot < 0).any()):
                 raise RuntimeError("MosaicKV: read of a logical page that is neither hot nor sealed")
             hot = (hot[:, None] * ps + torch.arange(ps)).flatten()[:seq_len - n * ps]
@@ -170,7 +178,7 @@ class PackedDecode:
             torch.tensor(kernel_reqs, dtype=torch.long).to(dev), reference_slots,
             torch.tensor(row_req, dtype=torch.long).to(dev), row_bases,
             indptr.to(dev),
-            torch.tensor([p for run in row_pages for p in run], dtype=torch.int32).to(dev),
+            (torch.cat(sealed_ids) if sealed_ids else torch.zeros(0)).to(dev, torch.int32),
             hot_index.to(dev), torch.tensor([h.numel() for h in hot_rows], dtype=torch.int32).to(dev),
             rows, len(row_req) > len(kernel_reqs),
             torch.tensor(req_rows, dtype=torch.long).reshape(len(kernel_reqs), width).to(dev))

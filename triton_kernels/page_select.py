@@ -334,9 +334,14 @@ class RowSelection:
         # (row, page) of each (request, page); past a request's pages: row `rows` (padding)
         self._src_row = torch.full((n_req, p_req), self.rows, dtype=torch.long)
         self._src_page = torch.zeros((n_req, p_req), dtype=torch.long)
-        for r, (b, n) in enumerate(zip(row_req, row_pages)):
-            self._src_row[b, offset[r]:offset[r] + n] = r
-            self._src_page[b, offset[r]:offset[r] + n] = torch.arange(n)
+        # every (row, page) at once (a slice assignment per row cost ~1 ms a step at 96 rows)
+        counts = torch.tensor(row_pages, dtype=torch.long)
+        row = torch.repeat_interleave(torch.arange(self.rows), counts)
+        page = torch.arange(len(row)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        req = torch.tensor(row_req, dtype=torch.long)[row]
+        at = torch.tensor(offset, dtype=torch.long)[row] + page
+        self._src_row[req, at] = row
+        self._src_page[req, at] = page
         self.device = torch.device(device)
         self.req_pages = torch.tensor(req_pages, dtype=torch.int32, device=device)
         self.row_req = torch.tensor(row_req, dtype=torch.long, device=device)
