@@ -25,6 +25,8 @@ for run in "${runs[@]}"; do
       --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "daemon bench nice $nice step $ms ms rc $?"
 done
-for f in adopt_bench daemon_nice0_30ms daemon_nice19_30ms daemon_nice19_60ms; do
+# the decode step's host plan on this host (pure host work; 3 x 128K, stand-in pool)
+python3 benchmarks/plan_bench.py > "$OUT/plan_bench.log" 2>&1; echo "plan bench rc $?"
+for f in plan_bench adopt_bench daemon_nice0_30ms daemon_nice19_30ms daemon_nice19_60ms; do
   echo "== $f"; tail -"${TAIL_LINES:-20}" "$OUT/$f.log"
 done
