@@ -116,6 +116,10 @@ class MosaicConfig:
     # CPU with host and device alike. "identity" fits nothing: every basis is the identity, i.e.
     # no rotation (the no_rotation ablation; bands then take raw channels in index order).
     fit_solver: str = "auto"
+    # CUDA graphs for decode: "off" (every step eager), or "breakable": SGLang's breakable decode
+    # graph replays the model's own layers and runs each layer's MosaicKV attention eagerly
+    # between the graph segments (docs/cuda_graphs.md). Off by default until measured on a GPU.
+    decode_cuda_graph: str = "off"
 
     def __post_init__(self):
         if isinstance(self.select, dict):
@@ -154,7 +158,8 @@ class MosaicConfig:
                     raise ValueError(f"mosaickv config: {key}[{i}] '{spec}': {exc}") from None
         self.select.validate(self.page_tokens)
         for key, choices in (("decode_kernel", DECODE_KERNELS), ("pack_kernel", PACK_KERNELS),
-                             ("fit_solver", FIT_SOLVERS), ("daemon", DAEMON_MODES)):
+                             ("fit_solver", FIT_SOLVERS), ("daemon", DAEMON_MODES),
+                             ("decode_cuda_graph", DECODE_CUDA_GRAPHS)):
             if getattr(self, key) not in choices:
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)!r} must be one of "
                                  f"{list(choices)}")
@@ -205,6 +210,7 @@ class MosaicConfig:
 
 
 DAEMON_MODES = ("off", "process")
+DECODE_CUDA_GRAPHS = ("off", "breakable")
 MAX_HEAD_DIM = 256  # config-time check; the pool re-checks with the model's real head_dim
 
 

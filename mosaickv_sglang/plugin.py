@@ -135,9 +135,12 @@ def _apply_backend_args(args, config: MosaicConfig) -> None:
         raise MosaicKVUnsupported(f"--page-size {page}: MosaicKV pages are segments, so the page "
                                   f"size is segment_tokens={config.segment_tokens}")
     values = {"attention_backend": ATTENTION_BACKEND, "radix_cache_backend": RADIX_CACHE_BACKEND,
-              "page_size": config.segment_tokens,
-              # The packed decode path is not CUDA-graph capturable yet (see README limitations).
-              "disable_cuda_graph": True}
+              "page_size": config.segment_tokens}
+    if config.decode_cuda_graph == "breakable":
+        # the model's layers replayed, MosaicKV attention eager between the graph segments
+        values.update(cuda_graph_backend_decode="breakable", cuda_graph_backend_prefill="disabled")
+    else:  # the packed decode step itself is not capturable (docs/cuda_graphs.md)
+        values["disable_cuda_graph"] = True
     for key, value in values.items():
         if isinstance(args, dict):
             args[key] = value
@@ -159,6 +162,7 @@ def _check_server_args(result, self):
             f"{'set' if get_config(self) else 'missing'}): use --kv-backend mosaickv, or "
             f"mosaickv_sglang.plugin.server_args()/Engine() from Python")
     _refuse_flags(self)
+    _refuse_cuda_graphs(self, get_config(self))
     model_config = self.get_model_config()
     _refuse_model(model_config.hf_config, self.tp_size, model_config=model_config)
     try:
@@ -207,7 +211,12 @@ def _coerce_config(value: Any) -> MosaicConfig:
 
 
 def _attach(args, kv_backend: str, config: MosaicConfig | None):
-    setattr(args, CONFIG_ATTR, (config or MosaicConfig()) if kv_backend == "mosaickv" else None)
+    """The resolved ServerArgs gets its MosaicConfig (CLI and programmatic paths alike), after
+    the checks that need SGLang's resolution (the CUDA graph backends)."""
+    config = (config or MosaicConfig()) if kv_backend == "mosaickv" else None
+    if config is not None:
+        _refuse_cuda_graphs(args, config)
+    setattr(args, CONFIG_ATTR, config)
     return args
 
 
@@ -269,6 +278,30 @@ def _refuse_flags(args) -> None:
         if value is not None and value != ATTENTION_BACKEND:
             why.append(f"--{flag.replace('_', '-')} {value} (--kv-backend mosaickv sets the "
                        f"attention and radix-cache backends itself)")
+    if why:
+        raise MosaicKVUnsupported("--kv-backend mosaickv cannot run with " + "; ".join(why))
+
+
+def _refuse_cuda_graphs(server_args, config: MosaicConfig) -> None:
+    """The resolved CUDA graph backends must be what `decode_cuda_graph` allows: a flag or JSON
+    that asks for more (they outrank --disable-cuda-graph) would capture MosaicKV's host-planned
+    attention into a graph. "disabled" is always fine (e.g. the CPU platform turns graphs off)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    graphs = getattr(server_args, "cuda_graph_config", None)
+    if graphs is None:
+        return
+    decode, prefill = graphs.decode.backend, graphs.prefill.backend
+    allowed = {Backend.DISABLED} | ({Backend.BREAKABLE} if config.decode_cuda_graph == "breakable"
+                                    else set())
+    why = []
+    if decode not in allowed:
+        why.append(f"a '{decode}' decode CUDA graph (MosaicKV allows "
+                   f"{sorted(allowed)} with decode_cuda_graph={config.decode_cuda_graph!r})")
+    if prefill != Backend.DISABLED:
+        why.append(f"a '{prefill}' prefill CUDA graph (MosaicKV prefill runs eagerly)")
+    if decode == Backend.BREAKABLE and getattr(server_args, "debug_cuda_graph", False):
+        why.append("--debug-cuda-graph with the breakable decode graph")
     if why:
         raise MosaicKVUnsupported("--kv-backend mosaickv cannot run with " + "; ".join(why))
 

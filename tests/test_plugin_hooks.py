@@ -289,3 +289,53 @@ def test_cli_bad_config_fails_before_loading():
     assert "argument --mosaickv-config" in proc.stderr, proc.stderr[-2000:]
     assert "unknown key 'nope'" in proc.stderr
     assert "Load weight" not in proc.stdout + proc.stderr
+
+
+def _graphs(decode, prefill="disabled", debug=False):
+    return SimpleNamespace(cuda_graph_config=SimpleNamespace(
+        decode=SimpleNamespace(backend=decode), prefill=SimpleNamespace(backend=prefill)),
+        debug_cuda_graph=debug)
+
+
+def test_cuda_graph_backends_follow_decode_cuda_graph():
+    """decode_cuda_graph 'off' turns graphs off and refuses any flag that turns a decode graph
+    back on; 'breakable' asks SGLang for the breakable decode graph and no prefill graph, and
+    refuses full/tc_piecewise decode, any prefill graph and --debug-cuda-graph. 'disabled' (the
+    CPU platform's choice) is accepted in both modes."""
+    off, brk = MosaicConfig(), MosaicConfig(decode_cuda_graph="breakable")
+    args = {}
+    plugin._apply_backend_args(args, off)
+    assert args["disable_cuda_graph"] is True and "cuda_graph_backend_decode" not in args
+    args = {}
+    plugin._apply_backend_args(args, brk)
+    assert "disable_cuda_graph" not in args
+    assert (args["cuda_graph_backend_decode"], args["cuda_graph_backend_prefill"]) == \
+        ("breakable", "disabled")
+    for config in (off, brk):
+        plugin._refuse_cuda_graphs(_graphs("disabled"), config)
+    plugin._refuse_cuda_graphs(_graphs("breakable"), brk)
+    refused = [(off, _graphs("full"), "'full' decode"), (off, _graphs("breakable"), "'breakable'"),
+               (brk, _graphs("full"), "'full' decode"), (brk, _graphs("tc_piecewise"), "'tc_piecewise'"),
+               (brk, _graphs("breakable", "tc_piecewise"), "prefill"),
+               (brk, _graphs("breakable", debug=True), "debug-cuda-graph")]
+    for config, server, match in refused:
+        with pytest.raises(plugin.MosaicKVUnsupported, match=match):
+            plugin._refuse_cuda_graphs(server, config)
+
+
+def test_breakable_config_resolves_through_sglang(tmp_path):
+    """Through SGLang's own resolution (and the resolved-args check): decode 'breakable',
+    prefill 'disabled' with decode_cuda_graph 'breakable'; decode 'disabled' without it, and an
+    explicit --cuda-graph-backend-decode full (which outranks --disable-cuda-graph) refused."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(num_hidden_layers=2, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    args = plugin.server_args(model_path=str(tmp_path), device="cpu",
+                              mosaickv_config={"decode_cuda_graph": "breakable"})
+    assert (str(args.cuda_graph_config.decode.backend), str(args.cuda_graph_config.prefill.backend)) \
+        == ("breakable", "disabled")
+    assert getattr(args, plugin.CONFIG_ATTR).decode_cuda_graph == "breakable"
+    args = plugin.server_args(model_path=str(tmp_path), device="cpu")
+    assert str(args.cuda_graph_config.decode.backend) == "disabled"
+    with pytest.raises(plugin.MosaicKVUnsupported, match="'full' decode"):
+        plugin.server_args(model_path=str(tmp_path), device="cpu", cuda_graph_backend_decode="full")
