@@ -12,6 +12,8 @@ from sglang.srt.plugins.hook_registry import HookType
 logger = logging.getLogger(__name__)
 
 CONFIG_ATTR = "_mosaickv_config"
+_BCG = ("sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend."
+        "BreakableCudaGraphBackend")
 
 
 def _config_of(server_args):
@@ -97,6 +99,61 @@ def _fused_set_kv_buffer(original, forward_batch) -> bool:
     return original(forward_batch)
 
 
+def _graph_output_fields(output):
+    """The tensor fields of a causal LM's step output (a LogitsProcessorOutput), else None."""
+    import dataclasses
+
+    import torch
+
+    if not dataclasses.is_dataclass(output) or type(output).__name__ != "LogitsProcessorOutput":
+        return None
+    return {f.name: getattr(output, f.name) for f in dataclasses.fields(output)
+            if torch.is_tensor(getattr(output, f.name))}
+
+
+def _mosaickv_graph(self) -> bool:
+    runner = getattr(self, "_model_runner", None)
+    return _config_of(getattr(runner, "server_args", None)) is not None
+
+
+def _graph_alloc(original, self, output, size):
+    """AROUND BreakableCudaGraphBackend._alloc_full_buffer, and `_graph_slice` / `_graph_copy`
+    for `_slice_output` / `_copy_output_to_buffer`: SGLang 0.5.17's breakable backend handles
+    tensors, tuples and lists but not the LogitsProcessorOutput a causal LM's decode step returns
+    (TypeError at capture), so with MosaicKV its tensor fields go through the original one by one
+    and the other fields stay as they are. Other outputs, and servers without MosaicKV, are left
+    to the original."""
+    tensors = _graph_output_fields(output) if _mosaickv_graph(self) else None
+    if tensors is None:
+        return original(self, output, size)
+    import dataclasses
+
+    return dataclasses.replace(output, **{k: original(self, t, size) for k, t in tensors.items()})
+
+
+def _graph_slice(original, self, output, num_tokens):
+    tensors = _graph_output_fields(output) if _mosaickv_graph(self) else None
+    if tensors is None:
+        return original(self, output, num_tokens)
+    import dataclasses
+
+    return dataclasses.replace(output, **{k: original(self, t, num_tokens)
+                                          for k, t in tensors.items()})
+
+
+def _graph_copy(original, self, output, output_buffer, num_tokens):
+    tensors = _graph_output_fields(output) if _mosaickv_graph(self) else None
+    buffers = _graph_output_fields(output_buffer) if tensors is not None else None
+    if tensors is None or buffers is None:
+        return original(self, output, output_buffer, num_tokens)
+    if tensors.keys() != buffers.keys():
+        raise ValueError(f"MosaicKV decode graph: the step output's tensor fields changed between "
+                         f"capture sizes: {sorted(tensors)} vs {sorted(buffers)}")
+    for name, t in tensors.items():
+        original(self, t, buffers[name], num_tokens)
+    return None
+
+
 def _support_triton(original, backend: str) -> bool:
     """AROUND sglang's support_triton(backend): the CPU path of 'mosaickv' is pure torch."""
     if backend == "mosaickv":
@@ -159,4 +216,7 @@ HOOKS = {
         (_internal_state, HookType.AFTER),
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
         (_adopt_daemon_results, HookType.BEFORE),
+    **{f"{_BCG}.{name}": (hook, HookType.AROUND) for name, hook in (
+        ("_alloc_full_buffer", _graph_alloc), ("_slice_output", _graph_slice),
+        ("_copy_output_to_buffer", _graph_copy))},
 }
