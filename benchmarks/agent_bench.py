@@ -309,9 +309,7 @@ def main() -> None:
               *args.server_arg]
     results = []
     for system in systems:
-        extra = system_args(system, args.dense_backend)
-        if system == "mosaickv" and args.mosaickv_config:
-            extra += ["--mosaickv-config", args.mosaickv_config]
+        extra = system_args(system, args.dense_backend, args.mosaickv_config)
         t = time.perf_counter()
         try:
             if args.url:

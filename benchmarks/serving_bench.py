@@ -42,19 +42,24 @@ SYSTEMS = {  # name -> what it adds to the common server arguments
     "dense": NO_PREFILL_GRAPHS,  # SGLang's own cache, decode CUDA graphs on
     "dense_eager": ["--disable-cuda-graph"],  # the same without CUDA graphs (as MosaicKV runs)
     "fp8": ["--kv-cache-dtype", "fp8_e4m3", *NO_PREFILL_GRAPHS],  # SGLang's built-in FP8 cache
-    "mosaickv": ["--kv-backend", "mosaickv"],
 }
+# MosaicKV systems: the config each one merges over --mosaickv-config
+MOSAICKV_SYSTEMS = {"mosaickv": {}, "mosaickv_graph": {"decode_cuda_graph": "breakable"}}
 # The same dense/FP8 caches with FlashInfer's attention instead of --dense-backend, so both of
 # SGLang's GPU backends can be served side by side in one run.
 SYSTEMS.update({f"{name}_flashinfer": [*SYSTEMS[name], "--attention-backend", "flashinfer"]
                 for name in ("dense", "fp8")})
 
 
-def system_args(system: str, dense_backend: str) -> list[str]:
+def system_args(system: str, dense_backend: str, mosaickv_config: str | None = None) -> list[str]:
+    """A system's server arguments; MosaicKV systems get --mosaickv-config (the given JSON with
+    the system's own keys over it)."""
+    if system in MOSAICKV_SYSTEMS:
+        config = {**json.loads(mosaickv_config or "{}"), **MOSAICKV_SYSTEMS[system]}
+        return ["--kv-backend", "mosaickv",
+                *(["--mosaickv-config", json.dumps(config)] if config else [])]
     if system not in SYSTEMS:
-        raise SystemExit(f"unknown system {system!r}: use {', '.join(SYSTEMS)}")
-    if system == "mosaickv":
-        return list(SYSTEMS[system])
+        raise SystemExit(f"unknown system {system!r}: use {', '.join([*SYSTEMS, *MOSAICKV_SYSTEMS])}")
     backend = [] if "--attention-backend" in SYSTEMS[system] else ["--attention-backend", dense_backend]
     return ["--kv-backend", "default", *backend, *SYSTEMS[system]]
 
@@ -257,9 +262,7 @@ def main() -> None:
 
     def launch(system: str):
         """(system, entered server context, start-up seconds) or (system, None, exception)."""
-        extra = system_args(system, args.dense_backend) + per_system[system]
-        if system == "mosaickv" and args.mosaickv_config:
-            extra += ["--mosaickv-config", args.mosaickv_config]
+        extra = system_args(system, args.dense_backend, args.mosaickv_config) + per_system[system]
         t = time.perf_counter()
         ctx = running_server(model, args.logs / f"{system}.log", *extra, *common, startup_s=900)
         try:

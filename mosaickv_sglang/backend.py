@@ -18,6 +18,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import eager_on_graph
 
 from .codec.attention import decode_attention
 from .packed_decode import PackedDecode
@@ -62,6 +63,9 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         # Decode over sealed pages: the packed Triton kernels, or the torch codec per request.
         self.packed = PackedDecode(pool) if kernel == "triton" else None
         pool.decode_path = self.packed
+        # Real rows of the batch under a breakable decode graph (None: an eager step); see
+        # init_forward_metadata_out_graph.
+        self.graph_rows: int | None = None
         logger.info("MosaicKV decode path: %s", kernel)
 
     # ---- extend -------------------------------------------------------------------------
@@ -87,21 +91,49 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         self._maybe_seal(layer, forward_batch)
         return o
 
+    # ---- decode under a breakable CUDA graph ---------------------------------------------
+    # The graph replays the model's layers; each layer's forward_decode runs eagerly between
+    # its segments (`_decode_between_segments`), on the capture-time ForwardBatch: its tensors
+    # are refreshed in place before each replay, but it is padded to the captured batch size.
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Nothing static to allocate: the attention runs outside the graph's segments."""
+        self.graph_rows = None
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Before each warm-up/capture (every row a dummy: decode nothing) and each replay (the
+        first batch_size - num_padding rows are real; padded rows point at request 0, slot 0)."""
+        self.graph_rows = 0 if in_capture else (
+            forward_batch.batch_size - getattr(forward_batch, "num_padding", 0))
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        self.graph_rows = None  # an eager step
+        super().init_forward_metadata(forward_batch)
+
     # ---- decode -------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        if save_kv_cache and k is not None:
-            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        return _decode_between_segments(self, q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _decode(self, q, k, v, layer, forward_batch, save_kv_cache):
         hq, d = layer.tp_q_head_num, layer.qk_head_dim
         q_ = q.reshape(-1, hq, d)
-        o_ = q_.new_empty((q_.shape[0], hq, layer.v_head_dim))
+        rows = forward_batch.batch_size if self.graph_rows is None else self.graph_rows
+        if rows == 0:  # a graph warm-up or capture: dummy rows, nothing to write or read
+            return q_.new_zeros((q_.shape[0], hq * layer.v_head_dim))
+        if save_kv_cache and k is not None:  # padded rows write slot 0: the padding page
+            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        o_ = (q_.new_empty if rows == q_.shape[0] else q_.new_zeros)(
+            (q_.shape[0], hq, layer.v_head_dim))
         req_to_token = self.req_to_token_pool.req_to_token
         if self.packed is not None:
             if layer.layer_id == self.pool.start_layer:
-                self.packed.begin(forward_batch, req_to_token)
+                self.packed.begin(forward_batch, req_to_token, rows)
             self.packed.attend(q_, layer, o_)
-            self._maybe_seal(layer, forward_batch)
+            self._maybe_seal(layer, forward_batch, rows)
             return o_.reshape(q_.shape[0], hq * layer.v_head_dim)
-        for i in range(forward_batch.batch_size):
+        for i in range(rows):
             rid = int(forward_batch.req_pool_indices[i])
             seq_len = int(forward_batch.seq_lens[i])
             view = self.pool.layer_view(layer.layer_id, req_to_token[rid, :seq_len])
@@ -109,20 +141,27 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
                                       torch.tensor([seq_len - 1]), self.cfg.select,
                                       self.cfg.page_tokens, sm_scale=layer.scaling)
             o_[i] = out[0].to(o_.dtype)
-        self._maybe_seal(layer, forward_batch)
+        self._maybe_seal(layer, forward_batch, rows)
         return o_.reshape(q_.shape[0], hq * layer.v_head_dim)
 
     # ---- sealing ------------------------------------------------------------------------
-    def _maybe_seal(self, layer, forward_batch) -> None:
-        """After the last layer: compress what became sealable (daemon: off, synchronous)."""
+    def _maybe_seal(self, layer, forward_batch, rows: int | None = None) -> None:
+        """After the last layer: compress what became sealable (daemon: off, synchronous), for
+        the batch's first `rows` requests (all of them by default)."""
         if layer.layer_id != self.last_layer:
             return
         req_to_token = self.req_to_token_pool.req_to_token
         before = self.pool.counters.sealed_pages
-        for i in range(forward_batch.batch_size):
+        for i in range(forward_batch.batch_size if rows is None else rows):
             rid = int(forward_batch.req_pool_indices[i])
             seq_len = int(forward_batch.seq_lens[i])
             self.pool.seal_request(req_to_token[rid, :seq_len], seq_len)
         after = self.pool.counters.sealed_pages
         if after // LOG_EVERY_PAGES > before // LOG_EVERY_PAGES:
             logger.info(self.pool.summary())
+
+
+# Under a breakable decode graph, a graph break: the segment before it ends, this runs eagerly
+# (at capture once, at every replay again with the capture-time arguments), the next segment
+# starts. Outside a capture it is a plain call.
+_decode_between_segments = eager_on_graph(True)(MosaicAttnBackend._decode)

@@ -112,10 +112,12 @@ class PackedDecode:
         self.eye = torch.eye(d, dtype=BASIS_DTYPE, device=pool.device).expand(h, d, d)
 
     # ---- per step ----------------------------------------------------------------------
-    def begin(self, forward_batch, req_to_token) -> None:
+    def begin(self, forward_batch, req_to_token, rows: int | None = None) -> None:
+        """Plan the step for the batch's first `rows` requests (all by default; under a decode
+        graph the rest are padding)."""
         self.timer.step()
         pool, ps = self.pool, self.pool.page_size
-        bsz = forward_batch.batch_size
+        bsz = forward_batch.batch_size if rows is None else rows
         lens = getattr(forward_batch, "seq_lens_cpu", None)
         seq_lens = (forward_batch.seq_lens.cpu() if lens is None else lens).tolist()[:bsz]
         # One device->host copy: the first slot of every page of every request.

@@ -121,8 +121,11 @@ class MosaicKVPool(MHATokenToKVPool):
         super().__init__(hot_pages * page_size, page_size, *args, **kwargs)
         self.cfg = mosaic_config = fit_rescue(mosaic_config, self.head_dim)
         self.num_hot_pages = hot_pages
-        # logical page -> hot page (-1: none). Hot page 0 is the parent's padding page.
+        # logical page -> hot page (-1: none). Hot page 0 is the parent's padding page, and
+        # logical page 0 (never handed out by the allocator) maps to it: the padded rows of a
+        # CUDA-graph batch write slot 0, which must not take a real hot page.
         self.hot_page_of = torch.full((self.num_logical_pages + 1,), -1, dtype=torch.long)
+        self.hot_page_of[0] = 0
         self.free_hot_pages = list(range(hot_pages, 0, -1))
         self.sealed: dict[int, SealedPage] = {}
         self.counters = PoolCounters()
@@ -457,7 +460,7 @@ class MosaicKVPool(MHATokenToKVPool):
                 self.store.release(page)
                 self.counters.freed_pages += 1
             hot = int(self.hot_page_of[page])
-            if hot >= 0:
+            if hot > 0:  # 0: the padding page, never a free one
                 self.free_hot_pages.append(hot)
                 self.hot_page_of[page] = -1
 
@@ -476,6 +479,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.arena_bytes = 0
         self._basis_refs.clear()
         self.hot_page_of.fill_(-1)
+        self.hot_page_of[0] = 0  # the padding page (see __init__)
         self.free_hot_pages = list(range(self.num_hot_pages, 0, -1))
 
     # ---- accounting ---------------------------------------------------------------------

@@ -60,7 +60,12 @@ def test_other_sglang_names_resolve():
                    "sglang.srt.mem_cache.memory_pool.unwrap_write_loc",
                    "sglang.srt.mem_cache.radix_cache.RadixCache",
                    "sglang.srt.mem_cache.registry.register_radix_cache_backend",
-                   "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"):
+                   "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",
+                   # the breakable decode graph (backend.py, wiring.py)
+                   "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph."
+                   "eager_on_graph",
+                   "sglang.srt.layers.logits_processor.LogitsProcessorOutput",
+                   "sglang.srt.model_executor.cuda_graph_config.Backend.BREAKABLE"):
         pkgutil.resolve_name(target)
 
 

@@ -53,3 +53,14 @@ def test_each_dense_system_names_one_attention_backend():
     assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
     with pytest.raises(SystemExit, match="unknown system"):
         serving_bench.system_args("dense_flashinfer2", "triton")
+
+
+def test_mosaickv_systems_merge_their_config_over_the_given_one():
+    import json
+
+    assert serving_bench.system_args("mosaickv", "triton") == ["--kv-backend", "mosaickv"]
+    args = serving_bench.system_args("mosaickv_graph", "triton", '{"hot_buffer_fraction": 0.05}')
+    assert args[:2] == ["--kv-backend", "mosaickv"] and args[2] == "--mosaickv-config"
+    assert json.loads(args[3]) == {"hot_buffer_fraction": 0.05, "decode_cuda_graph": "breakable"}
+    plain = serving_bench.system_args("mosaickv", "triton", '{"hot_buffer_fraction": 0.05}')
+    assert json.loads(plain[3]) == {"hot_buffer_fraction": 0.05}
