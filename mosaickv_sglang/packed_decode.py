@@ -123,7 +123,7 @@ class PackedDecode:
         # One device->host copy: the first slot of every page of every request.
         page_slots = req_to_token[forward_batch.req_pool_indices[:bsz], :max(seq_lens):ps].cpu()
         kernel_reqs, reference_slots = [], {}
-        row_req, row_pages, hot_rows, needs_select = [], [], [], False
+        row_req, row_pages, row_bases, hot_rows, needs_select = [], [], [], [], False
         sealed_ids = []  # each kernel request's sealed pages (tensor): the rows' pages in order
         for i, seq_len in enumerate(seq_lens):
             page_ids = page_slots[i, :-(-seq_len // ps)] // ps
@@ -131,6 +131,7 @@ class PackedDecode:
             # One pass over the sealed prefix: its length n and its runs of pages sharing a basis
             # block (one dict lookup per page: this loop is most of the step's host plan).
             runs: list[list[int]] = []
+            run_bases = []  # each run's BasisPair
             n, last = len(pages), None
             for j, p in enumerate(pages):
                 page = pool.sealed.get(p)
@@ -141,6 +142,7 @@ class PackedDecode:
                     runs[-1].append(p)
                 else:
                     runs.append([p])
+                    run_bases.append(page.bases)
                     last = page.bases
             if n and not bool(pool.store.packed[:, page_ids[:n]].all()):
                 rid = int(forward_batch.req_pool_indices[i])
@@ -153,12 +155,11 @@ class PackedDecode:
             if bool((hot < 0).any()):
                 raise RuntimeError("MosaicKV: read of a logical page that is neither hot nor sealed")
             hot = (hot[:, None] * ps + torch.arange(ps)).flatten()[:seq_len - n * ps]
-            for r, run in enumerate(runs or [[]]):
+            for r, run in enumerate(runs or [[]]):  # a row without pages reads the identity
                 row_req.append(i)
                 row_pages.append(run)
+                row_bases.append(run_bases[r] if runs else None)
                 hot_rows.append(hot if r == max(len(runs) - 1, 0) else hot[:0])
-        # Each row's basis block; a row without pages reads the identity.
-        row_bases = [pool.sealed[run[0]].bases if run else None for run in row_pages]
         dev = pool.device
         t_max = max([h.numel() for h in hot_rows] + [1])
         hot_index = torch.zeros(len(hot_rows), t_max, dtype=torch.long)
@@ -236,8 +237,7 @@ class PackedDecode:
     def _arena(self, local: int) -> PackedArena:
         st, pool = self.step, self.pool
         # The kernel reads q @ k_basis and o_rot @ v_basis^T, i.e. q R^T and o_rot R with R the
-        # stored read transform: each block's R once, gathered per row, transposed.
-        # (stacked in row order: one op per kind, no gather after it)
+        # stored read transform: each row's block R, stacked in row order, transposed.
         k_basis = torch.stack([self.eye if b is None else b.k[local] for b in st.row_bases])
         v_basis = torch.stack([self.eye if b is None else b.v[local] for b in st.row_bases])
         self.timer.lap("bases")
