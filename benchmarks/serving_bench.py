@@ -13,6 +13,11 @@ writes JSON.
 
 `--make-llama8b DIR --tokenizer TOKDIR` writes a Llama-3.1-8B-shaped config (32 layers, 32/8
 heads, head_dim 128; vocabulary of the tokenizer) for `--load-format dummy`.
+
+Systems (`--systems`): `dense` / `fp8` (SGLang's cache, bf16 / fp8_e4m3, attention backend
+`--dense-backend`), `dense_flashinfer` / `fp8_flashinfer` (the same with FlashInfer, so both of
+SGLang's GPU backends can be served in one run), `dense_eager` (no CUDA graphs), `mosaickv`, and
+`mosaickv_graph` (MosaicKV with `decode_cuda_graph: breakable`).
 """
 from __future__ import annotations
 
