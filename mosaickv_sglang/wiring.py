@@ -116,29 +116,19 @@ def _mosaickv_graph(self) -> bool:
     return _config_of(getattr(runner, "server_args", None)) is not None
 
 
-def _graph_alloc(original, self, output, size):
-    """AROUND BreakableCudaGraphBackend._alloc_full_buffer, and `_graph_slice` / `_graph_copy`
-    for `_slice_output` / `_copy_output_to_buffer`: SGLang 0.5.17's breakable backend handles
-    tensors, tuples and lists but not the LogitsProcessorOutput a causal LM's decode step returns
-    (TypeError at capture), so with MosaicKV its tensor fields go through the original one by one
-    and the other fields stay as they are. Other outputs, and servers without MosaicKV, are left
-    to the original."""
+def _graph_per_field(original, self, output, rows):
+    """AROUND BreakableCudaGraphBackend._alloc_full_buffer and ._slice_output (and `_graph_copy`
+    for ._copy_output_to_buffer): SGLang 0.5.17's breakable backend handles tensors, tuples and
+    lists but not the LogitsProcessorOutput a causal LM's decode step returns (TypeError at
+    capture), so with MosaicKV its tensor fields go through the original one by one and the other
+    fields stay as they are. Other outputs, and servers without MosaicKV, are left to the
+    original."""
     tensors = _graph_output_fields(output) if _mosaickv_graph(self) else None
     if tensors is None:
-        return original(self, output, size)
+        return original(self, output, rows)
     import dataclasses
 
-    return dataclasses.replace(output, **{k: original(self, t, size) for k, t in tensors.items()})
-
-
-def _graph_slice(original, self, output, num_tokens):
-    tensors = _graph_output_fields(output) if _mosaickv_graph(self) else None
-    if tensors is None:
-        return original(self, output, num_tokens)
-    import dataclasses
-
-    return dataclasses.replace(output, **{k: original(self, t, num_tokens)
-                                          for k, t in tensors.items()})
+    return dataclasses.replace(output, **{k: original(self, t, rows) for k, t in tensors.items()})
 
 
 def _graph_copy(original, self, output, output_buffer, num_tokens):
@@ -217,6 +207,6 @@ HOOKS = {
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
         (_adopt_daemon_results, HookType.BEFORE),
     **{f"{_BCG}.{name}": (hook, HookType.AROUND) for name, hook in (
-        ("_alloc_full_buffer", _graph_alloc), ("_slice_output", _graph_slice),
+        ("_alloc_full_buffer", _graph_per_field), ("_slice_output", _graph_per_field),
         ("_copy_output_to_buffer", _graph_copy))},
 }
