@@ -5,7 +5,10 @@ Pool-level, without SGLang (runs where only torch is installed): a hot buffer of
 on --device, the real `DaemonClient` (worker processes, shared-memory slots, the same codec) and
 a simulated scheduler loop. One step = fixed device work calibrated to --step-ms (a GEMM loop on
 the scheduler's thread) + the step boundary the server runs (`collect()`, retire ready jobs, copy
-new pages into slots). Phases:
+new pages into slots). By default the boundary runs after the device work is done (a host-bound
+step: every host millisecond adds to the step, the strict case); with --overlap it runs while
+the device work is in flight, as in SGLang's default overlap loop, whose adoption hook (before
+`get_next_batch_to_run`) runs before the previous forward is synchronized. Phases:
 
 * idle: the workers exist but get nothing;
 * saturated: --pages-per-step new full pages every step (one page per step is batch 128 at
@@ -39,7 +42,7 @@ import time
 import torch
 
 from mosaickv_sglang.codec.layer import Candidates
-from mosaickv_sglang.codec.seal import seal_group
+from mosaickv_sglang.codec.seal import gather_pages, page_kv, seal_group, worst_page_bytes
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 import mosaickv_sglang.daemon.channel as channel_mod
@@ -117,11 +120,17 @@ class Work:
         t = self.time(8) / 8
         self.reps = max(1, round(step_ms / 1e3 / t))
 
-    def run(self):
+    def launch(self):
         for _ in range(self.reps):
             self.a = (self.a @ self.a).clamp_(-1, 1)
+
+    def wait(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def run(self):
+        self.launch()
+        self.wait()
 
     def time(self, n: int) -> float:
         t0 = time.perf_counter()
@@ -150,6 +159,10 @@ def main() -> None:
                     help="pin this (scheduler) process to core 0 and the workers to the others")
     ap.add_argument("--nice", type=int, default=MosaicConfig.daemon_nice,
                     help="the workers' daemon_nice (A/B its effect on throughput)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="run the boundary while the step's device work runs (SGLang's default "
+                         "overlap loop: the adoption hook runs before the previous forward is "
+                         "synchronized); default: after it (a host-bound step, the strict case)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -162,16 +175,18 @@ def main() -> None:
     tokens = cfg.segment_tokens
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(0)
-    # a few distinct hot pages, channel energies spread like real K (a few strong channels)
+    # a pool-like hot buffer of a few distinct pages (one [rows, H, D] tensor per layer and kind,
+    # as MosaicKVPool's), channel energies spread like real K (a few strong channels); pages go
+    # into slots by the pool's own copy
+    hot_pages = 4
     scale = torch.logspace(0.5, -1, head_dim)
-    hot = [(torch.randn(layers, 2, heads, tokens, head_dim, generator=g) * scale).to(dtype)
-           .to(device) for _ in range(4)]
+    k_buffer, v_buffer = ([(torch.randn(hot_pages * tokens, heads, head_dim, generator=g) * scale)
+                           .to(dtype).to(device) for _ in range(layers)] for _ in range(2))
 
     def copy_page(page: int, dst: torch.Tensor) -> None:
-        dst.copy_(hot[page % len(hot)], non_blocking=True)
+        dst.copy_(page_kv(k_buffer, v_buffer, page % hot_pages, tokens), non_blocking=True)
 
     dense = parse_strategy("dense")
-    from mosaickv_sglang.codec.seal import worst_page_bytes
 
     result_bytes = layers * (worst_page_bytes(cfg, heads, head_dim, dense) + 16384) + \
         layers * 2 * heads * head_dim * head_dim * 2 + 65536
@@ -188,7 +203,7 @@ def main() -> None:
             os.sched_setaffinity(w.proc.pid, cores[1:] or cores)
 
     # backpressure cost: one page sealed on this thread (what a backpressure seal costs a step)
-    read = lambda idx: (hot[0][None, :, 0], hot[0][None, :, 1])  # noqa: E731  (one page)
+    read = lambda idx: gather_pages(k_buffer, v_buffer, torch.tensor([0]), tokens)  # noqa: E731
     cands = Candidates.from_config(cfg)
     t0 = time.perf_counter()
     seal_group(read, [tokens * 5], None, cfg, cands, dense)
@@ -254,10 +269,14 @@ def main() -> None:
         t_start = time.perf_counter()
         for _ in range(args.steps):
             t = time.perf_counter()
-            work.run()
+            work.launch()
+            if not args.overlap:
+                work.wait()
             breakdown.take()
             read0, installed0 = client.counters.worker_pages, state["installed"]
             c, inst, sub = boundary(produce)
+            if args.overlap:
+                work.wait()
             parts.append(state["collect_parts"])
             if client.counters.worker_pages - read0 == 1:  # LOADS_PER_STEP: at most one
                 page_loads.append(state["collect_parts"]["load"])
@@ -322,9 +341,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=2)
+    mode = " overlapped with the boundary" if args.overlap else " then the boundary"
     print(f"shape {args.shape} {layers}x{heads}x{head_dim}, {tokens}-token pages "
           f"({page_bytes / 1e6:.1f} MB bf16), device {device}, {args.workers} workers x "
-          f"{args.threads} threads, step work {args.step_ms} ms, {args.pages_per_step} pages/step")
+          f"{args.threads} threads, step work {args.step_ms} ms{mode}, "
+          f"{args.pages_per_step} pages/step")
     print(f"saturated/idle step time: p50 {out['step_p50_ratio']:.3f}, "
           f"p99 {out['step_p99_ratio']:.3f}; steps that waited on the daemon: 0")
     print(f"daemon: {thr:.2f} pages/s ({thr / cores:.2f} per worker core), worker page latency "

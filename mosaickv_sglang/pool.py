@@ -35,8 +35,8 @@ from .codec.arena import ArenaPage
 from .codec.basis import unrotate
 from .codec.layer import Candidates, CompressedLayer, segment_bytes
 from .codec.pages import build_page_meta
-from .codec.seal import (BasisPair, SealedPage, gather_pages, seal_group, worst_encoded_bytes,
-                         worst_page_bytes)
+from .codec.seal import (BasisPair, SealedPage, gather_pages, page_kv, seal_group,
+                         worst_encoded_bytes, worst_page_bytes)
 from .codec.strategies import parse_strategy
 from .config import MosaicConfig, check_fits, fit_rescue
 from .daemon.swaplog import SwapLog
@@ -325,12 +325,9 @@ class MosaicKVPool(MHATokenToKVPool):
         return gather_pages(self.k_buffer, self.v_buffer, self.hot_page_of[pages], self.page_size)
 
     def _copy_page(self, page: int, dst: torch.Tensor) -> None:
-        """A hot page's K/V, all layers, into a daemon slot [layers, 2, H, S, D]."""
-        phys = self.hot_page_of[page] * self.page_size + torch.arange(self.page_size)
-        phys = phys.to(self.device)
-        for local in range(self.layer_num):
-            dst[local, 0].copy_(self.k_buffer[local][phys].transpose(0, 1), non_blocking=True)
-            dst[local, 1].copy_(self.v_buffer[local][phys].transpose(0, 1), non_blocking=True)
+        """A hot page's K/V, all layers, into a daemon slot [layers, 2, H, S, D] in one copy."""
+        dst.copy_(page_kv(self.k_buffer, self.v_buffer, int(self.hot_page_of[page]),
+                          self.page_size), non_blocking=True)
 
     def _install(self, pages: list[int], sealed: list[SealedPage | ArenaPage]) -> None:
         """The one place sealed pages enter ``self.sealed`` (``release_pages``/``clear`` are the

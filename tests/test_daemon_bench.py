@@ -6,15 +6,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path, overlap):
     out = tmp_path / "daemon.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/daemon_bench.py"),
                            "--shape", "small", "--device", "cpu", "--workers", "1",
                            "--steps", "100", "--step-ms", "10", "--nice", "0",
-                           "--json", str(out)],
+                           "--json", str(out)] + ["--overlap"] * overlap,
                           capture_output=True, text=True, timeout=600, cwd=ROOT,
                           # this checkout's package, as its workers (-m from cwd) import it, not
                           # whichever one the environment has installed
@@ -28,6 +31,8 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path):
     assert set(slowest) >= {"collect", "alive", "handle", "load", "unpickle", "pump", "gc",
                             "other", "steps"}
     assert result["args"]["nice"] == 0 and "install p50/p99/max ms" in proc.stdout
+    assert result["args"]["overlap"] is overlap
+    assert ("overlapped with the boundary" in proc.stdout) is overlap
     adopt = sat["adopt_page_ms"]
     assert adopt["pages"] >= 1 and adopt["install"]["max"] > 0 and adopt["load"]["max"] > 0
 

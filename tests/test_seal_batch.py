@@ -8,7 +8,7 @@ import torch
 from conftest import repro
 from mosaickv_sglang.codec.basis import fit_basis
 from mosaickv_sglang.codec.layer import DENSE, Candidates, _choose_batch, seal_segments
-from mosaickv_sglang.codec.seal import fit_bases, gather_pages, seal_group, solve_split
+from mosaickv_sglang.codec.seal import fit_bases, gather_pages, page_kv, seal_group, solve_split
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.segment_store import SegmentStore
 
@@ -114,6 +114,20 @@ def _read_one(kbuf, vbuf, page, layer):
     """The previous reader: one (page, layer) at a time, [H, S, D] float."""
     rows = (page + 1) * S + torch.arange(S)
     return kbuf[layer][rows].transpose(0, 1).float(), vbuf[layer][rows].transpose(0, 1).float()
+
+
+def test_a_daemon_slot_copy_holds_every_layers_page(seed):
+    """`page_kv` (the pool's one-copy read of a hot page into a daemon slot [L, 2, H, S, D])
+    holds exactly what the per-(page, layer) reader reads, for every page of the buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    kbuf, vbuf = _hot_buffer(gen)
+    for page in range(P):
+        got = page_kv(kbuf, vbuf, page + 1, S)
+        assert got.shape == (L, 2, H, S, D) and got.is_contiguous(), repro(seed)
+        for layer in range(L):
+            k, v = _read_one(kbuf, vbuf, page, layer)
+            assert torch.equal(got[layer, 0].float(), k), repro(seed)
+            assert torch.equal(got[layer, 1].float(), v), repro(seed)
 
 
 @pytest.mark.parametrize("solver", ["host", "device", "jacobi"])  # host, jacobi: all layers at once

@@ -146,6 +146,16 @@ def gather_pages(k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],
     return out[0], out[1]
 
 
+def page_kv(k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor], page: int,
+            page_size: int) -> torch.Tensor:
+    """One page of a dense cache (layout as `gather_pages`), every layer's K and V, as one
+    contiguous [L, 2, H, S, D] tensor on the cache's device: the page's rows are a slice of each
+    layer, so this is one stack and one transpose (what a daemon slot copy needs in one copy)."""
+    rows = slice(page * page_size, (page + 1) * page_size)
+    kv = torch.stack([buf[rows] for pair in zip(k_buffer, v_buffer) for buf in pair])
+    return kv.view(len(k_buffer), 2, *kv.shape[1:]).transpose(2, 3).contiguous()
+
+
 def seal_group(read: PageReader, positions: list[int], bases: BasisPair | None,
                cfg: MosaicConfig, cands: Candidates, dense: Strategy,
                timer=None, keep_rotated: bool = False) -> list[SealedPage]:

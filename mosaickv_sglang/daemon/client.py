@@ -223,11 +223,10 @@ class DaemonClient:
             job.slots = [self.free_slots.popleft() for _ in job.pages]
             for page, slot in zip(job.pages, job.slots):
                 self.copy_page(page, self.channel.kv(slot))
-            if job.bases is not None:
-                dst = self.channel.bases(job.slots[0])
-                for i, (k, v) in enumerate(zip(job.bases.k, job.bases.v)):
-                    dst[i, 0].copy_(k, non_blocking=True)
-                    dst[i, 1].copy_(v, non_blocking=True)
+            if job.bases is not None:  # all layers' K and V bases: one stack, one copy
+                self.channel.bases(job.slots[0]).copy_(
+                    torch.stack([torch.stack(job.bases.k), torch.stack(job.bases.v)], 1),
+                    non_blocking=True)
             job.event = _record(self.device)
             self.copying.append(job)
         while self.copying and _done(self.copying[0].event):
