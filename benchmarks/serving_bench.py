@@ -259,10 +259,13 @@ def main() -> None:
         model = make_llama8b(args.make_llama8b, args.tokenizer, max(contexts) + 1024)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args.logs.mkdir(parents=True, exist_ok=True)
+    # --max-running-requests only for explicit batches: with 'max' SGLang derives it (and a
+    # MosaicKV pool lowers it to what its hot buffer carries, logged), where an explicit value
+    # above that is refused at start-up
+    running = [] if "max" in batches else ["--max-running-requests", str(max(batches))]
     common = ["--load-format", args.load_format, "--context-length", str(max(contexts) + 1024),
-              "--chunked-prefill-size", str(-(-max(contexts) // 128) * 128), "--max-running-requests",
-              str(256 if "max" in batches else max(batches)), "--grammar-backend", "none",
-              *args.server_arg]
+              "--chunked-prefill-size", str(-(-max(contexts) // 128) * 128), *running,
+              "--grammar-backend", "none", *args.server_arg]
     results = []
 
     def launch(system: str):

@@ -85,23 +85,48 @@ def cell_fraction(cfg: MosaicConfig, head_num: int, head_dim: int) -> float:
     return cfg.hot_buffer_fraction + (seg + bases) / dense
 
 
-def check_hot_buffer(hot_tokens: int, page_size: int, chunked_prefill_size: int | None,
-                     context_len: int, hot_buffer_fraction: float) -> None:
-    """Refuse at start-up a hot buffer that cannot hold the pages of one prefill chunk: every
-    prompt longer than it would stop the server mid-forward. A chunk's full pages are sealed
-    after its forward, so the buffer needs one chunk (at most context - 1 prompt tokens, whole
-    pages: chunks and prefix matches are page aligned), not a whole prompt. Running requests
-    keep a page or two each on top of that: size the fraction with room for them."""
+def hot_buffer_requests(hot_tokens: int, page_size: int, chunked_prefill_size: int | None,
+                        context_len: int, hot_buffer_fraction: float) -> int:
+    """How many requests may run at once beside one prefill chunk in the hot buffer. A chunk's
+    pages (at most context - 1 prompt tokens, whole pages: chunks and prefix matches are page
+    aligned) are all hot until its forward ends (its full pages are sealed after it), and every
+    other running request keeps its last, partial page hot: the buffer must hold one chunk plus
+    one page per other request, or a forward stops the server with the buffer exhausted (seen
+    on the H200 with SGLang's default 32768-token chunk and a 32768-token buffer at 3 requests).
+    Full pages waiting for the daemon do not count: the pool seals them inline when it must.
+    Refuses (ValueError) a buffer that cannot hold one chunk."""
     chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 \
         else context_len
-    need = -(-min(chunk, context_len - 1) // page_size) * page_size
-    if hot_tokens < need:
+    need = -(-min(chunk, context_len - 1) // page_size)
+    if hot_tokens < need * page_size:
         raise ValueError(
             f"MosaicKV: the hot buffer holds {hot_tokens} tokens (hot_buffer_fraction="
-            f"{hot_buffer_fraction} of the token slots) but one prefill chunk needs {need} "
-            f"(--chunked-prefill-size {chunked_prefill_size}, context {context_len}): raise "
-            f"hot_buffer_fraction to >= {hot_buffer_fraction * need / max(hot_tokens, 1):.3f} in "
+            f"{hot_buffer_fraction} of the token slots) but one prefill chunk needs "
+            f"{need * page_size} (--chunked-prefill-size {chunked_prefill_size}, context "
+            f"{context_len}): raise hot_buffer_fraction to >= "
+            f"{hot_buffer_fraction * need * page_size / max(hot_tokens, 1):.3f} in "
             "--mosaickv-config or lower --chunked-prefill-size")
+    return hot_tokens // page_size - need + 1
+
+
+def cap_running_requests(fit: int, derived: int, requested: int | None, page_size: int,
+                         hot_buffer_fraction: float) -> int:
+    """The scheduler's max running requests for a MosaicKV pool whose hot buffer carries `fit`
+    (`hot_buffer_requests`): SGLang's `derived` value lowered to `fit` (logged), or a clear
+    start-up error when the user asked for more with --max-running-requests (`requested`)."""
+    if derived <= fit:
+        return derived
+    if requested is not None and requested > fit:
+        raise ValueError(
+            f"MosaicKV: --max-running-requests {requested} does not fit the hot buffer, which "
+            f"holds one prefill chunk plus the last page of {fit - 1} other running requests "
+            f"({page_size}-token pages): lower --max-running-requests to <= {fit}, lower "
+            f"--chunked-prefill-size by {(requested - fit) * page_size} tokens, or raise "
+            f"hot_buffer_fraction (now {hot_buffer_fraction}) in --mosaickv-config")
+    logger.warning("MosaicKV: max running requests lowered from %d to %d: the hot buffer holds "
+                   "one prefill chunk plus the last page of each other running request (raise "
+                   "hot_buffer_fraction or lower --chunked-prefill-size for more)", derived, fit)
+    return fit
 
 
 class MosaicKVPool(MHATokenToKVPool):

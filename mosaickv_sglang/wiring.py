@@ -27,13 +27,13 @@ def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
         return original(self, sizes=sizes, **kwargs)
     from sglang.srt.runtime_context import get_parallel
 
-    from .pool import MosaicKVPool, check_hot_buffer
+    from .pool import MosaicKVPool, hot_buffer_requests
 
     hot = MosaicKVPool.hot_pages_for(sizes.max_total_num_tokens, self.pool_page_size,
                                      cfg.hot_buffer_fraction) * self.pool_page_size
-    check_hot_buffer(hot, self.pool_page_size, self.server_args.chunked_prefill_size,
-                     self.model_config.context_len, cfg.hot_buffer_fraction)
-    return MosaicKVPool(
+    fit = hot_buffer_requests(hot, self.pool_page_size, self.server_args.chunked_prefill_size,
+                              self.model_config.context_len, cfg.hot_buffer_fraction)
+    pool = MosaicKVPool(
         sizes.max_total_num_tokens,
         page_size=self.pool_page_size,
         dtype=self.kv_cache_dtype,
@@ -46,6 +46,28 @@ def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
         end_layer=self.layer_info.end_layer,
         mosaic_config=cfg,
     )
+    pool.running_requests_fit = fit  # applied to the scheduler by _cap_running_requests
+    return pool
+
+
+def _cap_running_requests(result, self, *args, **kwargs):
+    """AFTER KVCacheConfigurator.configure: a MosaicKV pool's scheduler runs at most as many
+    requests as its hot buffer carries beside a prefill chunk (`cap_running_requests`); the
+    same on every TP rank (same sizes, same arguments)."""
+    from .pool import MosaicKVPool, cap_running_requests
+
+    pool = result.token_to_kv_pool
+    if not isinstance(pool, MosaicKVPool):
+        return result
+    cap = cap_running_requests(pool.running_requests_fit, result.max_running_requests,
+                               self.server_args.max_running_requests, pool.page_size,
+                               pool.cfg.hot_buffer_fraction)
+    if cap == result.max_running_requests:
+        return result
+    import msgspec
+
+    result.memory_pool_config.max_running_requests = cap
+    return msgspec.structs.replace(result, max_running_requests=cap)
 
 
 def _compute_cell_size(result, self, kvc, num_layers):
@@ -196,6 +218,8 @@ HOOKS = {
         (_compute_cell_size, HookType.AFTER),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool":
         (_build_token_to_kv_pool, HookType.AROUND),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure":
+        (_cap_running_requests, HookType.AFTER),
     "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids":
         (_release_page_ids, HookType.AROUND),
     "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear":

@@ -93,14 +93,59 @@ def test_seal_and_reuse_counts_by_position():
 
 
 def test_a_hot_buffer_smaller_than_one_prefill_chunk_is_refused_at_start_up():
-    from mosaickv_sglang.pool import check_hot_buffer
-    check_hot_buffer(8192, 128, 8192, 131072, 0.05)  # one chunk of whole pages: fits
+    from mosaickv_sglang.pool import hot_buffer_requests
+    assert hot_buffer_requests(8192, 128, 8192, 131072, 0.05) == 1  # one chunk, nothing beside
     with pytest.raises(ValueError, match=r"hot_buffer_fraction.*--chunked-prefill-size 8192"):
-        check_hot_buffer(8064, 128, 8192, 131072, 0.05)
+        hot_buffer_requests(8064, 128, 8192, 131072, 0.05)
     # a chunk is at most context - 1 prompt tokens, in whole pages
-    check_hot_buffer(8192, 128, 16384, 8192, 0.25)
+    assert hot_buffer_requests(8192, 128, 16384, 8192, 0.25) == 1
     # chunking off (None or -1): the whole context is one prefill
     for off in (None, -1):
         with pytest.raises(ValueError, match="raise hot_buffer_fraction to >= 0.800"):
-            check_hot_buffer(4096, 128, off, 5121, 0.64)
-    check_hot_buffer(4096, 128, -1, 4097, 0.5)
+            hot_buffer_requests(4096, 128, off, 5121, 0.64)
+    assert hot_buffer_requests(4096, 128, -1, 4097, 0.5) == 1
+    # every page beyond the chunk carries one more running request's last page
+    assert hot_buffer_requests(24960, 128, 8192, 131072, 0.05) == 195 - 64 + 1
+
+
+def test_running_requests_are_capped_to_what_the_hot_buffer_carries(caplog):
+    """The H200 crash of session 9 (32768-token chunk, 32768-token buffer, 3 requests: the third
+    prefill found the buffer full) is a start-up error now; a derived limit is lowered, logged."""
+    from mosaickv_sglang.pool import cap_running_requests, hot_buffer_requests
+    fit = hot_buffer_requests(32768, 128, 32768, 33792, 0.25)
+    assert fit == 1
+    with pytest.raises(ValueError, match=r"--max-running-requests 3 does not fit.*<= 1"):
+        cap_running_requests(fit, 3, 3, 128, 0.25)
+    assert cap_running_requests(132, 15, 15, 128, 0.05) == 15  # fits: unchanged
+    assert cap_running_requests(132, 2048, None, 128, 0.05) == 132
+    assert "lowered from 2048 to 132" in caplog.text
+
+
+def test_the_configure_hook_hands_the_cap_to_the_scheduler():
+    """`_cap_running_requests` (AFTER KVCacheConfigurator.configure) returns SGLang's result
+    with the scheduler's max running requests lowered, in the result and the pool config."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigResult
+
+    from mosaickv_sglang.config import MosaicConfig
+    from mosaickv_sglang.pool import MosaicKVPool
+    from mosaickv_sglang.wiring import _cap_running_requests
+
+    pool = object.__new__(MosaicKVPool)
+    pool.running_requests_fit, pool.page_size, pool.cfg = 132, 128, MosaicConfig()
+    mem = SimpleNamespace(max_running_requests=2048)
+
+    def result(kv_pool):
+        return KVCacheConfigResult(
+            max_total_num_tokens=499968, max_running_requests=2048,
+            full_max_total_num_tokens=None, swa_max_total_num_tokens=None,
+            req_to_token_pool=None, token_to_kv_pool=kv_pool, token_to_kv_pool_allocator=None,
+            memory_pool_config=mem)
+    configurator = SimpleNamespace(server_args=SimpleNamespace(max_running_requests=None))
+    got = _cap_running_requests(result(pool), configurator, pre_model_load_memory=0)
+    assert got.max_running_requests == 132 and mem.max_running_requests == 132
+    other = result(object())  # not a MosaicKV pool: untouched
+    assert _cap_running_requests(other, configurator, pre_model_load_memory=0) is other
+
+
