@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 from concurrent.futures import ThreadPoolExecutor
+import hashlib
 import json
 import random
 import shutil
@@ -111,6 +112,9 @@ def stream_one(url: str, ids: list[int], n_out: int, rec: dict) -> None:
             now = time.perf_counter() - t0
             stamps += [now] * (n - last)
             last = n
+    if chunk is None:  # e.g. the server's scheduler died: say so, not a KeyError later
+        raise RuntimeError(f"{url}/generate streamed no token for a {len(ids)}-token prompt "
+                           "(see the server log)")
     # the last chunk's output_ids are all of them (SGLang streams cumulative ids by default)
     rec.update(start=t0, stamps=stamps, output_ids=chunk["output_ids"], meta=chunk["meta_info"])
 
@@ -131,6 +135,9 @@ def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int)
         t.start()
     for t in threads:
         t.join()
+    if failed := sum("start" not in r for r in recs):
+        raise RuntimeError(f"{failed} of {batch} requests at context {ctx} got no output (the "
+                           "server log says why)")
     t0 = min(r["start"] for r in recs)
     firsts = [r["start"] - t0 + r["stamps"][0] for r in recs]
     ends = [r["start"] - t0 + r["stamps"][-1] for r in recs]
@@ -142,7 +149,10 @@ def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int)
             "decode_tok_s": after_first / window if window > 0 else None,
             "itl_ms_p50": 1e3 * statistics.median(gaps),
             "itl_ms_p99": 1e3 * percentile(gaps, 0.99),
-            "tokens": [len(r["stamps"]) for r in recs]}
+            "tokens": [len(r["stamps"]) for r in recs],
+            # greedy outputs, so two servers of the same weights can be compared id for id
+            "output_sha1": [hashlib.sha1(json.dumps(r["output_ids"]).encode()).hexdigest()[:16]
+                            for r in recs]}
 
 
 def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int) -> dict:
@@ -208,8 +218,17 @@ def print_table(results: list) -> None:
         if prof:
             phases = " ".join(f"{k} {v:.2f}" for k, v in sorted(
                 prof["ms_per_step"].items(), key=lambda kv: -kv[1]))
-            print(f"profile ctx {r['context']} batch {r['batch']} ({prof['sampled_steps']} steps, "
-                  f"ms per step): {phases}")
+            print(f"profile {r['system']} ctx {r['context']} batch {r['batch']} "
+                  f"({prof['sampled_steps']} steps, ms per step): {phases}")
+    first = {}  # (context, batch) -> the first system's row: same prompts, same dummy weights
+    for r in results:
+        if "output_sha1" not in r:
+            continue
+        ref = first.setdefault((r["context"], r["batch"]), r)
+        if ref is not r:
+            same = sum(a == b for a, b in zip(ref["output_sha1"], r["output_sha1"]))
+            print(f"greedy outputs ctx {r['context']} batch {r['batch']}: {r['system']} "
+                  f"identical to {ref['system']} in {same} of {len(r['output_sha1'])} requests")
 
 
 def save(path: Path, results: list) -> None:

@@ -64,3 +64,66 @@ def test_mosaickv_systems_merge_their_config_over_the_given_one():
     assert json.loads(args[3]) == {"hot_buffer_fraction": 0.05, "decode_cuda_graph": "breakable"}
     plain = serving_bench.system_args("mosaickv", "triton", '{"hot_buffer_fraction": 0.05}')
     assert json.loads(plain[3]) == {"hot_buffer_fraction": 0.05}
+
+
+class _FakeGenerate:
+    """A /generate that streams SGLang-like cumulative chunks: output id i+1 = (first id + i)."""
+
+    def __init__(self, broken: bool = False):
+        import http.server
+        import json
+        import threading
+
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self.send_response(200)
+                self.end_headers()
+                if fake.broken:  # a scheduler that died: the stream ends with no data
+                    return
+                first, n = body["input_ids"][0], body["sampling_params"]["max_new_tokens"]
+                for i in range(1, n + 1):
+                    out = {"output_ids": [first + j for j in range(i)],
+                           "meta_info": {"completion_tokens": i}}
+                    self.wfile.write(f"data: {json.dumps(out)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+
+            def log_message(self, *args):
+                pass
+
+        self.broken = broken
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_batch_reports_each_requests_greedy_output_digest():
+    import hashlib
+    import json
+    import random
+
+    fake = _FakeGenerate()
+    row = serving_bench.run_batch(fake.url, ctx=40, batch=3, n_out=5, seed=7, vocab=1000)
+    fake.server.shutdown()
+    rng = random.Random(7)
+    firsts = [[rng.randrange(100, 1000) for _ in range(35)][0] for _ in range(3)]
+    want = [hashlib.sha1(json.dumps([f + j for j in range(5)]).encode()).hexdigest()[:16]
+            for f in firsts]
+    assert row["output_sha1"] == want and row["tokens"] == [5, 5, 5]
+
+
+def test_a_batch_whose_server_streams_nothing_fails_clearly():
+    fake = _FakeGenerate(broken=True)
+    with pytest.raises(RuntimeError, match="3 of 3 requests at context 40 got no output"):
+        serving_bench.run_batch(fake.url, ctx=40, batch=3, n_out=5, seed=7, vocab=1000)
+    fake.server.shutdown()
+
+
+def test_the_table_says_which_systems_gave_identical_greedy_outputs(capsys):
+    row = {"context": 8, "batch": 2, "ttft_s_p50": 1.0, "decode_tok_s": 2.0, "itl_ms_p50": 3.0,
+           "itl_ms_p99": 4.0, "max_total_num_tokens": 10, "mosaickv": None}
+    serving_bench.print_table([{**row, "system": "mosaickv", "output_sha1": ["a", "b"]},
+                               {**row, "system": "mosaickv_graph", "output_sha1": ["a", "c"]}])
+    assert "mosaickv_graph identical to mosaickv in 1 of 2 requests" in capsys.readouterr().out
