@@ -3,7 +3,9 @@
 Reads the JSON rows that `serving_bench.py` (rows with `context`/`batch`) and `agent_bench.py`
 (rows with `workload`) write — files, or folders of `*.json` — and saves PNGs into `--out`:
 
-* `throughput_vs_context.png`: decode tokens/s against context, one line per (system, batch);
+* `throughput_vs_context.png`: decode tokens/s against context, one line per (system, batch)
+  and one through each system's largest batches; beside it, largest-batch throughput as a
+  multiple of dense_flashinfer's in the same call;
 * `latency.png`: ITL p50 and p99 per streamed run (log scale);
 * `memory.png`: token capacity per (system, input), and KV bytes per token: kept (SGLang's rows;
   MosaicKV's sealed pages, all metadata counted) and reserved per token slot (MosaicKV: hot
@@ -62,19 +64,61 @@ def _save(fig, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def plot_throughput(serving: list[dict], out: Path, plt) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for system, batch in sorted({(r["system"], r["batch"]) for r in serving}):
-        rs = sorted((r for r in serving if r["system"] == system and r["batch"] == batch
+def largest_batch_ratios(serving: list[dict], reference: str) -> dict[str, list]:
+    """{system: [(context, its largest-batch tokens/s / the reference's in the same call)]}."""
+    refs = {(r["source"], r["context"]): r["decode_tok_s"] for r in serving
+            if r["system"] == reference and r.get("is_largest_batch") and r["decode_tok_s"]}
+    out = {}
+    for r in sorted(serving, key=lambda r: r["context"]):
+        if (r["system"] != reference and r.get("is_largest_batch") and r["decode_tok_s"]
+                and (r["source"], r["context"]) in refs):
+            out.setdefault(r["system"], []).append(
+                (r["context"], r["decode_tok_s"] / refs[(r["source"], r["context"])]))
+    return out
+
+
+def plot_throughput(serving: list[dict], out: Path, plt, reference: str = "dense_flashinfer"
+                    ) -> None:
+    """Decode tokens/s against context: one line per (system, batch), and one per system through
+    its largest-batch rows (each point labelled with its batch). When `reference` rows exist, a
+    second panel gives each system's largest-batch throughput as a multiple of the reference's
+    measured in the same call (same `source`, same context): ratios, never across calls."""
+    def key(r):
+        return (r["system"], "largest" if r.get("is_largest_batch") else r["batch"])
+
+    ratios = largest_batch_ratios(serving, reference)
+    fig, axes = plt.subplots(1, 2 if ratios else 1, figsize=(12 if ratios else 7, 4.5))
+    ax = axes[0] if ratios else axes
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {k: palette[i % len(palette)]
+             for i, k in enumerate(sorted({key(r) for r in serving}, key=str))}
+    for system, batch in sorted({key(r) for r in serving}, key=str):
+        rs = sorted((r for r in serving if key(r) == (system, batch)
                      and r["decode_tok_s"] is not None), key=lambda r: r["context"])
+        label = f"{system}, {'largest batch' if batch == 'largest' else f'batch {batch}'}"
         ax.plot([r["context"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o",
-                label=f"{system}, batch {batch}")
+                label=label, color=color[(system, batch)])
+        if batch == "largest":
+            for r in rs:
+                ax.annotate(f"b{r['batch']}", (r["context"], r["decode_tok_s"]), fontsize=7,
+                            xytext=(4, 4), textcoords="offset points",
+                            color=color[(system, batch)])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens per request)")
     ax.set_ylabel("decode tokens/s (all requests)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
+    if ratios:
+        ax = axes[1]
+        for system, points in sorted(ratios.items()):
+            ax.plot(*zip(*points), marker="o", label=system, color=color[(system, "largest")])
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens per request)")
+        ax.set_ylabel(f"x {reference}, largest batches, same call")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
     _save(fig, out / "throughput_vs_context.png")
     plt.close(fig)
 

@@ -94,3 +94,15 @@ def test_files_of_the_same_name_from_two_calls_stay_apart(tmp_path):
                                          tmp_path / "call2" / "serving.json"])
     assert {(r["source"], r["decode_tok_s"]) for r in serving} == {
         ("call1/serving", 10.0), ("call2/serving", 20.0)}
+
+
+def test_largest_batch_ratios_compare_within_one_call_only():
+    def row(system, ctx, batch, tok_s, source):
+        return {"system": system, "context": ctx, "batch": batch, "decode_tok_s": tok_s,
+                "is_largest_batch": True, "source": source}
+    rows = [row("dense_flashinfer", 32768, 6, 500.0, "a"), row("mosaickv", 32768, 15, 200.0, "a"),
+            row("dense_flashinfer", 65536, 3, 300.0, "b"), row("mosaickv", 65536, 7, 90.0, "b"),
+            row("mosaickv", 131072, 3, 30.0, "c")]  # no reference in call c: no ratio
+    rows.append({**row("mosaickv", 32768, 1, 10.0, "a"), "is_largest_batch": False})
+    assert plot_serving.largest_batch_ratios(rows, "dense_flashinfer") == {
+        "mosaickv": [(32768, 0.4), (65536, 0.3)]}
