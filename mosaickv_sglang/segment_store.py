@@ -264,12 +264,9 @@ class SegmentStore:
         # One contiguous slice per layer, copied by one `_foreach_copy_` (on CUDA one fused
         # launch for all layers instead of 32 copies; an index_copy_ over ALIGN-byte rows took
         # 4.5 ms a Llama-8B page on a CPU, plain slice copies 0.4 ms).
-        blob, off, dst, src = ap.blocks.to(self.device), 0, [], []
-        for data, base, size in zip(self.data, bases, sizes):
-            dst.append(data[base:base + size])
-            src.append(blob[off:off + size])
-            off += size
-        torch._foreach_copy_(dst, src)
+        src = ap.blocks.to(self.device)[:sum(sizes)].split(sizes)
+        torch._foreach_copy_([data.narrow(0, base, size) for data, base, size
+                              in zip(self.data, bases, sizes)], src)
         if self._meta is not None:
             tables = [getattr(self._meta, f)[:, page] for f in META_FIELDS]
             torch._foreach_copy_(tables, [getattr(ap.pages, f).to(self.device, t.dtype)
@@ -287,7 +284,7 @@ class SegmentStore:
                 base, size = block
                 self.free[layer].setdefault(size, []).append(base)
                 self.live_bytes -= size
-            self.packed[layer, page] = False
+        self.packed[:, page] = False  # one write for all layers (on CUDA one launch, not L)
 
     def clear(self) -> None:
         self.blocks.clear()
