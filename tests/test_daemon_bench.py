@@ -17,7 +17,7 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path, 
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/daemon_bench.py"),
                            "--shape", "small", "--device", "cpu", "--workers", "1",
                            "--steps", "100", "--step-ms", "10", "--nice", "0",
-                           "--json", str(out)] + ["--overlap"] * overlap,
+                           "--warm-pages", "4", "--json", str(out)] + ["--overlap"] * overlap,
                           capture_output=True, text=True, timeout=600, cwd=ROOT,
                           # this checkout's package, as its workers (-m from cwd) import it, not
                           # whichever one the environment has installed
@@ -32,6 +32,9 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path, 
                             "other", "steps"}
     assert result["args"]["nice"] == 0 and "install p50/p99/max ms" in proc.stdout
     assert result["args"]["overlap"] is overlap
+    warm = result["warm_up"]  # the store saw the codec's layouts before the measured phases
+    assert warm["pages_installed"] >= 4 and warm["layouts_registered"] >= 1, warm
+    assert warm["open_jobs_left"] == 0 and "layouts_registered" in sat
     assert ("overlapped with the boundary" in proc.stdout) is overlap
     adopt = sat["adopt_page_ms"]
     assert adopt["pages"] >= 1 and adopt["install"]["max"] > 0 and adopt["load"]["max"] > 0
