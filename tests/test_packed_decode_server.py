@@ -1,6 +1,6 @@
 """A real SGLang server (CPU) decoding through the packed Triton kernels (interpreter) gives the
 same greedy ids as the same server on the torch reference path: both read the same packed bytes,
-with page selection active and a prompt spanning two basis blocks."""
+over a prompt spanning two basis blocks, with every page read and with page selection active."""
 import json
 
 import pytest
@@ -17,22 +17,43 @@ CONFIG = {"basis_block_tokens": 256, "hot_tokens": 32,
           "hot_buffer_fraction": 0.5}  # 4096 slots: the hot buffer must hold a 2048 chunk
 
 
-def test_triton_decode_path_matches_reference_path(tmp_path):
+LOGPROB_TOL = 0.05  # the chosen token's log-probability, reference vs kernel path (bf16 noise)
+MIN_AGREED = 6  # with selection on: greedy steps both paths must agree on
+
+
+def _assert_same_greedy_decode(ref: dict, got: dict, strict: bool) -> None:
+    """The kernel path decodes what the reference path decodes: the same ids with the same
+    log-probabilities (within bf16 noise). With page selection on (`strict` False) only up to
+    the first step where they part, which must come after MIN_AGREED steps: the kernel and the
+    reference score pages in different arithmetic, so a near-tie between two pages' scores can
+    select different pages from there on (seen at step 8 of this prompt on one CPU, while with
+    every page read the two paths agreed on all 12 ids)."""
+    ids = [ref["output_ids"], got["output_ids"]]
+    lps = [[t[0] for t in r["meta_info"]["output_token_logprobs"]] for r in (ref, got)]
+    split = next((i for i, (a, b) in enumerate(zip(*ids)) if a != b), len(ids[0]))
+    assert split == len(ids[0]) or (not strict and split >= MIN_AGREED), (split, ids)
+    for i in range(split):
+        assert abs(lps[0][i] - lps[1][i]) < LOGPROB_TOL, (i, lps)
+
+
+@pytest.mark.parametrize("budget", [256, 4096], ids=["selection", "every_page"])
+def test_triton_decode_path_matches_reference_path(tmp_path, budget):
     model = make_tiny_llama(tmp_path / "tiny64", head_dim=64)
     ids = list(range(1000, 1700))  # 700 tokens: 5 sealed pages over 3 basis blocks
     outputs, stats = {}, {}
     for kernel in ("reference", "triton"):
-        cfg = json.dumps({**CONFIG, "decode_kernel": kernel})
+        cfg = json.dumps({**CONFIG, "decode_kernel": kernel,
+                          "select": {**CONFIG["select"], "budget_tokens": budget}})
         with running_server(model, tmp_path / f"{kernel}.log", "--kv-backend", "mosaickv",
                             "--mosaickv-config", cfg, "--dtype", "bfloat16",
                             "--max-total-tokens", "4096") as srv:
             status, body = request(f"{srv.url}/generate", {
-                "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12,
-                                                      "ignore_eos": True}})
+                "input_ids": ids, "return_logprob": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
             assert status == 200
-            outputs[kernel] = body["output_ids"]
+            outputs[kernel] = body
             stats[kernel] = mosaickv_stats(srv.url)
-    assert outputs["triton"] == outputs["reference"]
+    _assert_same_greedy_decode(outputs["reference"], outputs["triton"], strict=budget > len(ids))
     assert stats["triton"]["decode"]["kernel_request_steps"] >= 11
     assert stats["triton"]["decode"]["reference_decode_requests"] == 0
     assert stats["reference"]["decode"] == {}
