@@ -165,7 +165,8 @@ def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int)
                kv_cache_gb=memory.get("kvcache"))
     _, info = request(f"{url}/get_server_info")
     row["mosaickv"] = info.get("internal_states", [{}])[0].get("mosaickv")
-    row["decode_profile"] = point_profile(state.get("mosaickv"), row["mosaickv"])
+    for kind in ("decode", "prefill"):
+        row[f"{kind}_profile"] = point_profile(state.get("mosaickv"), row["mosaickv"], kind)
     print(f"[{system}] ctx {ctx} batch {batch}: {row['decode_tok_s']:.1f} tok/s, "
           f"ITL p50 {row['itl_ms_p50']:.1f} ms", flush=True)
     return row
@@ -188,17 +189,24 @@ def parse_batches(text: str) -> list:
     return out
 
 
-def point_profile(before: dict | None, after: dict | None) -> dict | None:
-    """MosaicKV's sampled decode-step phases (decode_profile_every > 0) of one point: the
-    server's running averages before and after it, differenced -> ms per step of this point."""
-    prof = [((s or {}).get("decode") or {}).get("profile") or {} for s in (before, after)]
+def point_profile(before: dict | None, after: dict | None, kind: str = "decode") -> dict | None:
+    """MosaicKV's sampled `kind` ("decode" / "prefill") step phases (decode_profile_every > 0)
+    of one point: the server's running averages before and after it, differenced -> ms per step
+    of this point, and the slowest sampled steps that fell inside it."""
+    prof = [((s or {}).get(kind) or {}).get("profile") or {} for s in (before, after)]
     steps = [p.get("sampled_steps", 0) for p in prof]
     if steps[1] <= steps[0]:
         return None
     totals = [{k: v * n for k, v in p.get("ms_per_step", {}).items()} for p, n in zip(prof, steps)]
     return {"sampled_steps": steps[1] - steps[0],
             "ms_per_step": {k: round((v - totals[0].get(k, 0.0)) / (steps[1] - steps[0]), 3)
-                            for k, v in totals[1].items()}}
+                            for k, v in totals[1].items()},
+            "slowest": [s for s in prof[1].get("slowest", [])
+                        if s["step"] > prof[0].get("steps", 0)]}
+
+
+def phase_line(ms: dict) -> str:
+    return " ".join(f"{k} {v:.2f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1]))
 
 
 def print_table(results: list) -> None:
@@ -213,13 +221,17 @@ def print_table(results: list) -> None:
         print(f"{r['system']:<10}{r['context']:>7}{r['batch']:>6}{r['ttft_s_p50']:>11.2f}"
               f"{r['decode_tok_s']:>13.1f}{r['itl_ms_p50']:>11.1f}{r['itl_ms_p99']:>11.1f}"
               f"{r['max_total_num_tokens'] or 0:>10}{ratio or 0:>7.2f}")
-    for r in results:  # MosaicKV's sampled decode-step phases (decode_profile_every > 0)
-        prof = r.get("decode_profile")
-        if prof:
-            phases = " ".join(f"{k} {v:.2f}" for k, v in sorted(
-                prof["ms_per_step"].items(), key=lambda kv: -kv[1]))
-            print(f"profile {r['system']} ctx {r['context']} batch {r['batch']} "
-                  f"({prof['sampled_steps']} steps, ms per step): {phases}")
+    for r in results:  # MosaicKV's sampled step phases (decode_profile_every > 0)
+        for kind in ("decode", "prefill"):
+            prof = r.get(f"{kind}_profile")
+            if not prof:
+                continue
+            print(f"{kind} profile {r['system']} ctx {r['context']} batch {r['batch']} "
+                  f"({prof['sampled_steps']} steps, ms per step): "
+                  f"{phase_line(prof['ms_per_step'])}")
+            for s in prof["slowest"][:2]:
+                print(f"  slowest {kind} step {s['step']}: {s['ms']:.1f} ms: "
+                      f"{phase_line(s['phases'])}")
     first = {}  # (context, batch) -> the first system's row: same prompts, same dummy weights
     for r in results:
         if "output_sha1" not in r:

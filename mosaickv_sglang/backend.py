@@ -77,18 +77,27 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         o = q.new_empty((q_.shape[0], hq * layer.v_head_dim))
         o_ = o.view(-1, hq, layer.v_head_dim)
         req_to_token = self.req_to_token_pool.req_to_token
+        timer = self.pool.prefill_timer
+        if layer.layer_id == self.pool.start_layer:
+            timer.step()
+        else:
+            timer.lap("between_layers")
         start = 0
         for i in range(forward_batch.batch_size):
             rid = int(forward_batch.req_pool_indices[i])
             seq_len = int(forward_batch.seq_lens[i])
             n_new = int(forward_batch.extend_seq_lens[i])
             keys, values = self.pool.dense_kv(layer.layer_id, req_to_token[rid, :seq_len])
+            timer.lap("read_prefix")
             qi = q_[start:start + n_new].transpose(0, 1)  # [Hq, n_new, D]
             out = extend_attention(qi, keys.transpose(0, 1).to(q.dtype),
                                    values.transpose(0, 1).to(q.dtype), layer.scaling)
             o_[start:start + n_new] = out.transpose(0, 1)
             start += n_new
-        self._maybe_seal(layer, forward_batch)
+            timer.lap("attention")
+        if self._maybe_seal(layer, forward_batch):
+            timer.lap("seal")
+            timer.end()
         return o
 
     # ---- decode under a breakable CUDA graph ---------------------------------------------
@@ -131,7 +140,8 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             if layer.layer_id == self.pool.start_layer:
                 self.packed.begin(forward_batch, req_to_token, rows)
             self.packed.attend(q_, layer, o_)
-            self._maybe_seal(layer, forward_batch, rows)
+            if self._maybe_seal(layer, forward_batch, rows):
+                self.packed.timer.lap("seal")
             return o_.reshape(q_.shape[0], hq * layer.v_head_dim)
         for i in range(rows):
             rid = int(forward_batch.req_pool_indices[i])
@@ -145,11 +155,12 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         return o_.reshape(q_.shape[0], hq * layer.v_head_dim)
 
     # ---- sealing ------------------------------------------------------------------------
-    def _maybe_seal(self, layer, forward_batch, rows: int | None = None) -> None:
-        """After the last layer: compress what became sealable (daemon: off, synchronous), for
-        the batch's first `rows` requests (all of them by default)."""
+    def _maybe_seal(self, layer, forward_batch, rows: int | None = None) -> bool:
+        """After the last layer: compress what became sealable (daemon: off, synchronous; else
+        submit it to the daemon), for the batch's first `rows` requests (all of them by
+        default). Returns whether this was the last layer."""
         if layer.layer_id != self.last_layer:
-            return
+            return False
         req_to_token = self.req_to_token_pool.req_to_token
         before = self.pool.counters.sealed_pages
         for i in range(forward_batch.batch_size if rows is None else rows):
@@ -159,6 +170,7 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         after = self.pool.counters.sealed_pages
         if after // LOG_EVERY_PAGES > before // LOG_EVERY_PAGES:
             logger.info(self.pool.summary())
+        return True
 
 
 # Under a breakable decode graph, a graph break: the segment before it ends, this runs eagerly

@@ -99,8 +99,10 @@ class MosaicConfig:
     # fallback, a non-band sink) send their request through the reference path, counted.
     decode_kernel: str = "auto"
     # Profiling: every Nth decode step on the kernels is timed phase by phase (host plan, bases,
-    # hot gather, selection, kernels, merge) with a device sync between phases; 0 = off. The
-    # syncs slow the sampled steps only; totals are in stats()["decode"]["profile"].
+    # hot gather, selection, kernels, merge, seal) with a device sync between phases, and, when
+    # N > 0, every prefill step too (read prefix, attention, seal); 0 = off. The syncs slow the
+    # sampled steps only; averages and the slowest steps are in stats()["decode"]["profile"]
+    # and stats()["prefill"]["profile"].
     decode_profile_every: int = 0
     # Who writes a sealed segment's band codes and scales into the packed arena: "triton" (the
     # GPU pack kernel encodes them there from the chooser's rotated K/V, one launch per layout

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +27,7 @@ from mosaickv_kernels.row_merge import merge_rows
 from .codec.arena import PackedArena
 from .codec.attention import decode_attention
 from .codec.basis import BASIS_DTYPE, kernel_transform
+from .codec.timing import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -47,45 +46,6 @@ class StepPlan:
     rows: RowSelection | None  # the selector's row layout, when some request needs selection
     merge: bool  # some request spans several rows
     req_rows: torch.Tensor  # int64 [K, max rows] (device): each kernel request's rows (pad: R)
-
-
-class StepProfiler:
-    """Wall time per decode phase on sampled steps, the device synced at each phase boundary
-    (`decode_profile_every`); off, it costs one attribute check per phase. Phases cover the
-    whole step: "between_layers" is the model's work between two attention calls of a step
-    (norms, projections, MLPs), "between_steps" from the last layer's attention to the next
-    step's first (the last MLP, LM head, sampling, the scheduler loop, sealing, daemon adoption);
-    the rest is attention's own."""
-
-    def __init__(self, every: int, device):
-        self.every, self.device = every, torch.device(device)
-        self.steps, self.sampled = 0, 0
-        self.ms: dict[str, float] = defaultdict(float)
-        self.on, self._t = False, 0.0
-
-    def step(self) -> None:
-        if self.on:  # the previous step was sampled: its tail up to this step's start
-            self.lap("between_steps")
-        self.steps += 1
-        self.on = bool(self.every) and self.steps % self.every == 0
-        self.sampled += self.on
-        if self.on:
-            self._t = self._now()
-
-    def lap(self, phase: str) -> None:
-        if self.on:
-            now = self._now()
-            self.ms[phase] += (now - self._t) * 1e3
-            self._t = now
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def report(self) -> dict:
-        per = {k: round(v / self.sampled, 4) for k, v in self.ms.items()} if self.sampled else {}
-        return {"sampled_steps": self.sampled, "every": self.every, "ms_per_step": per}
 
 
 class PackedDecode:

@@ -38,6 +38,7 @@ from .codec.pages import build_page_meta
 from .codec.seal import (BasisPair, SealedPage, gather_pages, page_kv, seal_group,
                          worst_encoded_bytes, worst_page_bytes)
 from .codec.strategies import parse_strategy
+from .codec.timing import StepProfiler
 from .config import MosaicConfig, check_fits, fit_rescue
 from .daemon.swaplog import SwapLog
 from .segment_store import SegmentStore
@@ -167,6 +168,10 @@ class MosaicKVPool(MHATokenToKVPool):
         # Dense fallback in the cache's own precision, so "dense" is lossless for fp32 caches too.
         self.dense = parse_strategy("dense:val=fp32" if self.dtype == torch.float32 else "dense")
         self.decode_path = None  # the backend's PackedDecode when decode runs on the kernels
+        # Every prefill (extend) step timed by phase when decode steps are (decode_profile_every):
+        # they are few and long, so the syncs cost little; stats()["prefill"]["profile"].
+        self.prefill_timer = StepProfiler(1 if mosaic_config.decode_profile_every else 0,
+                                          self.device)
         self._write_map: tuple = (None, None)  # (slots of this forward, their hot-buffer rows)
         self.store = SegmentStore(self.layer_num, self.num_logical_pages, self.head_num,
                                   self.head_dim, page_size, mosaic_config.page_tokens,
@@ -573,6 +578,7 @@ class MosaicKVPool(MHATokenToKVPool):
             # The kernel-readable arena: reserved at start-up for the worst layout on every
             # logical page (what the GPU holds) vs the blocks live now (inside arena_bytes).
             "decode": {} if self.decode_path is None else self.decode_path.stats(),
+            "prefill": {"profile": self.prefill_timer.report()},
             "segment_store": {"reserved_bytes": self.store.reserved_bytes(),
                               "live_block_bytes": self.store.live_bytes,
                               "packed_segments": int(self.store.packed.sum()),

@@ -10,8 +10,10 @@ serving_bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(serving_bench)
 
 
-def _stats(steps, ms):
-    return {"decode": {"profile": {"sampled_steps": steps, "every": 4, "ms_per_step": ms}}}
+def _stats(steps, ms, slowest=(), kind="decode", counted=None):
+    return {kind: {"profile": {"sampled_steps": steps, "every": 4, "ms_per_step": ms,
+                               "steps": steps * 4 if counted is None else counted,
+                               "slowest": list(slowest)}}}
 
 
 def test_point_profile_is_the_difference_of_running_averages():
@@ -20,7 +22,18 @@ def test_point_profile_is_the_difference_of_running_averages():
     got = serving_bench.point_profile(before, after)
     # kernels: (2.5*6 - 1.0*2) / 4; a phase new in this point counts from 0
     assert got == {"sampled_steps": 4,
-                   "ms_per_step": {"kernels": 3.25, "host_plan": 3.0, "merge": 0.75}}
+                   "ms_per_step": {"kernels": 3.25, "host_plan": 3.0, "merge": 0.75},
+                   "slowest": []}
+
+
+def test_point_profile_keeps_only_the_slowest_steps_inside_the_point():
+    old = {"step": 8, "ms": 900.0, "phases": {"seal": 890.0}}  # before the point: left out
+    new = {"step": 20, "ms": 400.0, "phases": {"seal": 390.0}}
+    before = _stats(2, {"seal": 1.0}, [old], kind="prefill", counted=8)
+    after = _stats(5, {"seal": 2.0}, [old, new], kind="prefill", counted=20)
+    got = serving_bench.point_profile(before, after, "prefill")
+    assert got["sampled_steps"] == 3 and got["slowest"] == [new]
+    assert serving_bench.point_profile(before, after, "decode") is None  # no decode profile
 
 
 def test_point_profile_without_new_sampled_steps_is_none():
@@ -28,7 +41,7 @@ def test_point_profile_without_new_sampled_steps_is_none():
     assert serving_bench.point_profile(_stats(3, {"kernels": 1.0}),
                                        _stats(3, {"kernels": 1.0})) is None
     assert serving_bench.point_profile({"decode": None}, _stats(1, {"kernels": 2.0})) == \
-        {"sampled_steps": 1, "ms_per_step": {"kernels": 2.0}}
+        {"sampled_steps": 1, "ms_per_step": {"kernels": 2.0}, "slowest": []}
 
 
 def test_batches_parse_ints_and_max_and_name_bad_items():

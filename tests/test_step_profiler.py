@@ -1,0 +1,90 @@
+"""StepProfiler: phase averages over sampled steps and the slowest steps with their phases."""
+from mosaickv_sglang.codec.timing import StepProfiler
+
+
+def _clocked(prof: StepProfiler, times: list[float]) -> StepProfiler:
+    clock = iter(times)
+    prof._now = lambda: next(clock)  # seconds, as time.perf_counter gives them
+    return prof
+
+
+def test_samples_every_nth_step_and_keeps_the_slowest_with_their_phases():
+    # every=1, keep 2: three steps of 10, 50 and 30 ms (plan then kernels), the tail of each
+    # charged to "between_steps" at the next step's start; the last one ended by end().
+    prof = _clocked(StepProfiler(1, "cpu", keep_slowest=2),
+                    [0.000, 0.004, 0.010,  # step 1: start, plan 4, kernels 6
+                     0.010, 0.010, 0.020, 0.060,  # its tail 0; step 2: plan 10, kernels 40
+                     0.062, 0.062, 0.070, 0.090])  # its tail 2; step 3: plan 8, kernels 20
+    for plan_kernels in range(3):
+        prof.step()
+        prof.lap("plan")
+        prof.lap("kernels")
+    prof.end()
+    rep = prof.report()
+    assert rep["sampled_steps"] == 3 and rep["steps"] == 3
+    assert [s["step"] for s in rep["slowest"]] == [2, 3]  # 50 and 30 ms; the 10 ms one dropped
+    assert rep["slowest"][0] == {"step": 2, "ms": 52.0,  # its tail (2 ms) included
+                                 "phases": {"plan": 10.0, "kernels": 40.0, "between_steps": 2.0}}
+    assert rep["ms_per_step"] == {"plan": round(22 / 3, 4), "kernels": 22.0,
+                                  "between_steps": round(2 / 3, 4)}
+
+
+def test_off_and_unsampled_steps_cost_no_clock_reads():
+    prof = _clocked(StepProfiler(0, "cpu"), [])  # any clock read would raise StopIteration
+    for _ in range(3):
+        prof.step()
+        prof.lap("plan")
+    prof.end()
+    assert prof.report() == {"sampled_steps": 0, "every": 0, "steps": 3, "ms_per_step": {},
+                             "slowest": []}
+    every3 = _clocked(StepProfiler(3, "cpu"), [1.0, 1.5])
+    for _ in range(3):
+        every3.step()
+        every3.lap("plan")
+    assert every3.report()["ms_per_step"] == {"plan": 500.0}
+
+
+def _prefill(profile_every: int):
+    """One 300-token prompt through MosaicKV's backend (2 layers, reference decode path), as
+    SGLang's extend forward calls it; returns the pool."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mosaickv_sglang.backend import MosaicAttnBackend
+    from mosaickv_sglang.config import MosaicConfig
+    from mosaickv_sglang.pool import MosaicKVPool
+
+    ps, h, hq, d, layers, n = 128, 2, 4, 64, 2, 300
+    cfg = MosaicConfig(hot_tokens=0, decode_kernel="reference",
+                       decode_profile_every=profile_every)
+    pool = MosaicKVPool(16 * ps, ps, torch.bfloat16, h, d, layers, "cpu", False,
+                        mosaic_config=cfg)
+    req_to_token = torch.zeros(2, 1024, dtype=torch.int32)
+    req_to_token[1] = torch.arange(ps, ps + 1024, dtype=torch.int32)
+    runner = SimpleNamespace(device="cpu", token_to_kv_pool=pool,
+                             req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
+    backend = MosaicAttnBackend(runner)
+    batch = SimpleNamespace(batch_size=1, req_pool_indices=torch.tensor([1]),
+                            seq_lens=torch.tensor([n]), extend_seq_lens=torch.tensor([n]),
+                            out_cache_loc=req_to_token[1, :n].long())
+    gen = torch.Generator().manual_seed(0)
+    for layer_id in range(layers):
+        layer = SimpleNamespace(layer_id=layer_id, tp_q_head_num=hq, qk_head_dim=d,
+                                v_head_dim=d, scaling=d ** -0.5)
+        o = backend.forward_extend(torch.randn(n, hq * d, generator=gen).bfloat16(),
+                                   torch.randn(n, h, d, generator=gen).bfloat16(),
+                                   torch.randn(n, h, d, generator=gen).bfloat16(), layer, batch)
+        assert o.shape == (n, hq * d) and not o.isnan().any()
+    return pool
+
+
+def test_prefill_steps_are_profiled_by_phase_when_profiling_is_on():
+    pool = _prefill(profile_every=4)  # any N > 0 times every prefill step
+    assert len(pool.sealed) == 2  # the two full pages sealed at the last layer
+    prof = pool.stats()["prefill"]["profile"]
+    assert prof["sampled_steps"] == 1 and prof["steps"] == 1
+    assert set(prof["ms_per_step"]) == {"read_prefix", "attention", "between_layers", "seal"}
+    assert prof["slowest"][0]["phases"]["seal"] > 0  # sealing two pages takes time on a CPU
+    off = _prefill(profile_every=0).stats()["prefill"]["profile"]
+    assert off["sampled_steps"] == 0 and off["ms_per_step"] == {}
