@@ -127,6 +127,18 @@ def test_a_batch_reports_each_requests_greedy_output_digest():
     assert row["output_sha1"] == want and row["tokens"] == [5, 5, 5]
 
 
+def test_itl_p99_all_decoding_leaves_out_the_waits_while_later_prompts_prefill():
+    # request A decodes from 1 s, then waits ~4 s while B's prompt prefills; B's first token
+    # comes at 5 s: from then on both decode at 10 ms a token
+    recs = [{"start": 100.0, "stamps": [1.0, 1.01, 5.0, 5.01, 5.02]},
+            {"start": 100.5, "stamps": [4.5, 4.51, 4.52, 4.53]}]
+    got = serving_bench.latency_stats(recs)
+    assert got["ttft_s_p50"] == pytest.approx(3.0) and got["ttft_s_max"] == pytest.approx(5.0)
+    assert got["itl_ms_p99"] == pytest.approx(3990.0)  # the wait is among all the gaps
+    assert got["itl_ms_p99_all_decoding"] == pytest.approx(10.0)
+    assert got["decode_tok_s"] == pytest.approx(7 / 0.03)  # 7 tokens after the firsts, 5 -> 5.03 s
+
+
 def test_a_batch_whose_server_streams_nothing_fails_clearly():
     fake = _FakeGenerate(broken=True)
     with pytest.raises(RuntimeError, match="3 of 3 requests at context 40 got no output"):
