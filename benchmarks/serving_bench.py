@@ -342,6 +342,10 @@ def main() -> None:
                     if done:  # measured already (same prompts: it would be a prefix-cache hit)
                         done[0]["is_largest_batch"] = True
                         continue
+                elif largest is not None and b > largest:  # it would queue, not run at once
+                    print(f"[{system}] ctx {ctx}: batch {b} skipped: the largest that fits its "
+                          f"{capacity} tokens is {largest}", flush=True)
+                    continue
                 row = measure(srv.url, system, ctx, b, args.output, vocab)
                 row["is_largest_batch"] = b == largest
                 row["largest_batch"] = largest
