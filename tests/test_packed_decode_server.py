@@ -42,7 +42,7 @@ def test_triton_decode_path_matches_reference_path(tmp_path, budget):
     ids = list(range(1000, 1700))  # 700 tokens: 5 sealed pages over 3 basis blocks
     outputs, stats = {}, {}
     for kernel in ("reference", "triton"):
-        cfg = json.dumps({**CONFIG, "decode_kernel": kernel,
+        cfg = json.dumps({**CONFIG, "decode_kernel": kernel, "decode_profile_every": 4,
                           "select": {**CONFIG["select"], "budget_tokens": budget}})
         with running_server(model, tmp_path / f"{kernel}.log", "--kv-backend", "mosaickv",
                             "--mosaickv-config", cfg, "--dtype", "bfloat16",
@@ -57,4 +57,12 @@ def test_triton_decode_path_matches_reference_path(tmp_path, budget):
     assert stats["triton"]["decode"]["kernel_request_steps"] >= 11
     assert stats["triton"]["decode"]["reference_decode_requests"] == 0
     assert stats["reference"]["decode"] == {}
+    # the profiler on a real server (its syncs change timing only): the 700-token prompt's
+    # prefill step by phase, its 5 pages sealed there; decode steps sampled every 4th
+    for kernel in ("reference", "triton"):
+        prefill = stats[kernel]["prefill"]["profile"]
+        assert prefill["sampled_steps"] >= 1 and prefill["slowest"], prefill
+        assert {"read_prefix", "attention", "seal"} <= set(prefill["ms_per_step"]), prefill
+    decode = stats["triton"]["decode"]["profile"]
+    assert decode["sampled_steps"] >= 2 and "kernels" in decode["ms_per_step"], decode
     assert stats["triton"]["sealed_pages"] >= 5
