@@ -6,6 +6,8 @@ Reads the JSON rows that `serving_bench.py` (rows with `context`/`batch`) and `a
 * `throughput_vs_context.png`: decode tokens/s against context, one line per (system, batch)
   and one through each system's largest batches; beside it, largest-batch throughput as a
   multiple of dense_flashinfer's in the same call;
+* `throughput_vs_batch.png` (when some system has several batches at one context): per
+  context, decode tokens/s and ITL p50 against batch, one line per system up to its largest;
 * `latency.png`: ITL p50 and p99 per streamed run (log scale);
 * `memory.png`: token capacity per (system, input), and KV bytes per token: kept (SGLang's rows;
   MosaicKV's sealed pages, all metadata counted) and reserved per token slot (MosaicKV: hot
@@ -123,6 +125,39 @@ def plot_throughput(serving: list[dict], out: Path, plt, reference: str = "dense
     plt.close(fig)
 
 
+def plot_batch_sweep(serving: list[dict], out: Path, plt) -> bool:
+    """Per context (a column), decode tokens/s (top) and ITL p50 (bottom) against batch, one
+    line per system. Written only when some system has two or more batches at one context;
+    returns whether it was."""
+    lines: dict[int, dict[str, list]] = {}
+    for r in serving:
+        if r["decode_tok_s"] is not None:
+            lines.setdefault(r["context"], {}).setdefault(r["system"], []).append(r)
+    contexts = sorted(c for c, systems in lines.items()
+                      if any(len({r["batch"] for r in rs}) > 1 for rs in systems.values()))
+    if not contexts:
+        return False
+    fig, axes = plt.subplots(2, len(contexts), figsize=(5.5 * len(contexts), 7), squeeze=False)
+    for col, ctx in enumerate(contexts):
+        for system, rs in sorted(lines[ctx].items()):
+            rs = sorted(rs, key=lambda r: r["batch"])
+            batches = [r["batch"] for r in rs]
+            axes[0][col].plot(batches, [r["decode_tok_s"] for r in rs], marker="o", label=system)
+            axes[1][col].plot(batches, [r["itl_ms_p50"] for r in rs], marker="o", label=system)
+        axes[0][col].set_title(f"context {ctx // 1024}K")
+        for row, ylabel in enumerate(("decode tokens/s (all requests)", "ITL p50 (ms)")):
+            ax = axes[row][col]
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("batch (concurrent requests)")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=8)
+    _save(fig, out / "throughput_vs_batch.png")
+    plt.close(fig)
+    return True
+
+
 def _runs(serving: list[dict], agent: list[dict]) -> list[tuple[str, dict]]:
     """(label, row) per run that measured inter-token latency."""
     many = len({r["source"] for r in serving}) > 1  # then say which run a bar is from
@@ -236,6 +271,7 @@ def main(argv=None) -> int:
 
     if serving:
         plot_throughput(serving, args.out, plt)
+        plot_batch_sweep(serving, args.out, plt)
     runs = _runs(serving, agent)
     if runs:
         plot_latency(runs, args.out, plt)

@@ -42,7 +42,8 @@ def test_plots_from_serving_and_agent_json(tmp_path, capsys):
     out = tmp_path / "plots"
     assert plot_serving.main([str(tmp_path / "serving_run"), str(tmp_path / "agent.json"),
                               "--out", str(out)]) == 0
-    names = {"throughput_vs_context.png", "latency.png", "memory.png", "agent_turns.png"}
+    names = {"throughput_vs_context.png", "throughput_vs_batch.png", "latency.png",
+             "memory.png", "agent_turns.png"}
     assert {p.name for p in out.iterdir()} == names
     for name in names:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -106,3 +107,19 @@ def test_largest_batch_ratios_compare_within_one_call_only():
     rows.append({**row("mosaickv", 32768, 1, 10.0, "a"), "is_largest_batch": False})
     assert plot_serving.largest_batch_ratios(rows, "dense_flashinfer") == {
         "mosaickv": [(32768, 0.4), (65536, 0.3)]}
+
+
+def test_batch_sweep_plot_only_when_a_system_has_several_batches(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    one_each = [_serving_row("dense", 8192, 1, 50.0), _serving_row("mosaickv", 8192, 4, 90.0)]
+    for r in one_each:
+        r["source"] = "run"
+    assert not plot_serving.plot_batch_sweep(one_each, tmp_path, plt)
+    assert not (tmp_path / "throughput_vs_batch.png").exists()
+    swept = one_each + [{**_serving_row("dense", 8192, 2, 80.0), "source": "run"}]
+    assert plot_serving.plot_batch_sweep(swept, tmp_path, plt)
+    assert (tmp_path / "throughput_vs_batch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
