@@ -36,7 +36,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mosaickv_sglang.launch import request, running_server  # noqa: E402
+from mosaickv_sglang.launch import request, running_server, stop_servers_on_signals  # noqa: E402
 
 
 # Dense servers keep decode CUDA graphs but not SGLang 0.5.17's prefill (piecewise) graphs: their
@@ -311,6 +311,8 @@ def main() -> None:
               "--chunked-prefill-size", str(-(-max(contexts) // 128) * 128), *running,
               "--grammar-backend", "none", *args.server_arg]
     results = []
+    # a time limit stops the servers too (partial results are saved after every point)
+    stop_servers_on_signals("serving_bench", f"; results so far in {args.json}")
 
     def launch(system: str):
         """(system, entered server context, start-up seconds) or (system, None, exception)."""

@@ -109,6 +109,22 @@ def stop_all_servers() -> int:
     return len(procs)
 
 
+def stop_servers_on_signals(tag: str, note: str = "", before=None) -> None:
+    """SIGTERM (e.g. `timeout`) or Ctrl-C: stop every server running_server started, then exit
+    at once (threads still waiting on those servers are not joined). Without it a time limit
+    killed the benchmark and left its servers holding the GPU (they run in their own sessions):
+    the next call on that machine ran out of memory. `before()` runs first."""
+    def handler(signum, _frame) -> None:
+        if before is not None:
+            before()
+        n = stop_all_servers()
+        print(f"[{tag}] signal {signum}: stopped {n} server(s){note}", flush=True)
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
 # SGLang 0.5.17 logs this once the KV pool is allocated: the end of the window in which a server
 # sizes its pool from the GPU memory free (free at its start vs free after its weights), which a
 # server starting beside it would disturb.

@@ -10,7 +10,8 @@
 # vs MosaicKV) on a Llama-3.1-8B-shaped dummy-weight model; then, with DAEMON_BENCH=1, the
 # recompression daemon benchmark. Results under $OUT (JSON, logs): keep it to a few files, the
 # device returns only so many (a run lost serving.json that way); agent logs stay in /tmp.
-# Env: SYSTEMS, CONTEXTS, BATCHES, OUTPUT, LIMIT_S, MOSAICKV_CONFIG (JSON), PARALLEL=1 (start the
+# Env: SYSTEMS, CONTEXTS, BATCHES, OUTPUT, LIMIT_S (seconds from this script's start to the
+# benchmark's stop), MOSAICKV_CONFIG (JSON), PARALLEL=1 (start the
 # servers at once, each with MEM_FRACTION of the GPU), MEM_FRACTION (default 0.85), CUDA_GRAPH_ARGS
 # (default --cuda-graph-max-bs 8), EXTRA_ARGS (more server arguments), SYSTEM_ARGS (one system's
 # server arguments, items SYSTEM:ARG, e.g. "mosaickv:--max-total-tokens mosaickv:270000"),
@@ -50,6 +51,13 @@ elif [ ! -d "$site/tok" ]; then echo "no tokenizer: carry .device/tok.tar.xz"; e
 if [ "${PREPARE_ONLY:-0}" = 1 ]; then echo "unpacked in $((SECONDS - t0)) s: ${archives[*]}"; exit 0; fi
 echo "bundle ready in $((SECONDS - t0)) s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# Servers an earlier call left running (the device's own call limit kills the command, not the
+# servers' own sessions) would hold the GPU: a call then ran out of memory at start-up.
+leftover=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | tr '\n' ' ')
+if [ -n "${leftover// }" ]; then
+  echo "killing GPU processes left by an earlier call: $leftover"
+  kill -9 $leftover 2>/dev/null; sleep 5
+fi
 rm -f /tmp/bg_done
 (
   if [ "${GPU_TESTS:-0}" = 1 ]; then
@@ -95,7 +103,9 @@ benchmarks/agent_bench.py --url {url} --systems {system} --model /tmp/llama8b --
 [ -n "${MOSAICKV_CONFIG:-}" ] && args+=(--mosaickv-config "$MOSAICKV_CONFIG")
 for a in ${CUDA_GRAPH_ARGS:---cuda-graph-max-bs 8} ${EXTRA_ARGS:-}; do args+=("--server-arg=$a"); done
 for a in ${SYSTEM_ARGS:-}; do args+=("--system-arg=$a"); done
-timeout "${LIMIT_S:-540}" python3 benchmarks/serving_bench.py "${args[@]}"
+# LIMIT_S counts from this script's start (unpacking included), so the benchmark stops its
+# servers and prints its table before a device call limit of LIMIT_S + a margin cuts it off
+timeout "$(( ${LIMIT_S:-540} - (SECONDS - t0) ))" python3 benchmarks/serving_bench.py "${args[@]}"
 rc=$?
 wait
 if [ "${DAEMON_BENCH:-0}" = 1 ]; then

@@ -67,3 +67,34 @@ def test_sizing_lock_is_released_once_the_pool_is_sized(tmp_path, monkeypatch):
         with launch.running_server(tmp_path, tmp_path / "b.log", startup_s=8, sizing_lock=lock):
             pass
     assert not lock.locked()
+
+
+def test_a_sigterm_stops_the_servers_and_exits(tmp_path):
+    """What a benchmark's time limit (`timeout`'s SIGTERM) does with stop_servers_on_signals:
+    the stand-in server's whole group is stopped before the process exits with 128 + 15 (an
+    H200 call once left three servers holding the GPU after such a limit)."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "server.pid"
+    code = f"""
+import subprocess, sys, time
+from mosaickv_sglang import launch
+server = subprocess.Popen(["sleep", "120"], start_new_session=True)
+launch._live_servers.add(server)
+open({str(pid_file)!r}, "w").write(str(server.pid))
+launch.stop_servers_on_signals("bench", "; see the JSON", before=lambda: print("before"))
+time.sleep(120)
+"""
+    bench = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.time() < deadline and bench.poll() is None
+        time.sleep(0.1)
+    server_pid = int(pid_file.read_text())
+    bench.send_signal(signal.SIGTERM)
+    out, _ = bench.communicate(timeout=60)
+    assert bench.returncode == 128 + signal.SIGTERM
+    assert out.splitlines() == ["before", "[bench] signal 15: stopped 1 server(s); see the JSON"]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server_pid, 0)

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import signal
 import sys
 import threading
 import time
@@ -33,7 +31,7 @@ from pathlib import Path
 
 from ..assets.smollm2 import CHECKSUMS
 from ..assets.smollm2 import DEFAULT_OUT as SMOLLM2
-from ..launch import mosaickv_stats, running_server, stop_all_servers
+from ..launch import mosaickv_stats, running_server, stop_servers_on_signals
 from . import dsl_fidelity, report, ruler_gen, systems
 from .runner import ResultStore, fingerprint, run_prompts
 
@@ -170,17 +168,6 @@ def load_prompts(args) -> tuple[list, list, dict]:
         ruler_gen.header(args.model, args.seed)
 
 
-def _stop_on_signal(signum, _frame) -> None:
-    """SIGTERM (e.g. `timeout`) or Ctrl-C: stop every server this run started, exit at once. Threads
-    still waiting on those servers are not joined; every finished sample is already in the
-    results file (a line cut by the exit is dropped on the next load), so a rerun resumes."""
-    _STOPPING.set()
-    n = stop_all_servers()
-    print(f"[ruler] signal {signum}: stopped {n} server(s); rerun the same command to resume",
-          flush=True)
-    os._exit(128 + signum)
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", nargs="+", help=f"RULER tasks (default: all 13: {', '.join(ruler_gen.TASKS)})")
@@ -269,8 +256,10 @@ def main(argv=None) -> int:
     for system in chosen:
         systems.validate(system)
     if not args.report_only:
-        for sig in (signal.SIGTERM, signal.SIGINT):  # threads would keep serving otherwise
-            signal.signal(sig, _stop_on_signal)
+        # every finished sample is already in the results file (a line cut by the exit is
+        # dropped on the next load), so a rerun resumes
+        stop_servers_on_signals("ruler", "; rerun the same command to resume",
+                                before=_STOPPING.set)
         with ThreadPoolExecutor(args.parallel) as pool:
             for done in [pool.submit(run_system, s, prompts, questions, store, fps[s.name], args,
                                      own_args[s.name], results.with_suffix(".logs"))
