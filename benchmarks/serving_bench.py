@@ -95,8 +95,8 @@ def make_llama8b(out: Path, tokenizer: Path, max_positions: int) -> Path:
     return out
 
 
-def stream_one(url: str, ids: list[int], n_out: int, rec: dict) -> None:
-    payload = {"input_ids": ids, "stream": True,
+def stream_one(url: str, ids: list[int], n_out: int, rec: dict, logprobs: bool = False) -> None:
+    payload = {"input_ids": ids, "stream": True, "return_logprob": logprobs,
                "sampling_params": {"temperature": 0, "max_new_tokens": n_out, "ignore_eos": True}}
     req = urllib.request.Request(f"{url}/generate", data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -117,6 +117,8 @@ def stream_one(url: str, ids: list[int], n_out: int, rec: dict) -> None:
                            "(see the server log)")
     # the last chunk's output_ids are all of them (SGLang streams cumulative ids by default)
     rec.update(start=t0, stamps=stamps, output_ids=chunk["output_ids"], meta=chunk["meta_info"])
+    if logprobs:  # cumulative too: (log-prob, id, text) per output token
+        rec["logprobs"] = [round(t[0], 5) for t in chunk["meta_info"]["output_token_logprobs"]]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -147,11 +149,12 @@ def latency_stats(recs: list[dict]) -> dict:
             "itl_ms_p99_all_decoding": 1e3 * percentile(steady, 0.99) if steady else None}
 
 
-def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int) -> dict:
+def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int,
+              logprobs: bool = False) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(ctx - n_out)] for _ in range(batch)]
     recs = [{} for _ in range(batch)]
-    threads = [threading.Thread(target=stream_one, args=(url, p, n_out, r))
+    threads = [threading.Thread(target=stream_one, args=(url, p, n_out, r, logprobs))
                for p, r in zip(prompts, recs)]
     for t in threads:
         t.start()
@@ -164,15 +167,18 @@ def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int)
             "tokens": [len(r["stamps"]) for r in recs],
             # greedy outputs, so two servers of the same weights can be compared id for id
             "output_sha1": [hashlib.sha1(json.dumps(r["output_ids"]).encode()).hexdigest()[:16]
-                            for r in recs]}
+                            for r in recs],
+            **({"output_ids": [r["output_ids"] for r in recs],
+                "output_logprobs": [r["logprobs"] for r in recs]} if logprobs else {})}
 
 
-def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int) -> dict:
+def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int,
+            logprobs: bool = False) -> dict:
     """One (context, batch) point on a running server, with its capacity and MosaicKV stats."""
     _, info = request(f"{url}/get_server_info")
     state = info.get("internal_states", [{}])[0]
     memory = state.get("memory_usage", {})
-    row = run_batch(url, ctx, batch, n_out, seed=ctx + batch, vocab=vocab)
+    row = run_batch(url, ctx, batch, n_out, seed=ctx + batch, vocab=vocab, logprobs=logprobs)
     row.update(system=system, max_total_num_tokens=memory.get("token_capacity"),
                kv_cache_gb=memory.get("kvcache"))
     _, info = request(f"{url}/get_server_info")
@@ -254,6 +260,23 @@ def print_table(results: list) -> None:
             same = sum(a == b for a, b in zip(ref["output_sha1"], r["output_sha1"]))
             print(f"greedy outputs ctx {r['context']} batch {r['batch']}: {r['system']} "
                   f"identical to {ref['system']} in {same} of {len(r['output_sha1'])} requests")
+            if "output_logprobs" in r and "output_logprobs" in ref:
+                diff, tokens = logprob_agreement(ref, r)
+                print(f"  log-probs while the ids agree ({tokens} tokens): max |diff| {diff:.2e}")
+
+
+def logprob_agreement(ref: dict, row: dict) -> tuple[float, int]:
+    """Largest |log-prob difference| between two rows' requests over the tokens up to each
+    request's first differing id (after it the contexts differ), and how many tokens that is."""
+    diff, tokens = 0.0, 0
+    for ids_a, ids_b, lp_a, lp_b in zip(ref["output_ids"], row["output_ids"],
+                                        ref["output_logprobs"], row["output_logprobs"]):
+        n = next((i for i, (a, b) in enumerate(zip(ids_a, ids_b)) if a != b),
+                 min(len(ids_a), len(ids_b)))
+        n = min(n, len(lp_a), len(lp_b))
+        diff = max([diff] + [abs(a - b) for a, b in zip(lp_a[:n], lp_b[:n])])
+        tokens += n
+    return diff, tokens
 
 
 def save(path: Path, results: list) -> None:
@@ -287,6 +310,10 @@ def main() -> None:
                     help="extra argument for one system's server (repeat; e.g. "
                          "--system-arg=mosaickv:--max-total-tokens --system-arg=mosaickv:270000)")
     ap.add_argument("--logs", type=Path, default=Path("serving_logs"))
+    ap.add_argument("--logprobs", action="store_true",
+                    help="keep each output token's log-prob and compare them across systems "
+                         "(equal greedy ids say little on dummy weights); SGLang then computes "
+                         "log-probs in every step, for every system alike")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
     systems = args.systems.split(",")
@@ -348,7 +375,7 @@ def main() -> None:
                     print(f"[{system}] ctx {ctx}: batch {b} skipped: the largest that fits its "
                           f"{capacity} tokens is {largest}", flush=True)
                     continue
-                row = measure(srv.url, system, ctx, b, args.output, vocab)
+                row = measure(srv.url, system, ctx, b, args.output, vocab, args.logprobs)
                 row["is_largest_batch"] = b == largest
                 row["largest_batch"] = largest
                 row["startup_s"] = round(startup_s, 1)

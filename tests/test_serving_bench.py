@@ -100,6 +100,9 @@ class _FakeGenerate:
                 for i in range(1, n + 1):
                     out = {"output_ids": [first + j for j in range(i)],
                            "meta_info": {"completion_tokens": i}}
+                    if body.get("return_logprob"):
+                        out["meta_info"]["output_token_logprobs"] = [
+                            [-0.5 * j, first + j, None] for j in range(i)]
                     self.wfile.write(f"data: {json.dumps(out)}\n\n".encode())
                 self.wfile.write(b"data: [DONE]\n\n")
 
@@ -137,6 +140,21 @@ def test_itl_p99_all_decoding_leaves_out_the_waits_while_later_prompts_prefill()
     assert got["itl_ms_p99"] == pytest.approx(3990.0)  # the wait is among all the gaps
     assert got["itl_ms_p99_all_decoding"] == pytest.approx(10.0)
     assert got["decode_tok_s"] == pytest.approx(7 / 0.03)  # 7 tokens after the firsts, 5 -> 5.03 s
+
+
+def test_log_probs_are_kept_on_request_and_compared_while_the_ids_agree():
+    fake = _FakeGenerate()
+    row = serving_bench.run_batch(fake.url, ctx=40, batch=2, n_out=4, seed=7, vocab=1000,
+                                  logprobs=True)
+    plain = serving_bench.run_batch(fake.url, ctx=40, batch=2, n_out=4, seed=7, vocab=1000)
+    fake.server.shutdown()
+    assert row["output_logprobs"] == [[0.0, -0.5, -1.0, -1.5]] * 2
+    assert "output_logprobs" not in plain and "output_ids" not in plain
+    other = {"output_ids": [list(row["output_ids"][0]), list(row["output_ids"][1])],
+             "output_logprobs": [[0.0, -0.5, -1.0, -1.5], [0.0, -0.5, -1.25, -9.0]]}
+    other["output_ids"][1][3] += 1  # request 2 parts at its last token: -9.0 not compared
+    diff, tokens = serving_bench.logprob_agreement(row, other)
+    assert diff == pytest.approx(0.25) and tokens == 4 + 3
 
 
 def test_a_batch_whose_server_streams_nothing_fails_clearly():
