@@ -71,11 +71,12 @@ def summarize(prompts: list[Prompt], systems: list, store, fingerprints: dict[st
             if entry["status"] == "unsupported":
                 continue
             # paired: over the samples both finished (all of a cell's, for a complete system)
-            diffs = _cell_diffs(prompts, store, name, fingerprints, competent)
+            pairs = list(_paired(prompts, store, name, fingerprints))
+            diffs = _cell_diffs(pairs, competent)
             losses = {c: _mean(v) for c, v in diffs.items()}
             worst = max(losses, key=losses.get) if losses else None
             entry["competent_average"] = _mean([entry["scores"][c]["score"] for c in competent])
-            entry["identical_to_dense"] = _identical_share(prompts, store, name, fingerprints)
+            entry["identical_to_dense"] = _identical_share(pairs)
             entry["loss"] = {"average": _mean(list(losses.values())),
                              "average_ci95": None if name == "dense" else _loss_ci(diffs),
                              "worst": losses[worst] if worst else None, "worst_at": worst,
@@ -99,11 +100,10 @@ def _paired(prompts: list[Prompt], store, name: str, fingerprints: dict):
             yield p, d, s
 
 
-def _cell_diffs(prompts: list[Prompt], store, name: str, fingerprints: dict,
-                cells: list[str]) -> dict[str, list[float]]:
-    """Per cell of `cells`, dense's score minus `name`'s for every sample both finished."""
+def _cell_diffs(pairs: list, cells: list[str]) -> dict[str, list[float]]:
+    """Per cell of `cells`, dense's score minus the system's for every pair (`_paired`)."""
     diffs: dict[str, list[float]] = {}
-    for p, d, s in _paired(prompts, store, name, fingerprints):
+    for p, d, s in pairs:
         if cell(p) in cells:
             diffs.setdefault(cell(p), []).append(d["score"] - s["score"])
     return diffs
@@ -123,10 +123,9 @@ def _loss_ci(diffs: dict[str, list[float]]) -> list[float] | None:
     return [means[int(0.025 * BOOTSTRAP_REPS)], means[int(0.975 * BOOTSTRAP_REPS) - 1]]
 
 
-def _identical_share(prompts: list[Prompt], store, name: str, fingerprints: dict) -> float | None:
-    """% of samples (all cells) whose greedy prediction is the same text as dense's."""
-    pairs = [(d, s) for _, d, s in _paired(prompts, store, name, fingerprints)]
-    return 100.0 * sum(d["prediction"] == s["prediction"] for d, s in pairs) / len(pairs) \
+def _identical_share(pairs: list) -> float | None:
+    """% of the pairs (`_paired`, all cells) whose greedy prediction is the same text as dense's."""
+    return 100.0 * sum(d["prediction"] == s["prediction"] for _, d, s in pairs) / len(pairs) \
         if pairs else None
 
 
