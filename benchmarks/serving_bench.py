@@ -95,6 +95,9 @@ def make_llama8b(out: Path, tokenizer: Path, max_positions: int) -> Path:
     return out
 
 
+WARMUP_OUTPUT, WARMUP_SEED = 16, -1  # the points' prompts are seeded with context + batch > 0
+
+
 def stream_one(url: str, ids: list[int], n_out: int, rec: dict, logprobs: bool = False) -> None:
     payload = {"input_ids": ids, "stream": True, "return_logprob": logprobs,
                "sampling_params": {"temperature": 0, "max_new_tokens": n_out, "ignore_eos": True}}
@@ -170,6 +173,16 @@ def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int,
                             for r in recs],
             **({"output_ids": [r["output_ids"] for r in recs],
                 "output_logprobs": [r["logprobs"] for r in recs]} if logprobs else {})}
+
+
+def warm_up(url: str, system: str, tokens: int, vocab: int) -> dict:
+    """One uncounted request (`tokens` in all, a prompt no point uses): JIT compiles and other
+    first-use costs happen here, not inside the first measured point."""
+    t = time.perf_counter()
+    row = run_batch(url, tokens, 1, WARMUP_OUTPUT, seed=WARMUP_SEED, vocab=vocab)
+    print(f"[{system}] warm-up: {tokens} tokens in {time.perf_counter() - t:.1f} s (TTFT "
+          f"{row['ttft_s_p50']:.1f} s), not counted", flush=True)
+    return row
 
 
 def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int,
@@ -310,6 +323,10 @@ def main() -> None:
                     help="extra argument for one system's server (repeat; e.g. "
                          "--system-arg=mosaickv:--max-total-tokens --system-arg=mosaickv:270000)")
     ap.add_argument("--logs", type=Path, default=Path("serving_logs"))
+    ap.add_argument("--warmup", type=int, default=0, metavar="TOKENS",
+                    help="one request of this many tokens on each server before its points, not "
+                         "counted (the first point otherwise pays JIT compiles: MosaicKV's TTFT "
+                         "25.5 s vs ~12 s at 32K x 1 on the H200); 0: none")
     ap.add_argument("--logprobs", action="store_true",
                     help="keep each output token's log-prob and compare them across systems "
                          "(equal greedy ids say little on dummy weights); SGLang then computes "
@@ -355,6 +372,8 @@ def main() -> None:
         return system, (ctx, srv), startup
 
     def bench(system: str, srv, startup_s: float) -> None:
+        if args.warmup:
+            warm_up(srv.url, system, args.warmup, vocab)
         for ctx in contexts:
             capacity = token_capacity(srv.url)
             for b in batches:

@@ -157,6 +157,16 @@ def test_log_probs_are_kept_on_request_and_compared_while_the_ids_agree():
     assert diff == pytest.approx(0.25) and tokens == 4 + 3
 
 
+def test_the_warm_up_request_uses_a_prompt_no_point_uses(capsys):
+    fake = _FakeGenerate()
+    warm = serving_bench.warm_up(fake.url, "mosaickv", 40, vocab=1000)
+    point = serving_bench.run_batch(fake.url, ctx=40, batch=1, n_out=16, seed=40 + 1, vocab=1000)
+    fake.server.shutdown()
+    assert warm["tokens"] == [serving_bench.WARMUP_OUTPUT]
+    assert warm["output_sha1"] != point["output_sha1"]  # another prompt (outputs echo its first id)
+    assert "[mosaickv] warm-up: 40 tokens in" in capsys.readouterr().out
+
+
 def test_a_batch_whose_server_streams_nothing_fails_clearly():
     fake = _FakeGenerate(broken=True)
     with pytest.raises(RuntimeError, match="3 of 3 requests at context 40 got no output"):
