@@ -106,9 +106,11 @@ benchmarks/agent_bench.py --url {url} --systems {system} --model /tmp/llama8b --
 [ -n "${MOSAICKV_CONFIG:-}" ] && args+=(--mosaickv-config "$MOSAICKV_CONFIG")
 for a in ${CUDA_GRAPH_ARGS:---cuda-graph-max-bs 8} ${EXTRA_ARGS:-}; do args+=("--server-arg=$a"); done
 for a in ${SYSTEM_ARGS:-}; do args+=("--system-arg=$a"); done
-# LIMIT_S counts from this script's start (unpacking included), so the benchmark stops its
-# servers and prints its table before a device call limit of LIMIT_S + a margin cuts it off
-timeout "$(( ${LIMIT_S:-540} - (SECONDS - t0) ))" python3 benchmarks/serving_bench.py "${args[@]}"
+# LIMIT_S counts from this script's start (unpacking included), so the benchmark's SIGTERM
+# (its servers stopped, results so far in serving.json) comes before a device call limit of
+# LIMIT_S + a margin cuts everything off; at least 1 s (`timeout 0` would mean no limit)
+left=$(( ${LIMIT_S:-540} - (SECONDS - t0) ))
+timeout "$(( left > 0 ? left : 1 ))" python3 benchmarks/serving_bench.py "${args[@]}"
 rc=$?
 wait
 if [ "${DAEMON_BENCH:-0}" = 1 ]; then
