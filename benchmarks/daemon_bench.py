@@ -4,8 +4,9 @@ how many pages per second does the daemon seal, against what batch-128 decode pr
 Pool-level, without SGLang (runs where only torch is installed): a hot buffer of random K/V pages
 on --device, the real `DaemonClient` (worker processes, shared-memory slots, the same codec) and
 a simulated scheduler loop. One step = fixed device work calibrated to --step-ms (a GEMM loop on
-the scheduler's thread) + the step boundary the server runs (`collect()`, retire ready jobs, copy
-new pages into slots). By default the boundary runs after the device work is done (a host-bound
+the scheduler's thread) + the step boundary the server runs: the pool's own `adopt()` (one
+install, then reads and copies within `daemon_boundary_share` of the step, --share) on a stand-in
+pool whose installs go into a real SegmentStore, then the step's new pages submitted. By default the boundary runs after the device work is done (a host-bound
 step: every host millisecond adds to the step, the strict case); with --overlap it runs while
 the device work is in flight, as in SGLang's default overlap loop, whose adoption hook (before
 `get_next_batch_to_run`) runs before the previous forward is synchronized. Phases:
@@ -17,9 +18,10 @@ the device work is in flight, as in SGLang's default overlap loop, whose adoptio
   is measured separately as `inline_seal_ms`).
 
 An adopted page is installed as the pool does it (`SegmentStore.adopt` for an arena-ready result,
-else `install_pages`: arena writes, headers, page metadata) into a store of --store-pages pages, the oldest released when it is full;
-`install_ms` times that part of the boundary (before 2026-11-30 evening it was not modelled).
-Not modelled: the pool's own bookkeeping around it (accounting, swap log: dict updates).
+else `install_pages`: arena writes, headers, page metadata) into a store of --store-pages pages,
+the oldest released when it is full; `install_ms` times that part of the boundary. Not
+modelled: the pool's own bookkeeping around it (accounting, swap log: dict updates) and its
+backpressure (the bench drops pages over --max-pending instead).
 
 Before measuring, --warm-pages pages go through the daemon into the store and the daemon is
 drained: a layout the store sees for the first time costs a one-off registration (the first H200
@@ -43,6 +45,7 @@ import os
 import platform
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -52,6 +55,7 @@ from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 import mosaickv_sglang.daemon.channel as channel_mod
 import mosaickv_sglang.daemon.client as client_mod
+from mosaickv_sglang.daemon.adopt import adopt
 from mosaickv_sglang.daemon.client import DaemonClient
 from mosaickv_sglang.segment_store import SegmentStore
 
@@ -64,16 +68,17 @@ def quantiles(xs: list[float]) -> dict:
     return {"p50": pick(0.5), "p99": pick(0.99), "max": xs[-1], "mean": statistics.fmean(xs)}
 
 
-class CollectBreakdown:
-    """Where a step boundary's collect() time goes: the client's own steps timed by wrapping them
-    (bench-only instrumentation; the client is unchanged) plus Python GC pauses. `take()` returns
-    and resets the current boundary's totals in ms."""
-    PARTS = ("alive", "handle", "load", "unpickle", "pump", "gc")
+class BoundaryBreakdown:
+    """Where a step boundary's time goes: the client's and the stand-in pool's steps timed by
+    wrapping them (bench-only instrumentation; the client is unchanged) plus Python GC pauses.
+    `take()` returns and resets the current boundary's totals in ms."""
+    PARTS = ("alive", "install", "handle", "load", "unpickle", "pump", "gc")
 
-    def __init__(self, client):
+    def __init__(self, client, pool):
         self.now = dict.fromkeys(self.PARTS, 0.0)
         for part, owner, name in (("alive", client, "_alive"), ("handle", client, "_handle"),
-                                  ("pump", client, "pump"), ("load", client_mod, "load"),
+                                  ("pump", client, "pump"), ("install", pool, "_finish"),
+                                  ("load", client_mod, "load"),
                                   ("unpickle", channel_mod._Loader, "load")):
             setattr(owner, name, self._timed(part, getattr(owner, name)))
         self._gc_t0 = None
@@ -100,16 +105,16 @@ class CollectBreakdown:
         return out
 
 
-def slowest_breakdown(collects: list[float], parts: list[dict], frac: float = 0.01) -> dict:
-    """Mean of each part (ms) over the slowest `frac` of boundaries by collect time; `other` is
-    collect minus alive, handle and pump (pipe reads, loop overhead; load is part of handle,
-    unpickle part of load, gc wherever a collection fired)."""
-    n = max(1, int(len(collects) * frac))
-    idx = sorted(range(len(collects)), key=lambda i: -collects[i])[:n]
+def slowest_breakdown(bounds: list[float], parts: list[dict], frac: float = 0.01) -> dict:
+    """Mean of each part (ms) over the slowest `frac` of boundaries; `other` is the boundary
+    minus alive, install, handle and pump (pipe reads, agreement, loop overhead; load is part of
+    handle, unpickle part of load, gc wherever a collection fired)."""
+    n = max(1, int(len(bounds) * frac))
+    idx = sorted(range(len(bounds)), key=lambda i: -bounds[i])[:n]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    out = {k: mean([parts[i][k] for i in idx]) for k in CollectBreakdown.PARTS}
-    out["collect"] = mean([collects[i] * 1e3 for i in idx])
-    out["other"] = out["collect"] - out["alive"] - out["handle"] - out["pump"]
+    out = {k: mean([parts[i][k] for i in idx]) for k in BoundaryBreakdown.PARTS}
+    out["boundary"] = mean([bounds[i] * 1e3 for i in idx])
+    out["other"] = out["boundary"] - sum(out[k] for k in ("alive", "install", "handle", "pump"))
     out["steps"] = n
     return out
 
@@ -171,6 +176,9 @@ def main() -> None:
                     help="run the boundary while the step's device work runs (SGLang's default "
                          "overlap loop: the adoption hook runs before the previous forward is "
                          "synchronized); default: after it (a host-bound step, the strict case)")
+    ap.add_argument("--share", type=float, default=MosaicConfig.daemon_boundary_share,
+                    help="daemon_boundary_share: the share of a step the boundary's reads and "
+                         "copies may take (0: one operation per boundary)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -179,7 +187,7 @@ def main() -> None:
     layers, heads, head_dim = SHAPES[args.shape]
     cfg = MosaicConfig(daemon="process", daemon_workers=args.workers,
                        daemon_threads=args.threads, daemon_queue_segments=args.slots,
-                       daemon_nice=args.nice)
+                       daemon_nice=args.nice, daemon_boundary_share=args.share)
     tokens = cfg.segment_tokens
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(0)
@@ -221,11 +229,13 @@ def main() -> None:
                          device, cfg.select.meta_channels if cfg.select.enabled else None,
                          args.store_pages * (worst_page_bytes(cfg, heads, head_dim, dense)
                                              + heads * 4096))  # + block alignment
-    def install(job) -> None:
+    def install(job) -> int:
         """What the pool does with a ready job's pages: into the arena, store pages taken in a
-        ring (the oldest released when it comes round again)."""
+        ring (the oldest released when it comes round again). Returns pages installed."""
+        nonlocal bases
+        client.retire(job)
         if job.error is not None:
-            return
+            return 0
         for sealed in job.results:
             if sealed is False:
                 continue
@@ -234,26 +244,28 @@ def main() -> None:
                 store.release(page)
             store.store_pages([page], [sealed])  # as pool._install
             state["installed"] += 1
+        state["done"] += len(job.pages)
+        if not job.bases_given:
+            bases = job.bases  # later pages of the block reuse them
+        return len(job.pages)
 
+    # what adopt() uses of MosaicKVPool: installs into the store above, every job installable
+    # (one page each, no request order), no backpressure (pages over --max-pending are dropped
+    # before submitting), no swap log
+    pool = SimpleNamespace(daemon=client, cfg=cfg, num_hot_pages=args.max_pending,
+                           installable=lambda job: True, _finish=lambda job, results: install(job),
+                           _relieve=lambda want_free: 0,
+                           swaps=SimpleNamespace(flush=lambda rank: None))
     work = Work(device, args.step_ms)
     bases = None
     state = {"page": 0, "credit": 0.0, "dropped": 0, "done": 0, "installed": 0}
 
-    def boundary(produce: bool) -> tuple[float, float, float]:
-        """The scheduler's step boundary: collect, install + retire ready jobs, then submit new
-        pages. Returns (collect, install, submit) seconds."""
-        nonlocal bases
+    def boundary(produce: bool) -> tuple[float, float]:
+        """The scheduler's step boundary (the pool's adopt()), then the step's new pages
+        submitted (in the server, by the forward that filled them). Returns (adopt, submit)
+        seconds."""
         t = time.perf_counter()
-        client.collect()
-        state["collect_parts"] = breakdown.take()
-        t_install = time.perf_counter()
-        for job in client.open_jobs():
-            if job.ready:
-                install(job)
-                client.retire(job)
-                state["done"] += len(job.pages)
-                if not job.bases_given and job.error is None:
-                    bases = job.bases  # later pages of the block reuse them
+        adopt(pool)
         t_submit = time.perf_counter()
         if produce:
             state["credit"] += args.pages_per_step
@@ -268,12 +280,13 @@ def main() -> None:
                 fit = bases is None or page % args.fit_every == 0
                 client.submit([page], [0], [tokens * (1 + page % 30)], page,
                               None if fit else bases)
-        return t_install - t, t_submit - t_install, time.perf_counter() - t_submit
+        return t_submit - t, time.perf_counter() - t_submit
 
     def phase(produce: bool) -> dict:
-        steps, bounds, collects, submits, parts, installs = [], [], [], [], [], []
+        steps, bounds, submits, parts, ops = [], [], [], [], []
         page_loads, page_installs = [], []  # ms per adopted page: read + unpickle, install
         done0, busy0 = state["done"], client.counters.worker_seconds
+        deferred0 = client.budget.deferred
         t_start = time.perf_counter()
         for _ in range(args.steps):
             t = time.perf_counter()
@@ -282,26 +295,26 @@ def main() -> None:
                 work.wait()
             breakdown.take()
             read0, installed0 = client.counters.worker_pages, state["installed"]
-            c, inst, sub = boundary(produce)
+            bound, sub = boundary(produce)
             if args.overlap:
                 work.wait()
-            parts.append(state["collect_parts"])
-            if client.counters.worker_pages - read0 == 1:  # LOADS_PER_STEP: at most one
-                page_loads.append(state["collect_parts"]["load"])
+            part = breakdown.take()
+            parts.append(part)
+            ops.append(client.budget.ops)
+            if client.counters.worker_pages - read0 == 1:
+                page_loads.append(part["load"])
             if state["installed"] > installed0:
-                page_installs.append(inst * 1e3 / (state["installed"] - installed0))
-            installs.append(inst)
+                page_installs.append(part["install"] / (state["installed"] - installed0))
             steps.append(time.perf_counter() - t)
-            bounds.append(c + inst + sub)
-            collects.append(c)
+            bounds.append(bound)
             submits.append(sub)
         wall = time.perf_counter() - t_start
-        return {"step_ms": {k: v * 1e3 for k, v in quantiles(steps).items()},
-                "boundary_ms": {k: v * 1e3 for k, v in quantiles(bounds).items()},
-                "collect_ms": {k: v * 1e3 for k, v in quantiles(collects).items()},
-                "install_ms": {k: v * 1e3 for k, v in quantiles(installs).items()},
-                "submit_ms": {k: v * 1e3 for k, v in quantiles(submits).items()},
-                "slowest_1pct_collect_ms": slowest_breakdown(collects, parts),
+        ms = lambda xs: {k: v * 1e3 for k, v in quantiles(xs).items()}  # noqa: E731
+        return {"step_ms": ms(steps), "boundary_ms": ms(bounds), "submit_ms": ms(submits),
+                "install_ms": quantiles([p["install"] for p in parts]),
+                "slowest_1pct_boundary_ms": slowest_breakdown(bounds, parts),
+                "ops_per_boundary": {str(n): ops.count(n) for n in sorted(set(ops))},
+                "deferred_ops": client.budget.deferred - deferred0,
                 # the scheduler thread's cost of adopting one page: its read out of the slot
                 # (copy + unpickle) and its install into the store (arena, headers, metadata)
                 "adopt_page_ms": {"load": quantiles(page_loads) if page_loads else None,
@@ -331,7 +344,7 @@ def main() -> None:
                 "layouts_registered": len(store.layouts) - layouts0,
                 "open_jobs_left": len(client.open_jobs())}
 
-    breakdown = CollectBreakdown(client)
+    breakdown = BoundaryBreakdown(client, pool)
     warm = warm_up()
     phase(False)  # warm-up of the step itself
     idle = phase(False)
@@ -362,14 +375,17 @@ def main() -> None:
         "production_pages_per_s_batch128": {str(ms): 128 / tokens / (ms / 1e3)
                                             for ms in args.production_step_ms},
     }
-    rows = [("phase", "step p50 ms", "step p99 ms", "step max ms", "collect p50/p99/max ms",
-             "install p50/p99/max ms", "submit p50/p99/max ms", "pages sealed", "worker busy")]
+    rows = [("phase", "step p50 ms", "step p99 ms", "step max ms", "boundary p50/p99/max ms",
+             "install p50/p99/max ms", "submit p50/p99/max ms", "ops per boundary",
+             "deferred ops", "pages sealed", "worker busy")]
     for name in ("idle", "saturated"):
         r = out[name]
         rows.append((name, *(f"{r['step_ms'][q]:.2f}" for q in ("p50", "p99", "max")),
                      *("/".join(f"{r[k][q]:.2f}" for q in ("p50", "p99", "max"))
-                       for k in ("collect_ms", "install_ms", "submit_ms")),
-                     str(r["pages_done"]), f"{r['worker_busy_fraction']:.2f}"))
+                       for k in ("boundary_ms", "install_ms", "submit_ms")),
+                     " ".join(f"{n}:{c}" for n, c in r["ops_per_boundary"].items()),
+                     str(r["deferred_ops"]), str(r["pages_done"]),
+                     f"{r['worker_busy_fraction']:.2f}"))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=2)
@@ -377,7 +393,7 @@ def main() -> None:
     print(f"shape {args.shape} {layers}x{heads}x{head_dim}, {tokens}-token pages "
           f"({page_bytes / 1e6:.1f} MB bf16), device {device}, {args.workers} workers x "
           f"{args.threads} threads, step work {args.step_ms} ms{mode}, "
-          f"{args.pages_per_step} pages/step")
+          f"{args.pages_per_step} pages/step, boundary share {args.share}")
     print(f"saturated/idle step time: p50 {out['step_p50_ratio']:.3f}, "
           f"p99 {out['step_p99_ratio']:.3f}; steps that waited on the daemon: 0")
     print(f"daemon: {thr:.2f} pages/s ({thr / cores:.2f} per worker core), worker page latency "
@@ -396,9 +412,10 @@ def main() -> None:
               + ", ".join(f"{k} " + "/".join(f"{a[k][q]:.2f}" for q in ("p50", "mean", "max"))
                           for k in ("load", "install")))
     for name in ("idle", "saturated"):
-        b = out[name]["slowest_1pct_collect_ms"]
-        print(f"{name}: slowest 1% of collects ({b['steps']} steps), mean ms: "
-              + ", ".join(f"{k} {b[k]:.2f}" for k in ("collect", *CollectBreakdown.PARTS, "other")))
+        b = out[name]["slowest_1pct_boundary_ms"]
+        print(f"{name}: slowest 1% of boundaries ({b['steps']} steps), mean ms: "
+              + ", ".join(f"{k} {b[k]:.2f}" for k in ("boundary", *BoundaryBreakdown.PARTS,
+                                                        "other")))
 
 
 if __name__ == "__main__":

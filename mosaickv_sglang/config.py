@@ -91,6 +91,10 @@ class MosaicConfig:
     # oldest pending pages are sealed on the scheduler thread (counted, logged).
     daemon_hot_watermark: float = 0.125
     daemon_timeout_s: float = 120.0  # a busy worker silent this long is killed and restarted
+    # Share of a step the daemon's work at a step boundary (reading results, copying pages into
+    # slots, after at most one install) may take on the scheduler thread; the first operation of
+    # a boundary always runs. Lower: flatter step times, fewer pages adopted per second.
+    daemon_boundary_share: float = 0.04
     # Niceness of the worker processes (0-19): they should only take cores the scheduler, the
     # tokenizer and the CUDA driver leave idle, never delay a decode step's host work.
     daemon_nice: int = 19
@@ -178,6 +182,9 @@ class MosaicConfig:
                              f"basis_block_tokens / segment_tokens)")
         if not 0 <= self.daemon_hot_watermark < 1:
             raise ValueError(f"mosaickv config: daemon_hot_watermark={self.daemon_hot_watermark} "
+                             "must be in [0, 1)")
+        if not 0 <= self.daemon_boundary_share < 1:
+            raise ValueError(f"mosaickv config: daemon_boundary_share={self.daemon_boundary_share} "
                              "must be in [0, 1)")
         if not (isinstance(self.daemon_nice, int) and 0 <= self.daemon_nice <= 19):
             raise ValueError(f"mosaickv config: daemon_nice={self.daemon_nice!r} must be an int "

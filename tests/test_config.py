@@ -215,9 +215,10 @@ def test_daemon_modes_and_keys():
     assert MosaicConfig().daemon == "off"
     cfg = MosaicConfig.parse('{"daemon": "process", "daemon_workers": 3, "daemon_threads": 2, '
                              '"daemon_queue_segments": 40, "daemon_hot_watermark": 0.2, '
-                             '"daemon_timeout_s": 5}')
+                             '"daemon_timeout_s": 5, "daemon_boundary_share": 0}')
     assert (cfg.daemon, cfg.daemon_workers, cfg.daemon_threads, cfg.daemon_queue_segments,
-            cfg.daemon_hot_watermark, cfg.daemon_timeout_s) == ("process", 3, 2, 40, 0.2, 5)
+            cfg.daemon_hot_watermark, cfg.daemon_timeout_s, cfg.daemon_boundary_share) == (
+        "process", 3, 2, 40, 0.2, 5, 0)
 
 
 @pytest.mark.parametrize("data,needle", [
@@ -235,6 +236,9 @@ def test_daemon_modes_and_keys():
     ({"daemon_timeout_s": True}, "'daemon_timeout_s' must be float"),
     ({"daemon_nice": 20}, "daemon_nice=20"),
     ({"daemon_nice": -1}, "daemon_nice=-1"),
+    ({"daemon_boundary_share": 1.0}, "daemon_boundary_share=1.0"),
+    ({"daemon_boundary_share": -0.01}, "daemon_boundary_share=-0.01"),
+    ({"daemon_boundary_share": "0.1"}, "'daemon_boundary_share' must be float"),
 ])
 def test_bad_daemon_values_are_named(data, needle):
     _rejects(data, needle)

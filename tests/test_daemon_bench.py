@@ -1,5 +1,6 @@
-"""benchmarks/daemon_bench.py end to end on the CPU (small shape): the step boundary it times
-includes installing adopted pages into a SegmentStore, and its JSON carries the breakdown."""
+"""benchmarks/daemon_bench.py end to end on the CPU (small shape): the step boundary it times is
+the pool's adopt() (installing adopted pages into a SegmentStore, reads and copies within the
+boundary share), and its JSON carries the breakdown."""
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path, 
     out = tmp_path / "daemon.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/daemon_bench.py"),
                            "--shape", "small", "--device", "cpu", "--workers", "1",
-                           "--steps", "100", "--step-ms", "10", "--nice", "0",
+                           "--steps", "100", "--step-ms", "10", "--nice", "0", "--share", "0",
                            "--warm-pages", "4", "--json", str(out)] + ["--overlap"] * overlap,
                           capture_output=True, text=True, timeout=600, cwd=ROOT,
                           # this checkout's package, as its workers (-m from cwd) import it, not
@@ -27,9 +28,12 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path, 
     sat, idle = result["saturated"], result["idle"]
     assert sat["pages_done"] >= 1, proc.stdout[-2000:]
     assert sat["install_ms"]["max"] > 0 and idle["install_ms"]["max"] < sat["install_ms"]["max"]
-    slowest = sat["slowest_1pct_collect_ms"]
-    assert set(slowest) >= {"collect", "alive", "handle", "load", "unpickle", "pump", "gc",
-                            "other", "steps"}
+    slowest = sat["slowest_1pct_boundary_ms"]
+    assert set(slowest) >= {"boundary", "alive", "install", "handle", "load", "unpickle", "pump",
+                            "gc", "other", "steps"}
+    # share 0: one operation (install, read or copy) per boundary, the rest deferred
+    assert set(sat["ops_per_boundary"]) <= {"0", "1"} and sat["deferred_ops"] > 0, sat
+    assert result["args"]["share"] == 0
     assert result["args"]["nice"] == 0 and "install p50/p99/max ms" in proc.stdout
     assert result["args"]["overlap"] is overlap
     warm = result["warm_up"]  # the store saw the codec's layouts before the measured phases

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import torch
 
@@ -76,10 +77,16 @@ def agree_state(jobs: list, broken: bool, group=None) -> bool:
 
 
 def adopt(pool, group=None) -> int:
-    """Collect results, install the agreed ready jobs, then apply backpressure (see
-    MosaicKVPool._relieve) if free hot pages fell under the watermark. Returns pages installed."""
+    """One step boundary: install the first agreed ready job, apply backpressure (see
+    MosaicKVPool._relieve) if free hot pages fell under the watermark, then let the client read
+    results and fill slots within the boundary's budget (budget.py). Returns pages installed.
+
+    One job per boundary (a decode job is one page): how many is decided without the clock, so
+    every rank installs the same; its time counts against the budget, so the loads and copies
+    after it wait for a later boundary when it took the step's share."""
     client = pool.daemon
-    client.collect()
+    client.budget.open()
+    client.check()
     jobs = client.open_jobs()
     if agree_state(jobs, client.broken, group) and not client.broken:
         client.broken = True
@@ -88,10 +95,10 @@ def adopt(pool, group=None) -> int:
                      "so every rank switches the same pages at the same step")
     installed = 0
     agreed = [job for job, ok in zip(jobs, agree([job.ready for job in jobs], group)) if ok]
-    # In request order: a job whose earlier pages are still on their way waits (installable),
-    # and may become installable within this loop once the job before it is in.
-    while job := next((j for j in agreed if pool.installable(j)), None):
-        agreed.remove(job)
+    # In request order: a job whose earlier pages are still on their way waits (installable).
+    job = next((j for j in agreed if pool.installable(j)), None)
+    if job is not None:
+        t = time.perf_counter()
         if job.error is not None:
             client.counters.sync_seals_fallback += len(job.pages)
             installed += pool._finish(job, None)
@@ -99,6 +106,7 @@ def adopt(pool, group=None) -> int:
             n = pool._finish(job, job.results)
             client.counters.adopted_pages += n
             installed += n
+        client.budget.spent("install", time.perf_counter() - t, len(job.pages))
     if client.broken:  # restarting did not help: seal what is left here (logged by the client)
         while open_jobs := client.open_jobs():
             job = next((j for j in open_jobs if pool.installable(j)), open_jobs[0])
@@ -107,7 +115,6 @@ def adopt(pool, group=None) -> int:
             installed += pool._finish(job, None)
     watermark = math.ceil(pool.cfg.daemon_hot_watermark * pool.num_hot_pages)
     pool._relieve(watermark)
-    client.pump()
+    client.collect()
     pool.swaps.flush(_rank(group))
     return installed
-

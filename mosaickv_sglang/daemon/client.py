@@ -1,11 +1,12 @@
 """Scheduler side of the recompression daemon: jobs, slots, workers, liveness.
 
 A job is a group of full pages of one basis block, with the block's bases or none (the worker
-fits them). The client copies the pages' K/V from the hot buffer into free shared-memory slots,
-sends the job to the least loaded worker and, at each `collect()` (the scheduler's step
-boundary), reads finished pages without ever blocking: results are in shared memory and the pipe
-is polled with a zero timeout. The pool decides what to do with ready jobs (adopt.py); the
-client only moves data and keeps workers alive:
+fits them). At each step boundary (`collect()`) the client copies waiting jobs' pages from the
+hot buffer into free shared-memory slots, sends them to the least loaded worker, and reads
+finished pages without ever blocking: results are in shared memory and the pipe is polled with
+a zero timeout. Both the reads and the copies run only while the boundary's time budget allows
+(budget.py), so their cost is spread over steps. The pool decides what to do with ready jobs
+(adopt.py); the client only moves data and keeps workers alive:
 
 * a worker that exited, broke its pipe, or has work and no heartbeat for ``daemon_timeout_s``
   is killed and restarted; its unfinished jobs are sent again from the same slots (their pages
@@ -34,6 +35,7 @@ import torch
 from ..codec.arena import ArenaPage
 from ..codec.seal import BasisPair, SealedPage
 from ..config import MosaicConfig
+from .budget import BoundaryBudget
 from .channel import Channel, ChannelSpec, load
 
 logger = logging.getLogger(__name__)
@@ -41,14 +43,6 @@ logger = logging.getLogger(__name__)
 STARTUP_S = 300.0  # a new worker may take this long to import torch before it first beats
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
 LATENCY_SAMPLES = 4096
-# Finished pages read per step boundary, over all workers (taken in turn): reading one costs the
-# scheduler thread a copy of its bytes (and, for the per-tensor results that are not arena-ready,
-# an unpickle of ~400 tensor views: ~20 ms for 2 reads on the H200 host before views became one
-# as_strided each), and adopting it a copy into the arena, so a burst is spread over steps. One
-# page per step is still above what the workers finish (6-14 pages/s on 12 cores vs 10-40
-# steps/s); a backlog waits in the hot buffer (backpressure bounds it).
-LOADS_PER_STEP = 1
-
 
 @dataclass
 class Job:
@@ -62,7 +56,12 @@ class Job:
     needs: list[int] = field(default_factory=list)  # pages to be sealed first (pool.installable)
     slots: list[int] = field(default_factory=list)
     worker: int = -1
-    event: object = None  # CUDA event after the copies into the slots
+    # CUDA events: after the K/V writes that filled the pages (recorded at submit, on the
+    # forward's stream; the boundary's copy out of the hot buffer may run on another stream that
+    # is not ordered after that forward, e.g. SGLang's scheduler stream behind a decode graph's
+    # early read-done event), and after the copies into the slots
+    written: object = None
+    event: object = None
     results: list[ArenaPage | SealedPage | None] = field(default_factory=list)
     error: str | None = None
     cancelled: bool = False
@@ -122,8 +121,10 @@ class DaemonClient:
         self.releasing: deque[tuple[object, list[int]]] = deque()  # (event, slots)
         self.counters = DaemonCounters()
         self.latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self.budget = BoundaryBudget(cfg.daemon_boundary_share)
         self._next_id = 0
         self._first_worker = -1  # collect() starts one worker further each boundary
+        self._dead: dict[int, str] = {}  # worker index -> why, restarted by the next check()
         self._restart_times: deque[float] = deque()
         self.broken = False
         self.workers = [self._spawn(i) for i in range(cfg.daemon_workers)]
@@ -206,21 +207,25 @@ class DaemonClient:
     def submit(self, pages: list[int], gens: list[int], positions: list[int], first: int,
                bases: BasisPair | None, needs: list[int] = ()) -> Job:
         job = Job(self._next_id, pages, gens, positions, first, bases, bases is not None,
-                  list(needs))
+                  list(needs), written=_record(self.device))
         self._next_id += 1
         self.open[job.id] = job
-        self.waiting.append(job)
+        self.waiting.append(job)  # copied into slots at a step boundary (pump)
         self.counters.submitted_pages += len(pages)
-        self.pump()
         return job
 
     def pump(self) -> None:
-        """Copy waiting jobs into free slots (FIFO), then send those whose copies are done."""
+        """Copy waiting jobs into free slots (FIFO) while the boundary's budget allows, then send
+        those whose copies are done."""
         while self.releasing and _done(self.releasing[0][0]):
             self.free_slots.extend(self.releasing.popleft()[1])
-        while self.waiting and len(self.free_slots) >= len(self.waiting[0].pages):
+        while (self.waiting and len(self.free_slots) >= len(self.waiting[0].pages)
+               and self.budget.allows("pump", len(self.waiting[0].pages))):
+            t = time.perf_counter()
             job = self.waiting.popleft()
             job.slots = [self.free_slots.popleft() for _ in job.pages]
+            if job.written is not None:
+                torch.cuda.current_stream(self.device).wait_event(job.written)
             for page, slot in zip(job.pages, job.slots):
                 self.copy_page(page, self.channel.kv(slot))
             if job.bases is not None:  # all layers' K and V bases: one stack, one copy
@@ -229,6 +234,7 @@ class DaemonClient:
                     non_blocking=True)
             job.event = _record(self.device)
             self.copying.append(job)
+            self.budget.spent("pump", time.perf_counter() - t, len(job.pages))
         while self.copying and _done(self.copying[0].event):
             job = self.copying.popleft()
             if job.cancelled:
@@ -265,29 +271,37 @@ class DaemonClient:
         return list(self.open.values())
 
     # ---- results --------------------------------------------------------------------------
+    def check(self) -> None:
+        """Restart dead/hung workers (and those whose pipe broke in the last collect). Runs first
+        in a boundary, before the ranks agree, so a daemon marked broken here is known to every
+        rank (agree_state) before any of them seals another page."""
+        for w in list(self.workers):
+            why = self._dead.pop(w.index, None) or self._alive(w)
+            if why is not None:
+                self._restart(w, why)
+
     def collect(self) -> None:
-        """Non-blocking: restart dead/hung workers, read up to LOADS_PER_STEP finished pages
-        (workers taken in turn, starting one further each boundary: none is starved)."""
-        budget = LOADS_PER_STEP
+        """Non-blocking: read finished pages while the boundary's budget allows (workers taken in
+        turn, starting one further each boundary: none is starved), then pump."""
         n = len(self.workers)
         self._first_worker = (self._first_worker + 1) % max(n, 1)
         for w in [self.workers[(self._first_worker + i) % n] for i in range(n)]:
-            why = self._alive(w)
-            if why is None:
-                why, budget = self._drain(w, budget)
-            if why is not None:
-                self._restart(self.workers[w.index], why)
+            if w.index not in self._dead:
+                why = self._drain(w)
+                if why is not None:
+                    self._dead[w.index] = why
         self.pump()
 
-    def _drain(self, w: _Worker, budget: int) -> tuple[str | None, int]:
-        """Read up to `budget` results of one worker -> (why it is broken or None, budget left)."""
+    def _drain(self, w: _Worker) -> str | None:
+        """Read one worker's results while the budget allows -> why it is broken, or None."""
         try:
-            while budget and w.results_conn.poll(0):
+            while w.results_conn.poll(0) and self.budget.allows("load"):
+                t = time.perf_counter()
                 self._handle(w, w.results_conn.recv())
-                budget -= 1
+                self.budget.spent("load", time.perf_counter() - t)
         except (EOFError, OSError) as exc:
-            return f"result pipe closed ({type(exc).__name__})", budget
-        return None, budget
+            return f"result pipe closed ({type(exc).__name__})"
+        return None
 
     def _handle(self, w: _Worker, msg: dict) -> None:
         job = self.inflight.get(msg["id"])
@@ -345,7 +359,8 @@ class DaemonClient:
                 f"adopted {c.adopted_pages} (read arena-ready {c.arena_ready_pages}, per tensor "
                 f"{c.per_tensor_pages}), discarded {c.discarded_pages}, backpressure seals "
                 f"{c.sync_seals_backpressure}, fallback seals {c.sync_seals_fallback}, restarts "
-                f"{c.restarts}, page p99 {'-' if p99 is None else f'{p99 * 1e3:.0f} ms'}")
+                f"{c.restarts}, page p99 {'-' if p99 is None else f'{p99 * 1e3:.0f} ms'}, "
+                f"boundary operations deferred {self.budget.deferred}")
 
     def stats(self) -> dict:
         lat = sorted(self.latencies)
@@ -361,6 +376,7 @@ class DaemonClient:
             "ready_pages": sum(len(j.pages) for j in self.open.values() if j.ready),
             "free_slots": len(self.free_slots), "slots": self.channel.spec.slots,
             "page_seconds_p50": q(0.5), "page_seconds_p99": q(0.99),
+            "boundary": self.budget.stats(),
             **self.counters.__dict__,
         }
 

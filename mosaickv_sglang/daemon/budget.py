@@ -1,0 +1,65 @@
+"""How much scheduler-thread time one step boundary may spend on the daemon.
+
+Adopting a page costs the scheduler thread three separate operations (on the H200 host, ~0.5-0.8
+ms each): reading the worker's result out of its slot (`load`), installing it into the arena
+(`install`), and copying a new hot page into a slot (`pump`). Done together in one boundary
+they add ~2 ms to that step: at a 26 ms host-bound step the p99 step grew 1.07-1.14x with the
+daemon saturated (RESULTS.md, session 9). A boundary now runs operations only while they fit in
+`share` of the step period (the running mean of the time between boundaries), predicting each
+operation's cost from its running mean, so the work of a page is spread over consecutive steps.
+The first operation of a boundary always runs: the daemon never starves, and when the loop spins
+idle (tiny periods) it does one operation per iteration.
+
+The budget only gates work local to this rank (loads and pumps). Installs change what every
+tensor-parallel rank reads, so how many happen is decided without the clock (adopt.py: one
+job per boundary); their time is counted here so the local work after them yields.
+"""
+from __future__ import annotations
+
+import time
+
+EMA = 0.2  # weight of the newest sample in the running means
+
+
+class BoundaryBudget:
+    def __init__(self, share: float):
+        self.share = share
+        self.period: float | None = None  # running mean of the time between boundaries (s)
+        self.cost: dict[str, float] = {}  # operation -> running mean of its time per page (s)
+        self.started: float | None = None
+        self.ops = 0  # operations run in the current boundary
+        self.deferred = 0  # operations left to a later boundary because the budget was spent
+
+    def open(self) -> None:
+        """A boundary starts: its clock, and one more sample of the step period."""
+        now = time.perf_counter()
+        if self.started is not None:
+            self.period = _mean(self.period, now - self.started)
+        self.started, self.ops = now, 0
+
+    def allows(self, op: str, pages: int = 1) -> bool:
+        """May `op` on `pages` pages run now? Always the boundary's first operation; later ones
+        only when the time spent so far plus the predicted cost stays within the budget (a
+        refusal is counted: the operation waits for a later boundary)."""
+        if self.ops == 0 or self.started is None:
+            return True
+        elapsed = time.perf_counter() - self.started
+        predicted = self.cost.get(op, 0.0) * pages
+        if self.period is not None and elapsed + predicted <= self.share * self.period:
+            return True
+        self.deferred += 1
+        return False
+
+    def spent(self, op: str, seconds: float, pages: int = 1) -> None:
+        self.cost[op] = _mean(self.cost.get(op), seconds / max(pages, 1))
+        self.ops += 1
+
+    def stats(self) -> dict:
+        return {"boundary_share": self.share,
+                "step_period_ms": None if self.period is None else self.period * 1e3,
+                "page_cost_ms": {op: s * 1e3 for op, s in self.cost.items()},
+                "deferred_ops": self.deferred}
+
+
+def _mean(old: float | None, sample: float) -> float:
+    return sample if old is None else (1 - EMA) * old + EMA * sample

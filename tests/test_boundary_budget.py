@@ -1,0 +1,59 @@
+"""The step boundary's time budget for daemon work (daemon/budget.py), on a fake clock."""
+import pytest
+
+from mosaickv_sglang.daemon import budget as budget_mod
+from mosaickv_sglang.daemon.budget import BoundaryBudget
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(budget_mod.time, "perf_counter", lambda: now[0])
+    return now
+
+
+def run(b, clock, op, seconds, pages=1):
+    clock[0] += seconds
+    b.spent(op, seconds, pages)
+
+
+def test_first_operation_always_runs_later_ones_only_within_the_share(clock):
+    b = BoundaryBudget(share=0.04)
+    b.open()
+    assert b.allows("load")  # first boundary: no period known yet, the first op still runs
+    run(b, clock, "load", 0.001)
+    assert not b.allows("pump") and b.deferred == 1  # no period yet: nothing more
+    clock[0] = 0.100
+    b.open()  # period 100 ms -> 4 ms budget
+    assert b.period == pytest.approx(0.100)
+    assert b.allows("load")
+    run(b, clock, "load", 0.0015)
+    assert b.allows("load")  # 1.5 + ~1.2 (mean) <= 4
+    run(b, clock, "load", 0.0015)
+    assert not b.allows("load")  # 3.0 + 1.3 > 4
+    assert b.deferred == 2
+
+
+def test_share_zero_is_one_operation_per_boundary(clock):
+    b = BoundaryBudget(share=0.0)
+    for step in range(3):
+        clock[0] = 0.030 * step
+        b.open()
+        assert b.allows("install")
+        run(b, clock, "install", 0.0001)
+        assert not b.allows("load") and not b.allows("pump")
+    assert b.deferred == 6
+
+
+def test_cost_is_predicted_per_page(clock):
+    b = BoundaryBudget(share=0.1)
+    b.open()
+    clock[0] = 0.100
+    b.open()  # 10 ms budget
+    run(b, clock, "pump", 0.004, pages=2)  # 2 ms a page
+    assert b.cost["pump"] == pytest.approx(0.002)
+    assert b.allows("pump", pages=2)  # 4 + 4 <= 10
+    assert not b.allows("pump", pages=4)  # 4 + 8 > 10
+    st = b.stats()
+    assert st["page_cost_ms"]["pump"] == pytest.approx(2.0) and st["deferred_ops"] == 1
+    assert st["step_period_ms"] == pytest.approx(100.0)
