@@ -7,11 +7,16 @@ and installed into a SegmentStore on --device, timed over --reps:
   `install_pages` (what every daemon result took before results came arena-ready);
 * arena_ready: the page as `pack_page` makes it in the worker, installed by `SegmentStore.adopt`.
 
+Then the third operation a daemon page costs the scheduler thread: the boundary's copy of a hot
+page (every layer's K/V, from a pool-like hot buffer through the pool's `page_kv`) and its bases
+into a real shared-memory slot (pinned on CUDA), `client.fill_slots`; host time only, the device
+synchronized after it. --profile prints the torch ops with the most host time per operation.
+
 Both stores must end up with the same arena bytes, header rows (but the base) and page metadata
 (checked on every rep; the test suite checks the same through the pool on the CPU).
 daemon_bench.py measures the same cost inside the step loop, with workers competing for cores.
 
-    python benchmarks/adopt_bench.py --device cuda --reps 50
+    python benchmarks/adopt_bench.py --device cuda --reps 50 [--profile]
 """
 from __future__ import annotations
 
@@ -22,13 +27,15 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from mosaickv_sglang.codec.arena import HDR, META_FIELDS, pack_page
 from mosaickv_sglang.codec.layer import Candidates
-from mosaickv_sglang.codec.seal import seal_group, worst_page_bytes
+from mosaickv_sglang.codec.seal import page_kv, seal_group, worst_page_bytes
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
-from mosaickv_sglang.daemon.channel import dump, load
+from mosaickv_sglang.daemon.channel import Channel, ChannelSpec, dump, load
+from mosaickv_sglang.daemon.client import fill_slots
 from mosaickv_sglang.segment_store import SegmentStore
 
 SHAPES = {"small": (4, 2, 64), "llama8b": (32, 8, 128)}  # layers, KV heads, head_dim
@@ -40,6 +47,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", type=Path, help="also write the medians here")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the torch ops with the most host time in each timed operation")
     args = ap.parse_args()
     torch.set_num_threads(1)  # the scheduler thread
     layers, heads, head_dim = SHAPES[args.shape]
@@ -60,23 +69,24 @@ def main() -> None:
         store = stores[name] = SegmentStore(layers, 2, heads, head_dim, tokens, cfg.page_tokens,
                                             args.device, cfg.select.meta_channels, capacity)
         loads, installs = [], []
-        for rep in range(args.reps + 1):  # rep 0: warm-up
-            sync()
-            t0 = time.perf_counter()
-            got = load(region, off, n, {"bases": page.bases}, args.device)
-            sync()
-            t1 = time.perf_counter()
-            if name == "per_tensor":
-                store.install_pages([1], [got.segments])
-            elif store.adopt(1, got) is None:
-                raise RuntimeError("adopt_bench: the store has no room for one page")
-            sync()
-            t2 = time.perf_counter()
-            if rep:
-                loads.append((t1 - t0) * 1e3)
-                installs.append((t2 - t1) * 1e3)
-            if rep < args.reps:
-                store.release(1)
+        with profiled(args.profile, f"{name} load + install"):
+            for rep in range(args.reps + 1):  # rep 0: warm-up
+                sync()
+                t0 = time.perf_counter()
+                got = load(region, off, n, {"bases": page.bases}, args.device)
+                sync()
+                t1 = time.perf_counter()
+                if name == "per_tensor":
+                    store.install_pages([1], [got.segments])
+                elif store.adopt(1, got) is None:
+                    raise RuntimeError("adopt_bench: the store has no room for one page")
+                sync()
+                t2 = time.perf_counter()
+                if rep:
+                    loads.append((t1 - t0) * 1e3)
+                    installs.append((t2 - t1) * 1e3)
+                if rep < args.reps:
+                    store.release(1)
         out[name] = (statistics.median(loads), statistics.median(installs))
         print(f"{name}: {off / 1e6:.2f} MB of tensors + {n / 1e3:.1f} KB pickled; per page, "
               f"median of {args.reps} ms: load {out[name][0]:.2f}, install {out[name][1]:.2f}, "
@@ -92,11 +102,64 @@ def main() -> None:
             assert torch.equal(getattr(a.meta[layer], f)[1], getattr(b.meta[layer], f)[1]), f
     print(f"device {args.device}, shape {args.shape}: both paths stored the same bytes; "
           f"arena_ready/per_tensor total {sum(out['arena_ready']) / sum(out['per_tensor']):.3f}")
+    pump = pump_ms(args, cfg, layers, heads, head_dim, page.bases, sync)
+    print(f"pump (a hot page and its bases into a slot{', pinned' if pump['pinned'] else ''}): "
+          f"host ms median {pump['median']:.2f}, max {pump['max']:.2f}")
     if args.json:
         args.json.write_text(json.dumps({
             "device": args.device, "shape": args.shape, "reps": args.reps, "same_bytes": True,
-            "median_ms": {n: {"load": ld, "install": ins} for n, (ld, ins) in out.items()}},
-            indent=2) + "\n")
+            "median_ms": {n: {"load": ld, "install": ins} for n, (ld, ins) in out.items()},
+            "pump_host_ms": pump}, indent=2) + "\n")
+
+
+def pump_ms(args, cfg: MosaicConfig, layers: int, heads: int, head_dim: int, bases,
+            sync) -> dict:
+    """Host time of filling one slot as the boundary does: a hot page through `page_kv` (a
+    pool-like hot buffer of 4 pages, one tensor per layer and kind) and the page's bases."""
+    tokens = cfg.segment_tokens
+    k_buffer, v_buffer = ([torch.randn(4 * tokens, heads, head_dim, device=args.device,
+                                       dtype=torch.bfloat16) for _ in range(layers)]
+                          for _ in range(2))
+    copy_page = lambda page, dst: dst.copy_(  # noqa: E731  (as MosaicKVPool._copy_page)
+        page_kv(k_buffer, v_buffer, page, tokens), non_blocking=True)
+    channel = Channel.create(ChannelSpec(layers, heads, head_dim, tokens, "bfloat16", 2, 1,
+                                         1 << 16))
+    pinned = args.device.startswith("cuda") and channel.pin()
+    bases = type(bases)([b.to(args.device) for b in bases.k], [b.to(args.device) for b in bases.v])
+    times = []
+    try:
+        with profiled(args.profile, "pump"):
+            for rep in range(args.reps + 1):
+                sync()
+                t0 = time.perf_counter()
+                fill_slots(channel, copy_page, [rep % 4], [rep % 2], bases)
+                t1 = time.perf_counter()
+                sync()
+                if rep:
+                    times.append((t1 - t0) * 1e3)
+    finally:
+        channel.close(unlink=True)
+    return {"median": statistics.median(times), "max": max(times), "pinned": bool(pinned)}
+
+
+class profiled:
+    """torch.profiler over a block (when on): prints the 10 ops with the most host self time."""
+
+    def __init__(self, on: bool, what: str):
+        self.prof = profile(activities=[ProfilerActivity.CPU]) if on else None
+        self.what = what
+
+    def __enter__(self):
+        if self.prof is not None:
+            self.prof.__enter__()
+
+    def __exit__(self, *exc):
+        if self.prof is None:
+            return
+        self.prof.__exit__(*exc)
+        top = sorted(self.prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
+        print(f"  profile of {self.what}: " + ", ".join(
+            f"{e.key} {e.count}x {e.self_cpu_time_total / 1e3:.1f} ms" for e in top))
 
 
 if __name__ == "__main__":

@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # On the H200 device machine, from the repo root; needs only torch + Triton (nothing carried).
-# Issue 5 in one call: daemon_bench at the Llama-8B shape (12 workers at nice 19, 32 slots,
+# Issue 5 in one call: adopt_bench (what each of a page's three boundary operations costs the
+# scheduler thread on CUDA: load, install, pump; --profile: the torch ops behind them), then
+# daemon_bench at the Llama-8B shape (12 workers at nice 19, 32 slots,
 # DAEMON_STEPS steps per phase), step time with the daemon idle vs saturated (p50/p99), pages/s,
 # the boundary's operations, each run alone on the GPU and the host cores:
 #   * 30 ms step, boundary after the step's device work (host-bound: the strict case), with the
 #     default boundary share and with share 0.99 (nearly unbudgeted: the boundary reads and copies
 #     all it can, as before the budget) side by side;
 #   * 30 ms overlapped with the step's device work (SGLang's default overlap loop);
-#   * 60 ms strict (the order of a MosaicKV step at 3 x 128K, session 8).
-# JSON per run and one log under $OUT; prints each run's table last. Env: DAEMON_LIMIT_S (150),
+#   * 60 ms strict, default share and 0.99 (the order of a MosaicKV step at 3 x 128K, session 8).
+# JSON per run, adopt_bench's JSON and log, and one daemon log under $OUT; prints each run's table last. Env: DAEMON_LIMIT_S (150),
 # DAEMON_STEPS (400), SHARE (the config default).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 source scripts/device_env.sh > "$OUT/env.log" 2>&1 || { tail -5 "$OUT/env.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+timeout "${ADOPT_LIMIT_S:-90}" python3 benchmarks/adopt_bench.py --device cuda --reps 50 --profile \
+    --json "$OUT/adopt_bench.json" > "$OUT/adopt_bench.log" 2>&1
+echo "adopt bench rc $?"
 share=${SHARE:-$(python3 -c 'from mosaickv_sglang.config import MosaicConfig as C; print(C.daemon_boundary_share)')}
 # (step ms, mode, boundary share)
-runs=("30 strict $share" "30 strict 0.99" "30 overlap $share" "60 strict $share")
+runs=("30 strict $share" "30 strict 0.99" "30 overlap $share" "60 strict $share" "60 strict 0.99")
 for run in "${runs[@]}"; do
   read -r ms mode sh <<< "$run"
   name=daemon_${mode}_${ms}ms_share${sh}
@@ -28,6 +33,7 @@ for run in "${runs[@]}"; do
   echo "daemon bench step $ms ms $mode share $sh rc $?"
   cat "$OUT/$name.log" >> "$OUT/daemon.log" && rm "$OUT/$name.log"
 done
+grep -v -i warn "$OUT/adopt_bench.log" | tail -8
 for run in "${runs[@]}"; do
   read -r ms mode sh <<< "$run"
   echo "== daemon_${mode}_${ms}ms_share${sh}"

@@ -62,7 +62,9 @@ class ChannelSpec:
         return (self.layers, 2, self.heads, self.tokens, self.head_dim)
 
     def bases_shape(self) -> tuple[int, ...]:
-        return (self.layers, 2, self.heads, self.head_dim, self.head_dim)
+        """[2 (K, V), layers, H, D, D]: every layer's K bases then V bases, so a BasisPair goes
+        in with one stack (one concatenation of its 2L tensors) and one copy."""
+        return (2, self.layers, self.heads, self.head_dim, self.head_dim)
 
     def kv_bytes(self) -> int:
         return _numel(self.kv_shape()) * _dtype(self.dtype).itemsize

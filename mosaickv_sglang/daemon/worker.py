@@ -65,7 +65,7 @@ class Worker:
 
     def run(self, job: dict) -> None:
         """Seal the job's pages; one result message per page, as soon as it is done."""
-        slots, layers = job["slots"], self.channel.spec.layers
+        slots = job["slots"]
 
         t0 = time.perf_counter()
         if job["fit"]:
@@ -74,7 +74,7 @@ class Worker:
             del kv
         else:
             b = self.channel.bases(slots[0])
-            bases = BasisPair([b[i, 0] for i in range(layers)], [b[i, 1] for i in range(layers)])
+            bases = BasisPair(list(b[0].unbind(0)), list(b[1].unbind(0)))
         write = write_transforms(bases)  # once per job, however many pages it seals
         for i, position in enumerate(job["positions"]):
             kv = self.channel.kv(slots[i])[None]  # one page at a time: each result goes out
