@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=30.0)
     ap.add_argument("--pages-per-step", type=float, default=1.0)
     ap.add_argument("--max-pending", type=int, default=128, help="hot-buffer bound (pages)")
+    ap.add_argument("--hot-pages", type=int, default=1024,
+                    help="the stand-in pool's hot buffer (pages); free = this - pending pages")
     ap.add_argument("--store-pages", type=int, default=64,
                     help="arena pages adopted pages are installed into (oldest released)")
     ap.add_argument("--fit-every", type=int, default=32, help="one basis fit per this many pages")
@@ -249,13 +251,28 @@ def main() -> None:
             bases = job.bases  # later pages of the block reuse them
         return len(job.pages)
 
-    # what adopt() uses of MosaicKVPool: installs into the store above, every job installable
-    # (one page each, no request order), no backpressure (pages over --max-pending are dropped
-    # before submitting), no swap log
-    pool = SimpleNamespace(daemon=client, cfg=cfg, num_hot_pages=args.max_pending,
-                           installable=lambda job: True, _finish=lambda job, results: install(job),
-                           _relieve=lambda want_free: 0,
-                           swaps=SimpleNamespace(flush=lambda rank: None))
+    class BenchPool:
+        """What adopt() uses of MosaicKVPool: installs into the store above, every job
+        installable (one page each, no request order), no backpressure (pages over
+        --max-pending are dropped before submitting), no swap log, and a hot buffer of
+        --hot-pages of which the pending pages are taken (large by default: the boundary
+        budget stays on; within twice the watermark adopt() lifts it, as in the server)."""
+        daemon, num_hot_pages = client, args.hot_pages
+        swaps = SimpleNamespace(flush=lambda rank: None)
+        installable = staticmethod(lambda job: True)
+        _relieve = staticmethod(lambda want_free: 0)
+
+        def __init__(self):
+            self.cfg = cfg
+
+        @property
+        def free_hot_pages(self):
+            return range(max(0, args.hot_pages - sum(len(j.pages) for j in client.open_jobs())))
+
+        def _finish(self, job, results):
+            return install(job)
+
+    pool = BenchPool()
     work = Work(device, args.step_ms)
     bases = None
     state = {"page": 0, "credit": 0.0, "dropped": 0, "done": 0, "installed": 0}
@@ -286,7 +303,7 @@ def main() -> None:
         steps, bounds, submits, parts, ops = [], [], [], [], []
         page_loads, page_installs = [], []  # ms per adopted page: read + unpickle, install
         done0, busy0 = state["done"], client.counters.worker_seconds
-        deferred0 = client.budget.deferred
+        deferred0, unbounded0 = client.budget.deferred, client.budget.unbounded_boundaries
         t_start = time.perf_counter()
         for _ in range(args.steps):
             t = time.perf_counter()
@@ -315,6 +332,7 @@ def main() -> None:
                 "slowest_1pct_boundary_ms": slowest_breakdown(bounds, parts),
                 "ops_per_boundary": {str(n): ops.count(n) for n in sorted(set(ops))},
                 "deferred_ops": client.budget.deferred - deferred0,
+                "unbounded_boundaries": client.budget.unbounded_boundaries - unbounded0,
                 # the scheduler thread's cost of adopting one page: its read out of the slot
                 # (copy + unpickle) and its install into the store (arena, headers, metadata)
                 "adopt_page_ms": {"load": quantiles(page_loads) if page_loads else None,

@@ -57,3 +57,15 @@ def test_cost_is_predicted_per_page(clock):
     st = b.stats()
     assert st["page_cost_ms"]["pump"] == pytest.approx(2.0) and st["deferred_ops"] == 1
     assert st["step_period_ms"] == pytest.approx(100.0)
+
+
+def test_a_lifted_boundary_runs_everything_and_is_counted(clock):
+    b = BoundaryBudget(share=0.0)
+    b.open()
+    b.lift()
+    run(b, clock, "install", 0.001)
+    assert b.allows("load") and b.allows("pump", pages=8)
+    b.open()  # the next boundary is budgeted again unless lifted again
+    run(b, clock, "install", 0.001)
+    assert not b.allows("load")
+    assert b.stats()["unbounded_boundaries"] == 1

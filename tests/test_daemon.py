@@ -252,6 +252,21 @@ def test_a_step_boundary_spreads_daemon_work_over_steps(pools):
     assert client.stats()["boundary"]["deferred_ops"] > 0
 
 
+def test_a_low_hot_buffer_lifts_the_boundary_budget(pools):
+    """Within twice the watermark of free hot pages a boundary copies (and reads) all it can even
+    with no share to spend: spreading the work would bring an inline seal closer."""
+    a = pools("process", daemon_workers=2, daemon_boundary_share=0.0, daemon_hot_watermark=0.45)
+    for r in range(2):  # 6 of 25 hot pages taken: 19 free, watermark 12, so below 2 x 12
+        slots = torch.arange((1 + 4 * r) * PS, (4 + 4 * r) * PS)
+        write(a, slots, seed=r)
+        a.seal_request(slots, len(slots))
+    assert a.adopt() == 0 and not a.sealed  # nothing sealed inline: 19 >= 12 free
+    assert len(a.daemon.inflight) == 2 and a.daemon.budget.ops == 2  # both jobs in one boundary
+    assert a.daemon.stats()["boundary"]["unbounded_boundaries"] == 1
+    settle(a)
+    assert len(a.sealed) == 6 and a.daemon.counters.sync_seals_backpressure == 0
+
+
 def test_freed_page_result_is_discarded_not_installed(pools):
     a = pools("process")
     slots = torch.arange(PS, 3 * PS)  # pages 1, 2

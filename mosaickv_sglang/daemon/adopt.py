@@ -79,7 +79,8 @@ def agree_state(jobs: list, broken: bool, group=None) -> bool:
 def adopt(pool, group=None) -> int:
     """One step boundary: install the first agreed ready job, apply backpressure (see
     MosaicKVPool._relieve) if free hot pages fell under the watermark, then let the client read
-    results and fill slots within the boundary's budget (budget.py). Returns pages installed.
+    results and fill slots within the boundary's budget (budget.py; without it while the hot
+    buffer is low). Returns pages installed.
 
     One job per boundary (a decode job is one page): how many is decided without the clock, so
     every rank installs the same; its time counts against the budget, so the loads and copies
@@ -115,6 +116,10 @@ def adopt(pool, group=None) -> int:
             installed += pool._finish(job, None)
     watermark = math.ceil(pool.cfg.daemon_hot_watermark * pool.num_hot_pages)
     pool._relieve(watermark)
+    # Hot buffer within twice the watermark: read and copy all that is there, unbudgeted
+    # (counted): spreading the work would bring the next inline seal (0.5-1 s) closer.
+    if len(pool.free_hot_pages) < 2 * watermark:
+        client.budget.lift()
     client.collect()
     pool.swaps.flush(_rank(group))
     return installed

@@ -10,6 +10,9 @@ operation's cost from its running mean, so the work of a page is spread over con
 The first operation of a boundary always runs: the daemon never starves, and when the loop spins
 idle (tiny periods) it does one operation per iteration.
 
+While the hot buffer runs low (`unbounded`, set by adopt.py) the budget steps aside: a page not
+adopted soon enough is sealed inline by backpressure, which costs a step 0.5-1 s, not 1 ms.
+
 The budget only gates work local to this rank (loads and pumps). Installs change what every
 tensor-parallel rank reads, so how many happen is decided without the clock (adopt.py: one
 job per boundary); their time is counted here so the local work after them yields.
@@ -29,6 +32,8 @@ class BoundaryBudget:
         self.started: float | None = None
         self.ops = 0  # operations run in the current boundary
         self.deferred = 0  # operations left to a later boundary because the budget was spent
+        self.unbounded = False  # this boundary runs whatever there is (hot buffer low)
+        self.unbounded_boundaries = 0
 
     def open(self) -> None:
         """A boundary starts: its clock, and one more sample of the step period."""
@@ -36,6 +41,7 @@ class BoundaryBudget:
         if self.started is not None:
             self.period = _mean(self.period, now - self.started)
         self.started, self.ops = now, 0
+        self.unbounded = False
 
     def allows(self, op: str, pages: int = 1) -> bool:
         """May `op` on `pages` pages run now? Always the boundary's first operation; later ones
@@ -43,12 +49,19 @@ class BoundaryBudget:
         refusal is counted: the operation waits for a later boundary)."""
         if self.ops == 0 or self.started is None:
             return True
+        if self.unbounded:
+            return True
         elapsed = time.perf_counter() - self.started
         predicted = self.cost.get(op, 0.0) * pages
         if self.period is not None and elapsed + predicted <= self.share * self.period:
             return True
         self.deferred += 1
         return False
+
+    def lift(self) -> None:
+        """This boundary runs whatever there is (the hot buffer is low; counted)."""
+        self.unbounded = True
+        self.unbounded_boundaries += 1
 
     def spent(self, op: str, seconds: float, pages: int = 1) -> None:
         self.cost[op] = _mean(self.cost.get(op), seconds / max(pages, 1))
@@ -58,7 +71,7 @@ class BoundaryBudget:
         return {"boundary_share": self.share,
                 "step_period_ms": None if self.period is None else self.period * 1e3,
                 "page_cost_ms": {op: s * 1e3 for op, s in self.cost.items()},
-                "deferred_ops": self.deferred}
+                "deferred_ops": self.deferred, "unbounded_boundaries": self.unbounded_boundaries}
 
 
 def _mean(old: float | None, sample: float) -> float:
