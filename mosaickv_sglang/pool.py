@@ -355,9 +355,14 @@ class MosaicKVPool(MHATokenToKVPool):
         return gather_pages(self.k_buffer, self.v_buffer, self.hot_page_of[pages], self.page_size)
 
     def _copy_page(self, page: int, dst: torch.Tensor) -> None:
-        """A hot page's K/V, all layers, into a daemon slot [layers, 2, H, S, D] in one copy."""
-        dst.copy_(page_kv(self.k_buffer, self.v_buffer, int(self.hot_page_of[page]),
-                          self.page_size), non_blocking=True)
+        """A hot page's K/V, all layers, into a daemon slot [layers, 2, H, S, D] in one copy.
+        A page freed since it was submitted (its result will be discarded: generation) is sent
+        as zeros, which add nothing to a basis fit over its job's other pages."""
+        hot = int(self.hot_page_of[page])
+        if hot < 0:
+            dst.zero_()
+            return
+        dst.copy_(page_kv(self.k_buffer, self.v_buffer, hot, self.page_size), non_blocking=True)
 
     def _install(self, pages: list[int], sealed: list[SealedPage | ArenaPage]) -> None:
         """The one place sealed pages enter ``self.sealed`` (``release_pages``/``clear`` are the

@@ -4,6 +4,7 @@ in flight, a killed or hung worker, backpressure, and the TP agreement over gloo
 import contextlib
 import gc
 import os
+import random
 import signal
 import time
 from types import SimpleNamespace
@@ -253,8 +254,8 @@ def test_a_step_boundary_spreads_daemon_work_over_steps(pools):
 
 
 def test_a_low_hot_buffer_lifts_the_boundary_budget(pools):
-    """Within twice the watermark of free hot pages a boundary copies (and reads) all it can even
-    with no share to spend: spreading the work would bring an inline seal closer."""
+    """Within twice the watermark of free hot pages a boundary copies, reads and installs all it
+    can even with no share to spend: spreading the work would bring an inline seal closer."""
     a = pools("process", daemon_workers=2, daemon_boundary_share=0.0, daemon_hot_watermark=0.45)
     for r in range(2):  # 6 of 25 hot pages taken: 19 free, watermark 12, so below 2 x 12
         slots = torch.arange((1 + 4 * r) * PS, (4 + 4 * r) * PS)
@@ -263,7 +264,12 @@ def test_a_low_hot_buffer_lifts_the_boundary_budget(pools):
     assert a.adopt() == 0 and not a.sealed  # nothing sealed inline: 19 >= 12 free
     assert len(a.daemon.inflight) == 2 and a.daemon.budget.ops == 2  # both jobs in one boundary
     assert a.daemon.stats()["boundary"]["unbounded_boundaries"] == 1
-    settle(a)
+    deadline = time.time() + 120
+    while a.daemon.counters.worker_pages < 6:  # read (still unbudgeted), nothing installed yet
+        a.daemon.collect()
+        assert time.time() < deadline
+        time.sleep(0.02)
+    assert a.adopt() == 6  # both ready jobs in one boundary, not one per boundary
     assert len(a.sealed) == 6 and a.daemon.counters.sync_seals_backpressure == 0
 
 
@@ -406,6 +412,76 @@ def test_a_later_basis_block_is_not_adopted_before_an_earlier_one(pools):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_random_steps_keep_every_requests_sealed_pages_a_prefix(pools, seed):
+    """Decode-like steps over requests that grow, share prefixes (as the radix tree shares
+    pages), end or are aborted, with a small hot buffer and one worker, so deferred pages,
+    one-install boundaries, backpressure seals and reused pages interleave: after every step
+    each live request reads a prefix of sealed pages (request_view raises otherwise), and once
+    everything is freed no byte or hot page is left."""
+    rng = random.Random(seed)
+    a = pools("process", pages=48, hot_buffer_fraction=0.6, daemon_hot_watermark=0.15,
+              daemon_boundary_share=0.0)
+    deadline = time.time() + 120
+    while float(a.daemon.channel.heartbeats[0]) <= a.daemon.workers[0].spawned_at:
+        assert time.time() < deadline  # the worker is up: results can come back between steps
+        time.sleep(0.1)
+    free = list(range(47, 0, -1))  # logical pages; page 0 is never handed out
+    refs: dict[int, int] = {}
+    live: list[dict] = []  # {"pages": [...], "tokens": n}
+
+    def take() -> int:
+        page = free.pop()
+        refs[page] = 1
+        return page
+
+    def drop(req):
+        gone = []
+        for page in req["pages"]:
+            refs[page] -= 1
+            if not refs[page]:
+                gone.append(page)
+                del refs[page]
+        a.release_pages(gone)
+        free.extend(gone)
+        live.remove(req)
+
+    def slots_of(req):
+        return torch.cat([torch.arange(p * PS, (p + 1) * PS) for p in req["pages"]])[:req["tokens"]]
+
+    for step in range(60):
+        if len(live) < 3 and len(free) > 10:
+            req = {"pages": [], "tokens": 0}
+            donor = rng.choice(live) if live and rng.random() < 0.5 else None
+            if donor is not None and donor["tokens"] >= 2 * PS:  # share its first full pages
+                shared = rng.randrange(1, donor["tokens"] // PS)
+                req["pages"], req["tokens"] = donor["pages"][:shared], shared * PS
+                for page in req["pages"]:
+                    refs[page] += 1
+            live.append(req)
+        for req in list(live):
+            grow = rng.choice([1, 7, PS // 2, PS, 3 * PS])
+            if len(free) < 6 + grow // PS:
+                drop(req)  # out of pages: this request ends
+                continue
+            start = req["tokens"]
+            req["tokens"] += grow
+            while len(req["pages"]) * PS < req["tokens"]:
+                req["pages"].append(take())
+            write(a, slots_of(req)[start:], seed=seed * 1000 + step)
+            a.seal_request(slots_of(req), req["tokens"])
+        if live and rng.random() < 0.15:
+            drop(rng.choice(live))  # aborted mid-run
+        a.adopt()
+        for req in live:
+            a.request_view(0, slots_of(req))
+        time.sleep(0.03)  # a step's time: some results come back, others are still sealing
+    for req in list(live):
+        drop(req)
+    settle(a)
+    assert a.arena_bytes == 0 and len(a.free_hot_pages) == a.num_hot_pages, repro(seed)
+    assert not a.sealed and not a.pending, repro(seed)
 
 
 # --------------------------------------------------------------------------- TP agreement

@@ -82,9 +82,10 @@ def adopt(pool, group=None) -> int:
     results and fill slots within the boundary's budget (budget.py; without it while the hot
     buffer is low). Returns pages installed.
 
-    One job per boundary (a decode job is one page): how many is decided without the clock, so
-    every rank installs the same; its time counts against the budget, so the loads and copies
-    after it wait for a later boundary when it took the step's share."""
+    One job per boundary (a decode job is one page), all of them while the hot buffer is low: how
+    many is decided without the clock, so every rank installs the same; their time counts
+    against the budget, so the loads and copies after them wait for a later boundary when they
+    took the step's share."""
     client = pool.daemon
     client.budget.open()
     client.check()
@@ -96,9 +97,16 @@ def adopt(pool, group=None) -> int:
                      "so every rank switches the same pages at the same step")
     installed = 0
     agreed = [job for job, ok in zip(jobs, agree([job.ready for job in jobs], group)) if ok]
-    # In request order: a job whose earlier pages are still on their way waits (installable).
-    job = next((j for j in agreed if pool.installable(j)), None)
-    if job is not None:
+    # Hot buffer within twice the watermark (the same on every rank): install, read and copy all
+    # there is, unbudgeted (counted): spreading the work would bring an inline seal (0.5-1 s)
+    # closer. Installs go in request order: a job whose earlier pages are still on their way
+    # waits (installable), and may become installable once the job before it is in.
+    watermark = math.ceil(pool.cfg.daemon_hot_watermark * pool.num_hot_pages)
+    low = len(pool.free_hot_pages) < 2 * watermark
+    if low:
+        client.budget.lift()
+    while job := next((j for j in agreed if pool.installable(j)), None):
+        agreed.remove(job)
         t = time.perf_counter()
         if job.error is not None:
             client.counters.sync_seals_fallback += len(job.pages)
@@ -108,18 +116,15 @@ def adopt(pool, group=None) -> int:
             client.counters.adopted_pages += n
             installed += n
         client.budget.spent("install", time.perf_counter() - t, len(job.pages))
+        if not low:
+            break
     if client.broken:  # restarting did not help: seal what is left here (logged by the client)
         while open_jobs := client.open_jobs():
             job = next((j for j in open_jobs if pool.installable(j)), open_jobs[0])
             client.cancel(job)
             client.counters.sync_seals_fallback += len(job.pages)
             installed += pool._finish(job, None)
-    watermark = math.ceil(pool.cfg.daemon_hot_watermark * pool.num_hot_pages)
     pool._relieve(watermark)
-    # Hot buffer within twice the watermark: read and copy all that is there, unbudgeted
-    # (counted): spreading the work would bring the next inline seal (0.5-1 s) closer.
-    if len(pool.free_hot_pages) < 2 * watermark:
-        client.budget.lift()
     client.collect()
     pool.swaps.flush(_rank(group))
     return installed

@@ -9,8 +9,9 @@ a zero timeout. Both the reads and the copies run only while the boundary's time
 (adopt.py); the client only moves data and keeps workers alive:
 
 * a worker that exited, broke its pipe, or has work and no heartbeat for ``daemon_timeout_s``
-  is killed and restarted; its unfinished jobs are sent again from the same slots (their pages
-  are still in the hot buffer, and in the slots); counted in ``restarts`` / ``resubmitted_pages``;
+  is killed and restarted (``check()``, first in a boundary); its unfinished jobs are sent
+  again from the same slots (their pages are still in the hot buffer, and in the slots);
+  counted in ``restarts`` / ``resubmitted_pages``;
 * more than MAX_RESTARTS restarts within RESTART_WINDOW_S mark the daemon broken: the pool then
   seals synchronously, logged and counted, never silently.
 """
@@ -46,6 +47,7 @@ MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
 # on the H200 host, idle or not) at most this often; a broken result pipe is acted on at once.
 CHECK_EVERY_S = 0.05
 LATENCY_SAMPLES = 4096
+
 
 @dataclass
 class Job:
@@ -252,7 +254,7 @@ class DaemonClient:
         w.inflight.append(job.id)
         try:
             w.jobs_conn.send(msg)
-        except OSError:  # broken pipe: the worker died; collect() restarts and resends
+        except OSError:  # broken pipe: the worker died; check() restarts and resends
             pass
 
     def cancel(self, job: Job) -> None:
