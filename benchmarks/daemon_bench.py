@@ -5,9 +5,10 @@ Pool-level, without SGLang (runs where only torch is installed): a hot buffer of
 on --device, the real `DaemonClient` (worker processes, shared-memory slots, the same codec) and
 a simulated scheduler loop. One step = fixed device work calibrated to --step-ms (a GEMM loop on
 the scheduler's thread) + the step boundary the server runs: the pool's own `adopt()` (one
-install, then reads and copies within `daemon_boundary_share` of the step, --share) on a stand-in
-pool whose installs go into a real SegmentStore, then the step's new pages submitted. By default the boundary runs after the device work is done (a host-bound
-step: every host millisecond adds to the step, the strict case); with --overlap it runs while
+install, then reads and copies within `daemon_boundary_share` of the step, --share) on a
+stand-in pool whose installs go into a real SegmentStore, then the step's new pages submitted.
+By default the boundary runs after the device work is done (a host-bound step: every host
+millisecond adds to the step, the strict case); with --overlap it runs while
 the device work is in flight, as in SGLang's default overlap loop, whose adoption hook (before
 `get_next_batch_to_run`) runs before the previous forward is synchronized. Phases:
 

@@ -1,6 +1,6 @@
 """How much scheduler-thread time one step boundary may spend on the daemon.
 
-Adopting a page costs the scheduler thread three separate operations (on the H200 host, ~0.5-0.8
+Adopting a page costs the scheduler thread three separate operations (on the H200 host, ~0.3-1
 ms each): reading the worker's result out of its slot (`load`), installing it into the arena
 (`install`), and copying a new hot page into a slot (`pump`). Done together in one boundary
 they add ~2 ms to that step: at a 26 ms host-bound step the p99 step grew 1.07-1.14x with the
@@ -10,12 +10,13 @@ operation's cost from its running mean, so the work of a page is spread over con
 The first operation of a boundary always runs: the daemon never starves, and when the loop spins
 idle (tiny periods) it does one operation per iteration.
 
-While the hot buffer runs low (`unbounded`, set by adopt.py) the budget steps aside: a page not
+While the hot buffer runs low (`lift()`, called by adopt.py) the budget steps aside: a page not
 adopted soon enough is sealed inline by backpressure, which costs a step 0.5-1 s, not 1 ms.
 
 The budget only gates work local to this rank (loads and pumps). Installs change what every
-tensor-parallel rank reads, so how many happen is decided without the clock (adopt.py: one
-job per boundary); their time is counted here so the local work after them yields.
+tensor-parallel rank reads, so how many happen is decided without the clock (adopt.py: one job
+per boundary, all ready ones while the hot buffer is low); their time is counted here so the
+local work after them yields.
 """
 from __future__ import annotations
 
