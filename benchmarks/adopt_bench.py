@@ -5,15 +5,20 @@ and installed into a SegmentStore on --device, timed over --reps:
 
 * per_tensor: the page as a SealedPage (~400 tensors pickled by reference), installed by
   `install_pages` (what every daemon result took before results came arena-ready);
-* arena_ready: the page as `pack_page` makes it in the worker, installed by `SegmentStore.adopt`.
+* arena_ready: the page as `pack_page` makes it in the worker, installed by `SegmentStore.adopt`
+  with torch slice copies;
+* arena_ready_kernels: the same, its bytes moved by one `block_scatter` launch (on CUDA, or on
+  the CPU under TRITON_INTERPRET=1: what the pool does with `pack_kernel` auto on CUDA).
 
 Then the third operation a daemon page costs the scheduler thread: the boundary's copy of a hot
-page (every layer's K/V, from a pool-like hot buffer through the pool's `page_kv`) and its bases
-into a real shared-memory slot (pinned on CUDA), `client.fill_slots`; host time only, the device
-synchronized after it. --profile prints the torch ops with the most host time per operation.
+page (every layer's K/V, from a pool-like hot buffer, by the pool's `HotPageCopy`: torch
+`page_kv`, and the `page_gather` kernel where kernels run) and its bases into a real
+shared-memory slot (pinned on CUDA), `client.fill_slots`; host time only, the device
+synchronized after it, the slot checked against `page_kv`. --profile prints the torch ops with
+the most host time per operation.
 
-Both stores must end up with the same arena bytes, header rows (but the base) and page metadata
-(checked on every rep; the test suite checks the same through the pool on the CPU).
+All stores must end up with the same arena bytes, header rows (but the base) and page metadata
+(checked after the reps; the test suite checks the same through the pool on the CPU).
 daemon_bench.py measures the same cost inside the step loop, with workers competing for cores.
 
     python benchmarks/adopt_bench.py --device cuda --reps 50 [--profile]
@@ -31,11 +36,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from mosaickv_sglang.codec.arena import HDR, META_FIELDS, pack_page
 from mosaickv_sglang.codec.layer import Candidates
-from mosaickv_sglang.codec.seal import page_kv, seal_group, worst_page_bytes
+from mosaickv_sglang.codec.seal import BasisPair, page_kv, seal_group, worst_page_bytes
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.daemon.channel import Channel, ChannelSpec, dump, load
-from mosaickv_sglang.daemon.client import fill_slots
+from mosaickv_sglang.daemon.client import HotPageCopy, fill_slots
+from mosaickv_kernels.common import interpreting
 from mosaickv_sglang.segment_store import SegmentStore
 
 SHAPES = {"small": (4, 2, 64), "llama8b": (32, 8, 128)}  # layers, KV heads, head_dim
@@ -63,11 +69,16 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     capacity = 2 * (worst_page_bytes(cfg, heads, head_dim, dense) + heads * 4096)
     region = torch.zeros(64 << 20, dtype=torch.uint8)
+    packed = pack_page(page, cfg.page_tokens)
     stores, out = {}, {}
-    for name, obj in (("per_tensor", page), ("arena_ready", pack_page(page, cfg.page_tokens))):
+    kernels = args.device.startswith("cuda") or interpreting()
+    paths = [("per_tensor", page, "torch"), ("arena_ready", packed, "torch")] + (
+        [("arena_ready_kernels", packed, "triton")] if kernels else [])
+    for name, obj, copies in paths:
         off, n = dump(obj, region, {id(page.bases): "bases"})
         store = stores[name] = SegmentStore(layers, 2, heads, head_dim, tokens, cfg.page_tokens,
-                                            args.device, cfg.select.meta_channels, capacity)
+                                            args.device, cfg.select.meta_channels, capacity,
+                                            pack_kernel=copies)
         loads, installs = [], []
         with profiled(args.profile, f"{name} load + install"):
             for rep in range(args.reps + 1):  # rep 0: warm-up
@@ -91,20 +102,27 @@ def main() -> None:
         print(f"{name}: {off / 1e6:.2f} MB of tensors + {n / 1e3:.1f} KB pickled; per page, "
               f"median of {args.reps} ms: load {out[name][0]:.2f}, install {out[name][1]:.2f}, "
               f"total {sum(out[name]):.2f}")
-    a, b = stores["per_tensor"], stores["arena_ready"]
-    for layer in range(layers):
-        (ba, size), (bb, _) = a.blocks[(layer, 1)], b.blocks[(layer, 1)]
-        assert torch.equal(a.data[layer][ba:ba + size], b.data[layer][bb:bb + size]), layer
-        ha, hb = a.headers[layer][1].clone(), b.headers[layer][1].clone()
-        ha[HDR["base16"]] = hb[HDR["base16"]] = 0
-        assert torch.equal(ha, hb), layer
-        for f in META_FIELDS:
-            assert torch.equal(getattr(a.meta[layer], f)[1], getattr(b.meta[layer], f)[1]), f
-    print(f"device {args.device}, shape {args.shape}: both paths stored the same bytes; "
-          f"arena_ready/per_tensor total {sum(out['arena_ready']) / sum(out['per_tensor']):.3f}")
-    pump = pump_ms(args, cfg, layers, heads, head_dim, page.bases, sync)
-    print(f"pump (a hot page and its bases into a slot{', pinned' if pump['pinned'] else ''}): "
-          f"host ms median {pump['median']:.2f}, max {pump['max']:.2f}")
+    a = stores["per_tensor"]
+    for name, b in stores.items():
+        for layer in range(layers):
+            (ba, size), (bb, _) = a.blocks[(layer, 1)], b.blocks[(layer, 1)]
+            assert torch.equal(a.data[layer][ba:ba + size], b.data[layer][bb:bb + size]), name
+            ha, hb = a.headers[layer][1].clone(), b.headers[layer][1].clone()
+            ha[HDR["base16"]] = hb[HDR["base16"]] = 0
+            assert torch.equal(ha, hb), (name, layer)
+            for f in META_FIELDS:
+                assert torch.equal(getattr(a.meta[layer], f)[1], getattr(b.meta[layer], f)[1]), f
+    print(f"device {args.device}, shape {args.shape}: all paths stored the same bytes; "
+          f"arena_ready/per_tensor total {sum(out['arena_ready']) / sum(out['per_tensor']):.3f}"
+          + (f", kernels/torch install {out['arena_ready_kernels'][1] / out['arena_ready'][1]:.2f}"
+             if kernels else ""))
+    pump = {copies: pump_ms(args, cfg, layers, heads, head_dim, page.bases, sync,
+                            kernel=copies == "kernel")
+            for copies in ("torch", "kernel")[:1 + kernels]}
+    for copies, p in pump.items():
+        print(f"pump by {copies} (a hot page and its bases into a slot"
+              f"{', pinned' if p['pinned'] else ''}): host ms median {p['median']:.2f}, "
+              f"max {p['max']:.2f}")
     if args.json:
         args.json.write_text(json.dumps({
             "device": args.device, "shape": args.shape, "reps": args.reps, "same_bytes": True,
@@ -113,22 +131,21 @@ def main() -> None:
 
 
 def pump_ms(args, cfg: MosaicConfig, layers: int, heads: int, head_dim: int, bases,
-            sync) -> dict:
+            sync, kernel: bool) -> dict:
     """Host time of filling one slot as the boundary does: a hot page through `page_kv` (a
     pool-like hot buffer of 4 pages, one tensor per layer and kind) and the page's bases."""
     tokens = cfg.segment_tokens
     k_buffer, v_buffer = ([torch.randn(4 * tokens, heads, head_dim, device=args.device,
                                        dtype=torch.bfloat16) for _ in range(layers)]
                           for _ in range(2))
-    copy_page = lambda page, dst: dst.copy_(  # noqa: E731  (as MosaicKVPool._copy_page)
-        page_kv(k_buffer, v_buffer, page, tokens), non_blocking=True)
+    copy_page = HotPageCopy(k_buffer, v_buffer, tokens, kernel)  # as MosaicKVPool's
     channel = Channel.create(ChannelSpec(layers, heads, head_dim, tokens, "bfloat16", 2, 1,
                                          1 << 16))
     pinned = args.device.startswith("cuda") and channel.pin()
-    bases = type(bases)([b.to(args.device) for b in bases.k], [b.to(args.device) for b in bases.v])
+    bases = BasisPair.of(bases.stacked().to(args.device))  # as a worker's result loads them
     times = []
     try:
-        with profiled(args.profile, "pump"):
+        with profiled(args.profile, f"pump by {'kernel' if kernel else 'torch'}"):
             for rep in range(args.reps + 1):
                 sync()
                 t0 = time.perf_counter()
@@ -137,6 +154,8 @@ def pump_ms(args, cfg: MosaicConfig, layers: int, heads: int, head_dim: int, bas
                 sync()
                 if rep:
                     times.append((t1 - t0) * 1e3)
+                assert torch.equal(channel.kv(rep % 2), page_kv(k_buffer, v_buffer, rep % 4,
+                                                                 tokens).cpu()), rep
     finally:
         channel.close(unlink=True)
     return {"median": statistics.median(times), "max": max(times), "pinned": bool(pinned)}

@@ -51,14 +51,14 @@ from types import SimpleNamespace
 import torch
 
 from mosaickv_sglang.codec.layer import Candidates
-from mosaickv_sglang.codec.seal import gather_pages, page_kv, seal_group, worst_page_bytes
+from mosaickv_sglang.codec.seal import gather_pages, seal_group, worst_page_bytes
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 import mosaickv_sglang.daemon.channel as channel_mod
 import mosaickv_sglang.daemon.client as client_mod
 from mosaickv_sglang.daemon.adopt import adopt
-from mosaickv_sglang.daemon.client import DaemonClient
-from mosaickv_sglang.segment_store import SegmentStore
+from mosaickv_sglang.daemon.client import DaemonClient, HotPageCopy
+from mosaickv_sglang.segment_store import SegmentStore, use_pack_kernel
 
 SHAPES = {"small": (4, 2, 64), "llama8b": (32, 8, 128)}  # layers, KV heads, head_dim
 
@@ -202,8 +202,10 @@ def main() -> None:
     k_buffer, v_buffer = ([(torch.randn(hot_pages * tokens, heads, head_dim, generator=g) * scale)
                            .to(dtype).to(device) for _ in range(layers)] for _ in range(2))
 
+    slot_copy = HotPageCopy(k_buffer, v_buffer, tokens, use_pack_kernel("auto", device))
+
     def copy_page(page: int, dst: torch.Tensor) -> None:
-        dst.copy_(page_kv(k_buffer, v_buffer, page % hot_pages, tokens), non_blocking=True)
+        slot_copy(page % hot_pages, dst)
 
     dense = parse_strategy("dense")
 

@@ -35,7 +35,7 @@ from .codec.arena import ArenaPage
 from .codec.basis import unrotate
 from .codec.layer import Candidates, CompressedLayer, segment_bytes
 from .codec.pages import build_page_meta
-from .codec.seal import (BasisPair, SealedPage, gather_pages, page_kv, seal_group,
+from .codec.seal import (BasisPair, SealedPage, gather_pages, seal_group,
                          worst_encoded_bytes, worst_page_bytes)
 from .codec.strategies import parse_strategy
 from .codec.timing import StepProfiler
@@ -362,7 +362,7 @@ class MosaicKVPool(MHATokenToKVPool):
         if hot < 0:
             dst.zero_()
             return
-        dst.copy_(page_kv(self.k_buffer, self.v_buffer, hot, self.page_size), non_blocking=True)
+        self._slot_copy(hot, dst)
 
     def _install(self, pages: list[int], sealed: list[SealedPage | ArenaPage]) -> None:
         """The one place sealed pages enter ``self.sealed`` (``release_pages``/``clear`` are the
@@ -404,13 +404,15 @@ class MosaicKVPool(MHATokenToKVPool):
 
     # ---- daemon -------------------------------------------------------------------------
     def _start_daemon(self):
-        from .daemon.client import DaemonClient
+        from .daemon.client import DaemonClient, HotPageCopy
 
         per_layer = worst_page_bytes(self.cfg, self.head_num, self.head_dim, self.dense)
         bases = self.layer_num * 2 * self.head_num * self.head_dim * self.head_dim * 2
         # + the pickled skeleton (strategy objects, headers) and tensor alignment, a few KB per
         # layer; an overflow is reported by the worker and the page sealed here (counted)
         result_bytes = self.layer_num * (per_layer + 16384) + bases + 65536
+        self._slot_copy = HotPageCopy(self.k_buffer, self.v_buffer, self.page_size,
+                                      kernel=self.store.pack_kernel)
         return DaemonClient(self.cfg, self.layer_num, self.head_num, self.head_dim,
                             self.k_buffer[0].dtype, self.device, self.dense.spec, result_bytes,
                             self._copy_page)
@@ -578,8 +580,11 @@ class MosaicKVPool(MHATokenToKVPool):
             "counters": {**self.counters.__dict__, "strategies": dict(self.counters.strategies),
                          "sealed_by_position": list(self.counters.sealed_by_position),
                          "reused_by_position": list(self.counters.reused_by_position)},
-            "daemon": None if self.daemon is None else {**self.daemon.stats(),
-                                                         "swaps": self.swaps.stats()},
+            "daemon": None if self.daemon is None else {
+                **self.daemon.stats(), "swaps": self.swaps.stats(),
+                # the device page the slot copies go through (gather kernel), if any
+                "staging_bytes": self._slot_copy.staging_bytes(),
+                "slot_copies": "torch" if self._slot_copy.gather is None else "kernel"},
             # The kernel-readable arena: reserved at start-up for the worst layout on every
             # logical page (what the GPU holds) vs the blocks live now (inside arena_bytes).
             "decode": {} if self.decode_path is None else self.decode_path.stats(),

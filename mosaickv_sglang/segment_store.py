@@ -20,7 +20,9 @@ Who writes a block's codes and scales (`pack_kernel`): on CUDA the GPU pack kern
 layout and kind per batch, instead of staging the chooser's encoded tensors and scattering them
 (the chooser still encodes every candidate: it measures each one's error). Both write the same
 bytes (tests/test_pack_install.py); segments without rotated K/V (daemon results that were not
-arena-ready) take the torch copy. Counted per path in `pack_counts`.
+arena-ready) take the torch copy. Counted per path in `pack_counts`. The same choice moves an
+adopted page's bytes into the arenas: one `block_scatter` launch for all layers, or the torch
+slices it is tested against (byte-identical).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 
 from mosaickv_kernels.band_decode import band_width_classes
 from mosaickv_kernels.band_pack import pack_layout
+from mosaickv_kernels.block_scatter import BlockScatter, scatter_blocks_reference
 from mosaickv_kernels.page_select import PackedPageMeta
 
 from .codec.arena import (ALIGN, HDR, HEADER_WIDTH, META_FIELDS, PLAN_FIELDS, ArenaPage,
@@ -88,6 +91,7 @@ class SegmentStore:
         # Uninitialized: only installed blocks are ever read (and CPU pages stay uncommitted).
         self.data = [torch.empty(max(self.capacity, ALIGN), dtype=torch.uint8, device=device)
                      for _ in range(layers)]
+        self._scatter = BlockScatter(self.data) if self.pack_kernel else None
         # Headers and page metadata: per layer a view of one tensor per table, so an adopted
         # page (`adopt`: all layers at once) is one write per table.
         self._headers = torch.zeros(layers, pages + 1, HEADER_WIDTH, dtype=torch.int32,
@@ -261,12 +265,14 @@ class SegmentStore:
         rows = torch.stack([self._header_rows[ids[id(lay)]] for lay in lays])
         rows[:, HDR["base16"]] = torch.tensor([b // ALIGN for b in bases], dtype=torch.int32)
         self._headers[:, page].copy_(_to_device_async(rows, self.device), non_blocking=True)
-        # One contiguous slice per layer, copied by one `_foreach_copy_` (on CUDA one fused
-        # launch for all layers instead of 32 copies; an index_copy_ over ALIGN-byte rows took
-        # 4.5 ms a Llama-8B page on a CPU, plain slice copies 0.4 ms).
-        src = ap.blocks.to(self.device)[:sum(sizes)].split(sizes)
-        torch._foreach_copy_([data.narrow(0, base, size) for data, base, size
-                              in zip(self.data, bases, sizes)], src)
+        # One contiguous slice per layer (an index_copy_ over ALIGN-byte rows took 4.5 ms a
+        # Llama-8B page on a CPU, plain slice copies 0.4 ms), all layers in one launch with the
+        # kernels (the slices' views cost the H200 host ~0.3 ms a page).
+        src = ap.blocks.to(self.device)
+        if self._scatter is not None:
+            self._scatter(src, bases, sizes)
+        else:
+            scatter_blocks_reference(self.data, src, bases, sizes)
         if self._meta is not None:
             tables = [getattr(self._meta, f)[:, page] for f in META_FIELDS]
             torch._foreach_copy_(tables, [getattr(ap.pages, f).to(self.device, t.dtype)

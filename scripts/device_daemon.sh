@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the H200 device machine, from the repo root; needs only torch + Triton (nothing carried).
-# Issue 5 in one call: adopt_bench (what each of a page's three boundary operations costs the
+# Issue 5 in one call: with .device/pytest_site.tar.xz carried, the daemon's copy kernels' tests
+# on CUDA first; then adopt_bench (what each of a page's three boundary operations costs the
 # scheduler thread on CUDA: load, install, pump; --profile: the torch ops behind them), then
 # daemon_bench at the Llama-8B shape (12 workers at nice 19, 32 slots,
 # DAEMON_STEPS steps per phase), step time with the daemon idle vs saturated (p50/p99), pages/s,
@@ -16,6 +17,13 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 source scripts/device_env.sh > "$OUT/env.log" 2>&1 || { tail -5 "$OUT/env.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [ -f .device/pytest_site.tar.xz ]; then  # carried: the daemon's copy kernels' tests on CUDA
+  mkdir -p /tmp/pytest_site && tar -xJf .device/pytest_site.tar.xz -C /tmp/pytest_site
+  PYTHONPATH="/tmp/pytest_site:$PYTHONPATH" timeout "${TESTS_LIMIT_S:-120}" python3 -m pytest \
+      -q -p no:cacheprovider -W ignore tests/test_page_gather_kernel.py \
+      tests/test_block_scatter_kernel.py > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc $? ($(tail -1 "$OUT/gpu_tests.log"))"
+fi
 timeout "${ADOPT_LIMIT_S:-90}" python3 benchmarks/adopt_bench.py --device cuda --reps 50 --profile \
     --json "$OUT/adopt_bench.json" > "$OUT/adopt_bench.log" 2>&1
 echo "adopt bench rc $?"

@@ -117,6 +117,14 @@ def test_result_round_trip_through_shared_memory(seed):
     assert back["page"].bases is mine and back["page"].nbytes == 7
     for key in ("t", "b", "i"):
         assert back[key].dtype == obj[key].dtype and torch.equal(back[key], obj[key]), key
+    # bases the worker fitted travel as their one [2L, H, D, D] tensor, back as views of it
+    whole = BasisPair.of(torch.randn(6, 2, 4, 4).bfloat16())
+    off, n = dump({"bases": whole}, region)
+    back = load(region, off, n)["bases"]
+    assert back.whole is not None and len(back.k) == len(back.v) == 3
+    assert torch.equal(back.stacked(), whole.whole) and back.nbytes() == whole.nbytes()
+    assert all(t.data_ptr() == back.whole[i].data_ptr() for i, t in enumerate(back.k + back.v))
+    assert n < 1000  # one tensor reference pickled, not 6
     with pytest.raises(ResultTooLarge):
         dump(torch.zeros(1 << 15), torch.zeros(1 << 16, dtype=torch.uint8)[:1024])
 
@@ -146,14 +154,20 @@ def test_daemon_seals_equal_sync_seals_and_reads_switch_atomically(pools):
     assert st["swaps"]["pages"] == 7 and not a.swaps.pending  # every swap logged at a step
 
 
-def test_arena_ready_results_are_the_inline_seal_bytes_in_the_store(pools, seed, caplog):
+@pytest.mark.parametrize("copies", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the kernels on a CPU pool need Triton's interpreter "
+    "(CPU-only machines; on a GPU adopt_bench and the kernel tests cover them)"))])
+def test_arena_ready_results_are_the_inline_seal_bytes_in_the_store(pools, seed, caplog, copies):
     """A page the worker sends arena-ready and the store adopts with one copy holds exactly the
     bytes the inline seal installs: arena block (padding included: both arenas start poisoned),
     header row (but its base), page metadata; its Segments and decode outputs are the same. The
     sink page here stays dense (no sink candidate): it takes the per-tensor path, counted and
-    logged once."""
+    logged once. `copies` triton: the daemon pool's slot copies (`page_gather`) and adoptions
+    (`block_scatter`) run on the kernels (the interpreter here, as on CUDA by default)."""
     cfg = dict(k_error_budget=1.0, v_error_budget=1.0, sink_candidates=[])
-    a, b = pools("process", **cfg), pools("off", **cfg)
+    a, b = pools("process", pack_kernel=copies, **cfg), pools("off", **cfg)
+    assert a.stats()["daemon"]["slot_copies"] == ("kernel" if copies == "triton" else "torch")
+    assert (a.store._scatter is not None) == (copies == "triton")
     slots = torch.arange(PS, 8 * PS + 40)  # pages 1..7 full (page 1 the sink), partial page 8
     for p in (a, b):
         for data in p.store.data:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -31,9 +31,25 @@ PageReader = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class BasisPair:
-    """K and V bases of one position block, per layer ([H, D, D] bf16 each)."""
+    """K and V bases of one position block, per layer ([H, D, D] bf16 each). `whole`, when set,
+    is the one [2L, H, D, D] tensor (K layers, then V layers) they are views of: a daemon slot
+    takes the pair in one copy instead of a 64-input stack, and a result carries one tensor."""
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    whole: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, whole: torch.Tensor) -> "BasisPair":
+        views = whole.unbind(0)
+        return cls(list(views[:len(views) // 2]), list(views[len(views) // 2:]), whole)
+
+    def stacked(self) -> torch.Tensor:
+        """[2L, H, D, D]: `whole`, or a new stack of the layers' bases."""
+        return self.whole if self.whole is not None else torch.stack(self.k + self.v)
+
+    def __reduce__(self):  # pickled (a daemon result) as the one tensor when there is one
+        return (BasisPair, (self.k, self.v)) if self.whole is None else (BasisPair.of,
+                                                                         (self.whole,))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -129,7 +145,7 @@ def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None
                 with HostSolvers(host_threads()) if solver == "host" else nullcontext():
                     b = fit_with(flat, solver)
                 bases.extend(b.reshape(n, h, *b.shape[1:]).unbind(0))
-    return BasisPair(*out)
+    return BasisPair.of(torch.stack(out[0] + out[1]))
 
 
 def gather_pages(k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],

@@ -74,7 +74,7 @@ class Worker:
             del kv
         else:
             b = self.channel.bases(slots[0])
-            bases = BasisPair(list(b[0].unbind(0)), list(b[1].unbind(0)))
+            bases = BasisPair.of(b.view(-1, *b.shape[2:]))
         write = write_transforms(bases)  # once per job, however many pages it seals
         for i, position in enumerate(job["positions"]):
             kv = self.channel.kv(slots[i])[None]  # one page at a time: each result goes out
