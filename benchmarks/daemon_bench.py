@@ -182,6 +182,9 @@ def main() -> None:
     ap.add_argument("--share", type=float, default=MosaicConfig.daemon_boundary_share,
                     help="daemon_boundary_share: the share of a step the boundary's reads and "
                          "copies may take (0: one operation per boundary)")
+    ap.add_argument("--copies", choices=["auto", "torch"], default="auto",
+                    help="pack_kernel: who moves a page's bytes on the scheduler thread (auto: "
+                         "the page_gather / block_scatter kernels on CUDA, torch on a CPU)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -202,7 +205,7 @@ def main() -> None:
     k_buffer, v_buffer = ([(torch.randn(hot_pages * tokens, heads, head_dim, generator=g) * scale)
                            .to(dtype).to(device) for _ in range(layers)] for _ in range(2))
 
-    slot_copy = HotPageCopy(k_buffer, v_buffer, tokens, use_pack_kernel("auto", device))
+    slot_copy = HotPageCopy(k_buffer, v_buffer, tokens, use_pack_kernel(args.copies, device))
 
     def copy_page(page: int, dst: torch.Tensor) -> None:
         slot_copy(page % hot_pages, dst)
@@ -233,7 +236,8 @@ def main() -> None:
     store = SegmentStore(layers, args.store_pages, heads, head_dim, tokens, cfg.page_tokens,
                          device, cfg.select.meta_channels if cfg.select.enabled else None,
                          args.store_pages * (worst_page_bytes(cfg, heads, head_dim, dense)
-                                             + heads * 4096))  # + block alignment
+                                             + heads * 4096),  # + block alignment
+                         pack_kernel=args.copies)
     def install(job) -> int:
         """What the pool does with a ready job's pages: into the arena, store pages taken in a
         ring (the oldest released when it comes round again). Returns pages installed."""
@@ -414,7 +418,8 @@ def main() -> None:
     print(f"shape {args.shape} {layers}x{heads}x{head_dim}, {tokens}-token pages "
           f"({page_bytes / 1e6:.1f} MB bf16), device {device}, {args.workers} workers x "
           f"{args.threads} threads, step work {args.step_ms} ms{mode}, "
-          f"{args.pages_per_step} pages/step, boundary share {args.share}")
+          f"{args.pages_per_step} pages/step, boundary share {args.share}, copies by "
+          f"{'kernels' if slot_copy.gather is not None else 'torch'}")
     print(f"saturated/idle step time: p50 {out['step_p50_ratio']:.3f}, "
           f"p99 {out['step_p99_ratio']:.3f}; steps that waited on the daemon: 0")
     print(f"daemon: {thr:.2f} pages/s ({thr / cores:.2f} per worker core), worker page latency "
