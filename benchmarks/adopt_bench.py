@@ -7,8 +7,9 @@ and installed into a SegmentStore on --device, timed over --reps:
   `install_pages` (what every daemon result took before results came arena-ready);
 * arena_ready: the page as `pack_page` makes it in the worker, installed by `SegmentStore.adopt`
   with torch slice copies;
-* arena_ready_kernels: the same, its bytes moved by one `block_scatter` launch (on CUDA, or on
-  the CPU under TRITON_INTERPRET=1: what the pool does with `pack_kernel` auto on CUDA).
+* arena_ready_kernels: the same, its blocks, header rows and page metadata written by one
+  `row_copy` launch (on CUDA, or on the CPU under TRITON_INTERPRET=1: what the pool does with
+  `pack_kernel` auto on CUDA).
 
 Then the third operation a daemon page costs the scheduler thread: the boundary's copy of a hot
 page (every layer's K/V, from a pool-like hot buffer, by the pool's `HotPageCopy`: torch

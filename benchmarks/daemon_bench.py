@@ -184,7 +184,7 @@ def main() -> None:
                          "copies may take (0: one operation per boundary)")
     ap.add_argument("--copies", choices=["auto", "torch"], default="auto",
                     help="pack_kernel: who moves a page's bytes on the scheduler thread (auto: "
-                         "the page_gather / block_scatter kernels on CUDA, torch on a CPU)")
+                         "the page_gather / row_copy kernels on CUDA, torch on a CPU)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 

@@ -112,9 +112,9 @@ class MosaicConfig:
     # GPU pack kernel encodes them there from the chooser's rotated K/V, one launch per layout
     # and kind per install batch), "torch" (the chooser's encoded tensors staged and copied in),
     # or "auto" (triton on CUDA). The same choice moves the daemon's bytes on the scheduler
-    # thread: a hot page into a slot (`page_gather`) and an adopted page into the arenas
-    # (`block_scatter`), one launch each, or torch slices. Same bytes either way; stats()
-    # counts segments per path.
+    # thread: a hot page into a slot (`page_gather`) and an adopted page into the store
+    # (`row_copy`: blocks, headers, metadata), one launch each, or torch slices. Same bytes
+    # either way; stats() counts segments per path.
     pack_kernel: str = "auto"
     # How a basis block's bases are fitted: "host" (exact eigh/qr; GPU pages are copied to the
     # CPU, LAPACK over host threads), "device" (exact eigh/qr by cuSOLVER, one matrix at a time),

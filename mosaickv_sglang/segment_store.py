@@ -20,14 +20,17 @@ Who writes a block's codes and scales (`pack_kernel`): on CUDA the GPU pack kern
 layout and kind per batch, instead of staging the chooser's encoded tensors and scattering them
 (the chooser still encodes every candidate: it measures each one's error). Both write the same
 bytes (tests/test_pack_install.py); segments without rotated K/V (daemon results that were not
-arena-ready) take the torch copy. Counted per path in `pack_counts`. The same choice moves an
-adopted page's bytes into the arenas: one `block_scatter` launch for all layers, or the torch
-slices it is tested against (byte-identical).
+arena-ready) take the torch copy. Counted per path in `pack_counts`. The same choice writes an
+adopted page: every layer's block, header row and page-metadata rows in one `row_copy` launch
+(their addresses computed on the host, no tensor views), or the torch slices it is tested
+against (byte-identical).
 """
 from __future__ import annotations
 
 import logging
 import os
+
+import numpy as np
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -35,7 +38,7 @@ import torch
 
 from mosaickv_kernels.band_decode import band_width_classes
 from mosaickv_kernels.band_pack import pack_layout
-from mosaickv_kernels.block_scatter import BlockScatter, scatter_blocks_reference
+from mosaickv_kernels.row_copy import COPY, WIDEN, copy_rows
 from mosaickv_kernels.page_select import PackedPageMeta
 
 from .codec.arena import (ALIGN, HDR, HEADER_WIDTH, META_FIELDS, PLAN_FIELDS, ArenaPage,
@@ -91,13 +94,17 @@ class SegmentStore:
         # Uninitialized: only installed blocks are ever read (and CPU pages stay uncommitted).
         self.data = [torch.empty(max(self.capacity, ALIGN), dtype=torch.uint8, device=device)
                      for _ in range(layers)]
-        self._scatter = BlockScatter(self.data) if self.pack_kernel else None
         # Headers and page metadata: per layer a view of one tensor per table, so an adopted
         # page (`adopt`: all layers at once) is one write per table.
         self._headers = torch.zeros(layers, pages + 1, HEADER_WIDTH, dtype=torch.int32,
                                     device=device)
         self.headers = list(self._headers.unbind(0))
         self._header_rows: list[torch.Tensor] = []  # per layout id: its header at base 0
+        self._header_table = np.zeros((0, HEADER_WIDTH), dtype=np.int32)  # the same, stacked
+        # what `_adopt_by_kernel` computes addresses from
+        self.device_type = torch.device(device).type
+        self._arena_ptrs = np.array([d.data_ptr() for d in self.data], dtype=np.int64)
+        self._rows_per_layer = pages + 1  # (layer, page) rows of the header / metadata tables
         self.packed = torch.zeros(layers, pages + 1, dtype=torch.bool)  # host: kernel-readable
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
         self.free: list[dict[int, list[int]]] = [{} for _ in range(layers)]  # size -> bases
@@ -235,6 +242,7 @@ class SegmentStore:
             self.width_classes = band_width_classes(torch.stack(self._plans))  # host copy
             self.min_group = min(self.min_group, lay.k.group, lay.v.group)
             self._header_rows.append(lay.header(0, self.layouts[lay.key()]))
+            self._header_table = torch.stack(self._header_rows).numpy()
         return self.layouts[lay.key()]
 
     def adopt(self, page: int, ap: ArenaPage) -> "StoredSegments | None":
@@ -262,26 +270,70 @@ class SegmentStore:
         for lay in lays:
             if id(lay) not in ids:
                 ids[id(lay)] = self._layout_id(lay)
-        rows = torch.stack([self._header_rows[ids[id(lay)]] for lay in lays])
-        rows[:, HDR["base16"]] = torch.tensor([b // ALIGN for b in bases], dtype=torch.int32)
-        self._headers[:, page].copy_(_to_device_async(rows, self.device), non_blocking=True)
-        # One contiguous slice per layer (an index_copy_ over ALIGN-byte rows took 4.5 ms a
-        # Llama-8B page on a CPU, plain slice copies 0.4 ms), all layers in one launch with the
-        # kernels (the slices' views cost the H200 host ~0.3 ms a page).
-        src = ap.blocks.to(self.device)
-        if self._scatter is not None:
-            self._scatter(src, bases, sizes)
+        layout_ids = [ids[id(lay)] for lay in lays]
+        if self.pack_kernel:
+            self._adopt_by_kernel(page, ap, layout_ids, bases, sizes)
         else:
-            scatter_blocks_reference(self.data, src, bases, sizes)
-        if self._meta is not None:
-            tables = [getattr(self._meta, f)[:, page] for f in META_FIELDS]
-            torch._foreach_copy_(tables, [getattr(ap.pages, f).to(self.device, t.dtype)
-                                          for f, t in zip(META_FIELDS, tables)])
+            rows = torch.stack([self._header_rows[i] for i in layout_ids])
+            rows[:, HDR["base16"]] = torch.tensor([b // ALIGN for b in bases], dtype=torch.int32)
+            self._headers[:, page].copy_(_to_device_async(rows, self.device), non_blocking=True)
+            # One contiguous slice per layer (an index_copy_ over ALIGN-byte rows took 4.5 ms a
+            # Llama-8B page on a CPU, plain slice copies 0.4 ms).
+            src = ap.blocks.to(self.device)[:sum(sizes)].split(sizes)
+            torch._foreach_copy_([data.narrow(0, base, size) for data, base, size
+                                  in zip(self.data, bases, sizes)], src)
+            if self._meta is not None:
+                tables = [getattr(self._meta, f)[:, page] for f in META_FIELDS]
+                torch._foreach_copy_(tables, [getattr(ap.pages, f).to(self.device, t.dtype)
+                                              for f, t in zip(META_FIELDS, tables)])
         self.packed[:, page] = True
         for layer, (base, size) in enumerate(zip(bases, sizes)):
             self.blocks[(layer, page)] = (base, size)
         self.live_bytes += sum(sizes)
         return StoredSegments(self, page, ap)
+
+    def _adopt_by_kernel(self, page: int, ap: ArenaPage, layout_ids: list[int],
+                         bases: list[int], sizes: list[int]) -> None:
+        """`adopt`'s writes as rows of one `copy_rows` launch: per layer its block, its header
+        row (sent up with the row table in one copy) and a row per page-metadata table. The
+        addresses come from the tables' base pointers (taken once) and numpy arithmetic."""
+        layers = np.arange(len(sizes))
+        meta = [] if self._meta is None else [getattr(ap.pages, f).to(self.device).contiguous()
+                                              for f in META_FIELDS]
+        n_rows = len(sizes) * (2 + len(meta))
+        width = HEADER_WIDTH
+        host = torch.empty(n_rows * 4 + len(sizes) * width // 2, dtype=torch.int64,
+                           pin_memory=self.device_type == "cuda")
+        up = host if self.device_type != "cuda" else torch.empty_like(host, device=self.device)
+        rows = host[:n_rows * 4].numpy().reshape(-1, len(sizes), 4)  # [kinds of row, L, 4]
+        headers = host[n_rows * 4:].view(torch.int32).numpy().reshape(len(sizes), width)
+        headers[:] = self._header_table[layout_ids]
+        base = np.asarray(bases, dtype=np.int64)
+        headers[:, HDR["base16"]] = base // ALIGN
+        size = np.asarray(sizes, dtype=np.int64)
+        src = ap.blocks.to(self.device)  # kept alive here until the launch below
+        rows[0] = np.stack([self._arena_ptrs + base, src.data_ptr() + np.cumsum(size) - size,
+                            size // 2, np.full_like(size, COPY)], axis=1)
+        at = layers * self._rows_per_layer + page  # (layer, page) row of every page table
+        rows[1] = np.stack([self._headers.data_ptr() + at * width * 4,
+                            up.data_ptr() + n_rows * 32 + layers * width * 4,
+                            np.full_like(size, width * 2), np.full_like(size, COPY)], axis=1)
+        for i, (f, part) in enumerate(zip(META_FIELDS, meta)):
+            table = getattr(self._meta, f)
+            row = table[0, 0].numel()  # elements of one (layer, page) row
+            widen = part.dtype == torch.uint8 and table.dtype == torch.int32
+            if part.shape[1:] != table.shape[2:] or not (widen or part.dtype == table.dtype):
+                raise ValueError(f"SegmentStore: page metadata {f} {tuple(part.shape)} "
+                                 f"{part.dtype} does not fit the table {tuple(table.shape)} "
+                                 f"{table.dtype}")
+            rows[2 + i] = np.stack([
+                table.data_ptr() + at * row * table.element_size(),
+                part.data_ptr() + layers * row * part.element_size(),
+                np.full_like(size, row if widen else row * part.element_size() // 2),
+                np.full_like(size, WIDEN if widen else COPY)], axis=1)
+        if up is not host:
+            up.copy_(host, non_blocking=True)
+        copy_rows(up[:n_rows * 4].view(-1, 4), int(size.max()) // 2)
 
     def release(self, page: int) -> None:
         for layer in range(len(self.data)):

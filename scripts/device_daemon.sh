@@ -20,7 +20,7 @@ if [ -f .device/pytest_site.tar.xz ]; then  # carried: the daemon's copy kernels
   mkdir -p /tmp/pytest_site && tar -xJf .device/pytest_site.tar.xz -C /tmp/pytest_site
   PYTHONPATH="/tmp/pytest_site:$PYTHONPATH" timeout "${TESTS_LIMIT_S:-120}" python3 -m pytest \
       -q -p no:cacheprovider -W ignore tests/test_page_gather_kernel.py \
-      tests/test_block_scatter_kernel.py > "$OUT/gpu_tests.log" 2>&1
+      tests/test_row_copy_kernel.py > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc $? ($(tail -1 "$OUT/gpu_tests.log"))"
 fi
 timeout "${ADOPT_LIMIT_S:-90}" python3 benchmarks/adopt_bench.py --device cuda --reps 50 --profile \

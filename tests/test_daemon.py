@@ -163,11 +163,11 @@ def test_arena_ready_results_are_the_inline_seal_bytes_in_the_store(pools, seed,
     header row (but its base), page metadata; its Segments and decode outputs are the same. The
     sink page here stays dense (no sink candidate): it takes the per-tensor path, counted and
     logged once. `copies` triton: the daemon pool's slot copies (`page_gather`) and adoptions
-    (`block_scatter`) run on the kernels (the interpreter here, as on CUDA by default)."""
+    (`row_copy`) run on the kernels (the interpreter here, as on CUDA by default)."""
     cfg = dict(k_error_budget=1.0, v_error_budget=1.0, sink_candidates=[])
     a, b = pools("process", pack_kernel=copies, **cfg), pools("off", **cfg)
     assert a.stats()["daemon"]["slot_copies"] == ("kernel" if copies == "triton" else "torch")
-    assert (a.store._scatter is not None) == (copies == "triton")
+    assert a.store.pack_kernel == (copies == "triton")
     slots = torch.arange(PS, 8 * PS + 40)  # pages 1..7 full (page 1 the sink), partial page 8
     for p in (a, b):
         for data in p.store.data:
