@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+import triton
 
 if not torch.cuda.is_available():
     # Triton kernels run in the interpreter on a CPU; this must precede the first `import triton`
@@ -69,3 +70,21 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, w
 
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+@pytest.fixture
+def compile_sm90():
+    """Compile a Triton kernel for the H200 (sm_90) down to a cubin, here on the CPU: the
+    interpreter runs what the compiler refuses (e.g. one name bound to two pointer types in an
+    if/else), so a kernel that passed its CPU test could still fail on the GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    def run(fn, signature: dict, constexprs: dict):
+        if not isinstance(fn, JITFunction):  # under TRITON_INTERPRET=1 (kernels calling other
+            fn = JITFunction(fn.fn)  # @triton.jit functions would need those rewrapped too)
+        src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                        constexprs=constexprs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    return run

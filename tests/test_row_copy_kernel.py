@@ -62,3 +62,8 @@ def test_rows_for_refuses_bad_pieces():
                    torch.zeros(4, dtype=torch.uint8, device=DEVICE), 0, 4)])
     with pytest.raises(ValueError, match="int64"):
         copy_rows(torch.zeros(2, 4, dtype=torch.int32, device=DEVICE), 1)
+
+
+def test_kernel_compiles_for_the_h200(compile_sm90):
+    from mosaickv_kernels.row_copy import BLOCK, _copy_rows_kernel
+    assert "cubin" in compile_sm90(_copy_rows_kernel, {"rows": "*i64"}, {"BLOCK": BLOCK}).asm

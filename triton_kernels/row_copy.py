@@ -29,14 +29,14 @@ def _copy_rows_kernel(rows, BLOCK: tl.constexpr):
     if start < count:
         offs = start + tl.arange(0, BLOCK)
         mask = offs < count
-        if kind == 0:
-            dst = dst_addr.to(tl.pointer_type(tl.int16))
-            src = src_addr.to(tl.pointer_type(tl.int16))
-            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+        if kind == 0:  # (each branch names its own pointers: their types differ)
+            dst16 = dst_addr.to(tl.pointer_type(tl.int16))
+            src16 = src_addr.to(tl.pointer_type(tl.int16))
+            tl.store(dst16 + offs, tl.load(src16 + offs, mask=mask), mask=mask)
         else:
-            dst = dst_addr.to(tl.pointer_type(tl.int32))
-            src = src_addr.to(tl.pointer_type(tl.uint8))
-            tl.store(dst + offs, tl.load(src + offs, mask=mask).to(tl.int32), mask=mask)
+            dst32 = dst_addr.to(tl.pointer_type(tl.int32))
+            src8 = src_addr.to(tl.pointer_type(tl.uint8))
+            tl.store(dst32 + offs, tl.load(src8 + offs, mask=mask).to(tl.int32), mask=mask)
 
 
 def copy_rows(rows: torch.Tensor, max_count: int) -> None:
