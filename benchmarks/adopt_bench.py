@@ -12,10 +12,10 @@ and installed into a SegmentStore on --device, timed over --reps:
   `pack_kernel` auto on CUDA).
 
 Then the third operation a daemon page costs the scheduler thread: the boundary's copy of a hot
-page (every layer's K/V, from a pool-like hot buffer, by the pool's `HotPageCopy`: torch
-`page_kv`, and the `page_gather` kernel where kernels run) and its bases into a real
-shared-memory slot (pinned on CUDA), `client.fill_slots`; host time only, the device
-synchronized after it, the slot checked against `page_kv`. --profile prints the torch ops with
+page (every layer's K/V, from a pool-like hot buffer, by the pool's `SlotCopy`: torch
+`page_kv`, and the `page_gather` kernel where kernels run; on CUDA off the current stream) and
+its bases into a real shared-memory slot (pinned on CUDA), `client.fill_slots`; host time only,
+the device synchronized after it, the slot checked against `page_kv`. --profile prints the torch ops with
 the most host time per operation.
 
 All stores must end up with the same arena bytes, header rows (but the base) and page metadata
@@ -41,7 +41,7 @@ from mosaickv_sglang.codec.seal import BasisPair, page_kv, seal_group, worst_pag
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.daemon.channel import Channel, ChannelSpec, dump, load
-from mosaickv_sglang.daemon.client import HotPageCopy, fill_slots
+from mosaickv_sglang.daemon.client import SlotCopy, fill_slots
 from mosaickv_kernels.common import interpreting
 from mosaickv_sglang.segment_store import SegmentStore
 
@@ -139,7 +139,7 @@ def pump_ms(args, cfg: MosaicConfig, layers: int, heads: int, head_dim: int, bas
     k_buffer, v_buffer = ([torch.randn(4 * tokens, heads, head_dim, device=args.device,
                                        dtype=torch.bfloat16) for _ in range(layers)]
                           for _ in range(2))
-    copy_page = HotPageCopy(k_buffer, v_buffer, tokens, kernel)  # as MosaicKVPool's
+    slot_copy = SlotCopy(k_buffer, v_buffer, tokens, kernel, lambda page: page)  # as the pool's
     channel = Channel.create(ChannelSpec(layers, heads, head_dim, tokens, "bfloat16", 2, 1,
                                          1 << 16))
     pinned = args.device.startswith("cuda") and channel.pin()
@@ -150,7 +150,7 @@ def pump_ms(args, cfg: MosaicConfig, layers: int, heads: int, head_dim: int, bas
             for rep in range(args.reps + 1):
                 sync()
                 t0 = time.perf_counter()
-                fill_slots(channel, copy_page, [rep % 4], [rep % 2], bases)
+                fill_slots(channel, slot_copy, [rep % 4], [rep % 2], bases)
                 t1 = time.perf_counter()
                 sync()
                 if rep:

@@ -57,7 +57,7 @@ from mosaickv_sglang.config import MosaicConfig
 import mosaickv_sglang.daemon.channel as channel_mod
 import mosaickv_sglang.daemon.client as client_mod
 from mosaickv_sglang.daemon.adopt import adopt
-from mosaickv_sglang.daemon.client import DaemonClient, HotPageCopy
+from mosaickv_sglang.daemon.client import DaemonClient, SlotCopy
 from mosaickv_sglang.segment_store import SegmentStore, use_pack_kernel
 
 SHAPES = {"small": (4, 2, 64), "llama8b": (32, 8, 128)}  # layers, KV heads, head_dim
@@ -185,6 +185,9 @@ def main() -> None:
     ap.add_argument("--copies", choices=["auto", "torch"], default="auto",
                     help="pack_kernel: who moves a page's bytes on the scheduler thread (auto: "
                          "the page_gather / row_copy kernels on CUDA, torch on a CPU)")
+    ap.add_argument("--copy-stream", choices=["side", "current"], default="side",
+                    help="CUDA: fill slots on side streams (the pool's way) or on the current "
+                         "stream, as before session 12 (an A/B of what that costs a step)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -205,18 +208,15 @@ def main() -> None:
     k_buffer, v_buffer = ([(torch.randn(hot_pages * tokens, heads, head_dim, generator=g) * scale)
                            .to(dtype).to(device) for _ in range(layers)] for _ in range(2))
 
-    slot_copy = HotPageCopy(k_buffer, v_buffer, tokens, use_pack_kernel(args.copies, device))
-
-    def copy_page(page: int, dst: torch.Tensor) -> None:
-        slot_copy(page % hot_pages, dst)
-
+    slot_copy = SlotCopy(k_buffer, v_buffer, tokens, use_pack_kernel(args.copies, device),
+                         lambda page: page % hot_pages, args.copy_stream == "side")
     dense = parse_strategy("dense")
 
     result_bytes = layers * (worst_page_bytes(cfg, heads, head_dim, dense) + 16384) + \
         layers * 2 * heads * head_dim * head_dim * 2 + 65536
     t0 = time.perf_counter()
     client = DaemonClient(cfg, layers, heads, head_dim, dtype, device, dense.spec, result_bytes,
-                          copy_page)
+                          slot_copy)
     while any(float(client.channel.heartbeats[w.index]) <= w.spawned_at for w in client.workers):
         time.sleep(0.05)
     startup_s = time.perf_counter() - t0
@@ -419,7 +419,8 @@ def main() -> None:
           f"({page_bytes / 1e6:.1f} MB bf16), device {device}, {args.workers} workers x "
           f"{args.threads} threads, step work {args.step_ms} ms{mode}, "
           f"{args.pages_per_step} pages/step, boundary share {args.share}, copies by "
-          f"{'kernels' if slot_copy.gather is not None else 'torch'}")
+          f"{'kernels' if slot_copy.gather is not None else 'torch'} on the "
+          f"{args.copy_stream} stream{'s' if args.copy_stream == 'side' else ''}")
     print(f"saturated/idle step time: p50 {out['step_p50_ratio']:.3f}, "
           f"p99 {out['step_p99_ratio']:.3f}; steps that waited on the daemon: 0")
     print(f"daemon: {thr:.2f} pages/s ({thr / cores:.2f} per worker core), worker page latency "

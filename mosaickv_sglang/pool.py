@@ -354,16 +354,6 @@ class MosaicKVPool(MHATokenToKVPool):
         """Hot logical pages' K and V, all layers, [P, L, H, S, D] (the `seal_group` reader)."""
         return gather_pages(self.k_buffer, self.v_buffer, self.hot_page_of[pages], self.page_size)
 
-    def _copy_page(self, page: int, dst: torch.Tensor) -> None:
-        """A hot page's K/V, all layers, into a daemon slot [layers, 2, H, S, D] in one copy.
-        A page freed since it was submitted (its result will be discarded: generation) is sent
-        as zeros, which add nothing to a basis fit over its job's other pages."""
-        hot = int(self.hot_page_of[page])
-        if hot < 0:
-            dst.zero_()
-            return
-        self._slot_copy(hot, dst)
-
     def _install(self, pages: list[int], sealed: list[SealedPage | ArenaPage]) -> None:
         """The one place sealed pages enter ``self.sealed`` (``release_pages``/``clear`` are the
         only exits): store each layer's segments of all `pages` in one batch (arena-ready daemon
@@ -404,18 +394,18 @@ class MosaicKVPool(MHATokenToKVPool):
 
     # ---- daemon -------------------------------------------------------------------------
     def _start_daemon(self):
-        from .daemon.client import DaemonClient, HotPageCopy
+        from .daemon.client import DaemonClient, SlotCopy
 
         per_layer = worst_page_bytes(self.cfg, self.head_num, self.head_dim, self.dense)
         bases = self.layer_num * 2 * self.head_num * self.head_dim * self.head_dim * 2
         # + the pickled skeleton (strategy objects, headers) and tensor alignment, a few KB per
         # layer; an overflow is reported by the worker and the page sealed here (counted)
         result_bytes = self.layer_num * (per_layer + 16384) + bases + 65536
-        self._slot_copy = HotPageCopy(self.k_buffer, self.v_buffer, self.page_size,
-                                      kernel=self.store.pack_kernel)
+        self._slot_copy = SlotCopy(self.k_buffer, self.v_buffer, self.page_size,
+                                   self.store.pack_kernel, lambda page: int(self.hot_page_of[page]))
         return DaemonClient(self.cfg, self.layer_num, self.head_num, self.head_dim,
                             self.k_buffer[0].dtype, self.device, self.dense.spec, result_bytes,
-                            self._copy_page)
+                            self._slot_copy)
 
     def adopt(self, tp_group=None) -> int:
         """Step boundary (the scheduler hook): install what every rank has ready, relieve the
@@ -582,8 +572,8 @@ class MosaicKVPool(MHATokenToKVPool):
                          "reused_by_position": list(self.counters.reused_by_position)},
             "daemon": None if self.daemon is None else {
                 **self.daemon.stats(), "swaps": self.swaps.stats(),
-                # the device page the slot copies go through (gather kernel), if any
-                "staging_bytes": self._slot_copy.staging_bytes(),
+                # device bytes a page takes on its way to a slot (freed once copied)
+                "staging_bytes_per_page": self._slot_copy.staging_bytes(),
                 "slot_copies": "torch" if self._slot_copy.gather is None else "kernel"},
             # The kernel-readable arena: reserved at start-up for the worst layout on every
             # logical page (what the GPU holds) vs the blocks live now (inside arena_bytes).

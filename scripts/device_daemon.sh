@@ -6,10 +6,11 @@
 # daemon_bench at the Llama-8B shape (12 workers at nice 19, 32 slots,
 # DAEMON_STEPS steps per phase), step time with the daemon idle vs saturated (p50/p99), pages/s,
 # the boundary's operations, each run alone on the GPU and the host cores:
-#   * 30 ms step, boundary after the step's device work (host-bound: the strict case), a page's
-#     bytes moved by the copy kernels (the default on CUDA) and by torch slices, side by side;
-#   * 30 ms overlapped with the step's device work (SGLang's default overlap loop), kernels;
-#   * 60 ms strict, kernels and torch (the order of a MosaicKV step at 3 x 128K, session 8).
+#   * 30 ms step, boundary after the step's device work (host-bound: the strict case), slots
+#     filled on side streams (the pool's way) and on the current stream, side by side;
+#   * 30 ms overlapped with the step's device work (SGLang's default overlap loop), the same two;
+#   * 60 ms strict, side streams (the order of a MosaicKV step at 3 x 128K, session 8).
+# COPIES: who moves a page's bytes (auto: the kernels on CUDA; torch).
 # JSON per run, adopt_bench's JSON and log, and one daemon log under $OUT; prints each run's
 # table last. Env: DAEMON_LIMIT_S (150), DAEMON_STEPS (400), SHARE (the config default).
 set -uo pipefail
@@ -27,25 +28,27 @@ timeout "${ADOPT_LIMIT_S:-90}" python3 benchmarks/adopt_bench.py --device cuda -
     --json "$OUT/adopt_bench.json" > "$OUT/adopt_bench.log" 2>&1
 echo "adopt bench rc $?"
 share=${SHARE:-$(python3 -c 'from mosaickv_sglang.config import MosaicConfig as C; print(C.daemon_boundary_share)')}
-# (step ms, mode, boundary share, who copies)
-runs=("30 strict $share auto" "30 strict $share torch" "30 overlap $share auto"
-      "60 strict $share auto" "60 strict $share torch")
+copies=${COPIES:-auto}
+# (step ms, mode, boundary share, slot-copy stream)
+runs=("30 strict $share side" "30 strict $share current" "30 overlap $share side"
+      "30 overlap $share current" "60 strict $share side")
 for run in "${runs[@]}"; do
-  read -r ms mode sh copies <<< "$run"
-  name=daemon_${mode}_${ms}ms_share${sh}_${copies}
+  read -r ms mode sh stream <<< "$run"
+  name=daemon_${mode}_${ms}ms_share${sh}_${copies}_${stream}
   echo "===== $name" >> "$OUT/daemon.log"
   timeout "${DAEMON_LIMIT_S:-150}" python3 benchmarks/daemon_bench.py --shape llama8b --device cuda \
       --workers 12 --slots 32 --steps "${DAEMON_STEPS:-400}" --step-ms "$ms" --isolate \
-      --share "$sh" --copies "$copies" $([ "$mode" = overlap ] && echo --overlap) \
+      --share "$sh" --copies "$copies" --copy-stream "$stream" \
+      $([ "$mode" = overlap ] && echo --overlap) \
       --json "$OUT/$name.json" \
       > "$OUT/$name.log" 2>&1
-  echo "daemon bench step $ms ms $mode share $sh copies $copies rc $?"
+  echo "daemon bench step $ms ms $mode share $sh copies $copies on $stream stream rc $?"
   cat "$OUT/$name.log" >> "$OUT/daemon.log" && rm "$OUT/$name.log"
 done
 grep -v -i warn "$OUT/adopt_bench.log" | tail -8
 for run in "${runs[@]}"; do
-  read -r ms mode sh copies <<< "$run"
-  name=daemon_${mode}_${ms}ms_share${sh}_${copies}
+  read -r ms mode sh stream <<< "$run"
+  name=daemon_${mode}_${ms}ms_share${sh}_${copies}_${stream}
   echo "== $name"
   sed -n "/^===== $name\$/,/^=====/p" "$OUT/daemon.log" \
     | grep -E "^(saturated/idle|daemon:|\| |adopting|saturated:)" | tail -"${TAIL_LINES:-12}"

@@ -19,12 +19,14 @@ def test_gather_matches_page_kv(layers, heads, head_dim, page_size, pages, dtype
              for _ in range(layers)] for _ in range(2))
     gather = PageGather(k, v, page_size)
     for page in torch.randperm(pages, generator=gen).tolist():
-        gather.out.fill_(float("nan"))  # every element must be written
-        got = gather(page)
+        out = torch.full(gather.shape, float("nan"), dtype=dtype, device=DEVICE)
+        got = gather(page, out)  # every element must be written
+        assert got is out
         want = page_kv(k, v, page, page_size)
         assert got.shape == want.shape == (layers, 2, heads, page_size, head_dim)
         assert not got.isnan().any(), f"seed {seed}: page {page} not fully written"
         assert torch.equal(got, want), f"seed {seed}: page {page} differs (a copy is exact)"
+        assert torch.equal(gather(page), want), f"seed {seed}: page {page} into a new tensor"
 
 
 def test_gather_refuses_bad_buffers_and_pages():
@@ -37,6 +39,8 @@ def test_gather_refuses_bad_buffers_and_pages():
         PageGather(k, k[:1], 8)
     with pytest.raises(IndexError, match="outside"):
         PageGather(k, k, 8)(4)
+    with pytest.raises(ValueError, match="out must be"):
+        PageGather(k, k, 8)(0, torch.empty(2, 2, 2, 16, 8, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])

@@ -30,9 +30,8 @@ def _gather_page_kernel(ptrs, out, row0, S, H, D, row_stride,
 
 class PageGather:
     """Copies pages of fixed K/V buffers (all the same [rows, H, D] shape, dtype and device,
-    contiguous) into `self.out` [L, 2, H, page_size, D]. The buffers must outlive this object
-    and keep their storage (SGLang's pool allocates them once). `self.out` is reused: it holds
-    the last page gathered, valid for work queued after the call on the same stream."""
+    contiguous) into one [L, 2, H, page_size, D] tensor each. The buffers must outlive this
+    object and keep their storage (SGLang's pool allocates them once)."""
 
     def __init__(self, k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],
                  page_size: int):
@@ -50,18 +49,24 @@ class PageGather:
         self.page_size = page_size
         self.ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64,
                                  device=first.device)
-        self.out = torch.empty(len(k_buffer), 2, self.heads, page_size, self.head_dim,
-                               dtype=first.dtype, device=first.device)
+        self.shape = (len(k_buffer), 2, self.heads, page_size, self.head_dim)
+        self.dtype = first.dtype
         self._keep = bufs  # the table holds raw addresses: keep the tensors alive with it
 
-    def __call__(self, page: int) -> torch.Tensor:
-        """Page `page` (rows page * page_size ...) of every buffer -> self.out."""
+    def __call__(self, page: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Page `page` (rows page * page_size ...) of every buffer -> `out` (a new tensor on
+        the current stream when None), returned."""
         row0 = page * self.page_size
         if not 0 <= row0 <= self.rows - self.page_size:
             raise IndexError(f"PageGather: page {page} outside the {self.rows} buffer rows")
+        if out is None:
+            out = torch.empty(self.shape, dtype=self.dtype, device=self.ptrs.device)
+        elif out.shape != self.shape or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(f"PageGather: out must be a contiguous {self.shape} {self.dtype} "
+                             "tensor")
         block_s = min(32, triton.next_power_of_2(self.page_size))
         grid = (self.ptrs.numel(), self.heads, triton.cdiv(self.page_size, block_s))
-        _gather_page_kernel[grid](self.ptrs, self.out, row0, self.page_size, self.heads,
+        _gather_page_kernel[grid](self.ptrs, out, row0, self.page_size, self.heads,
                                   self.head_dim, self.heads * self.head_dim, BLOCK_S=block_s,
                                   BLOCK_D=triton.next_power_of_2(self.head_dim))
-        return self.out
+        return out

@@ -109,11 +109,11 @@ class _Worker:
 class DaemonClient:
     def __init__(self, cfg: MosaicConfig, layers: int, heads: int, head_dim: int,
                  dtype: torch.dtype, device, dense_spec: str, result_bytes: int,
-                 copy_page: Callable[[int, torch.Tensor], None]):
-        """copy_page(logical page, dst [layers, 2, heads, tokens, head_dim]) fills a slot."""
+                 slot_copy: SlotCopy):
+        """slot_copy: what fills a slot with a logical page (and bases) from the device."""
         self.cfg = cfg
         self.device = torch.device(device)
-        self.copy_page = copy_page
+        self.slot_copy = slot_copy
         self.dense_spec = dense_spec
         spec = ChannelSpec(layers, heads, head_dim, cfg.segment_tokens, str(dtype).split(".")[-1],
                            cfg.daemon_queue_segments, cfg.daemon_workers, result_bytes)
@@ -234,8 +234,8 @@ class DaemonClient:
             job.slots = [self.free_slots.popleft() for _ in job.pages]
             if job.written is not None:
                 torch.cuda.current_stream(self.device).wait_event(job.written)
-            fill_slots(self.channel, self.copy_page, job.pages, job.slots, job.bases)
-            job.event = _record(self.device)
+            fill_slots(self.channel, self.slot_copy, job.pages, job.slots, job.bases)
+            job.event = self.slot_copy.done()
             self.copying.append(job)
             self.budget.spent("pump", time.perf_counter() - t, len(job.pages))
         while self.copying and _done(self.copying[0].event):
@@ -388,36 +388,86 @@ class DaemonClient:
         }
 
 
-class HotPageCopy:
-    """A hot page's K/V, every layer, into a slot [L, 2, H, S, D] (`copy_page`'s work): with
-    `kernel`, one `page_gather` launch into a reused device staging page, then one copy;
-    otherwise `page_kv`'s torch stack of every layer's slice (~0.6 ms of host time a Llama-8B
-    page on the H200 host). The same bytes either way."""
+class SlotCopy:
+    """Fills daemon slots from the device: a logical page's K/V, every layer ([L, 2, H, S, D],
+    from its hot page; a page freed since submit goes as zeros: its result is discarded by
+    generation, and zeros add nothing to a basis fit over the job's other pages), and a job's
+    bases. The page is read by one `page_gather` launch with `kernel`,
+    else by `page_kv`'s torch stack of every layer's slice (~0.5 ms of H200 host time a page).
+
+    On CUDA the copies leave the forward's stream: the page is read on a read stream, which the
+    current stream then waits for (a freed hot page is rewritten only after it was read: tens of
+    microseconds), and goes to the pinned slot on a copy stream (~25 MB with its bases, ~0.5 ms
+    of PCIe a Llama-8B page) that only the job's event (`done`) waits for. On the current stream
+    those copies delayed the next step when a boundary filled several slots (H200: step p99
+    1.09-1.14x of idle with the kernels, session 12)."""
 
     def __init__(self, k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],
-                 page_size: int, kernel: bool):
+                 page_size: int, kernel: bool, hot_page_of: Callable[[int], int],
+                 side_streams: bool = True):
+        """side_streams=False: every copy on the current stream (daemon_bench's A/B only)."""
         self.k_buffer, self.v_buffer, self.page_size = k_buffer, v_buffer, page_size
+        self.hot_page_of = hot_page_of
         self.gather = PageGather(k_buffer, v_buffer, page_size) if kernel else None
+        device = k_buffer[0].device
+        self.streams = ((torch.cuda.Stream(device), torch.cuda.Stream(device))
+                        if device.type == "cuda" and side_streams else None)
 
-    def __call__(self, hot_page: int, dst: torch.Tensor) -> None:
-        kv = (self.gather(hot_page) if self.gather is not None
-              else page_kv(self.k_buffer, self.v_buffer, hot_page, self.page_size))
-        dst.copy_(kv, non_blocking=True)
+    def page(self, page: int, dst: torch.Tensor) -> None:
+        hot = self.hot_page_of(page)
+        if hot < 0:
+            dst.zero_()  # host memory, and no copy into this free slot is pending
+            return
+        if self.streams is None:
+            dst.copy_(self._read(hot), non_blocking=True)
+            return
+        read, _ = self.streams
+        main = torch.cuda.current_stream(read.device)
+        read.wait_stream(main)
+        with torch.cuda.stream(read):
+            kv = self._read(hot)
+        main.wait_stream(read)
+        self.tensor(kv, dst)
+
+    def tensor(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """A device tensor (made on the current stream, or by `page`) into slot memory."""
+        if self.streams is None:
+            dst.copy_(src, non_blocking=True)
+            return
+        read, copy = self.streams
+        copy.wait_stream(torch.cuda.current_stream(read.device))
+        copy.wait_stream(read)
+        with torch.cuda.stream(copy):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(copy)  # its memory is reused only after this copy
+
+    def done(self):
+        """A CUDA event after every copy queued so far (None on a CPU: copies are done)."""
+        if self.k_buffer[0].device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(self.streams[1] if self.streams is not None else None)
+        return event
+
+    def _read(self, hot: int) -> torch.Tensor:
+        if self.gather is not None:
+            return self.gather(hot)
+        return page_kv(self.k_buffer, self.v_buffer, hot, self.page_size)
 
     def staging_bytes(self) -> int:
-        out = None if self.gather is None else self.gather.out
-        return 0 if out is None else out.numel() * out.element_size()
+        """Device bytes one page takes on its way to a slot (freed once copied)."""
+        b = self.k_buffer[0]
+        return len(self.k_buffer) * 2 * self.page_size * b[0].numel() * b.element_size()
 
 
-def fill_slots(channel: Channel, copy_page: Callable[[int, torch.Tensor], None],
-               pages: list[int], slots: list[int], bases: BasisPair | None) -> None:
+def fill_slots(channel: Channel, slot_copy: SlotCopy, pages: list[int], slots: list[int],
+               bases: BasisPair | None) -> None:
     """A job's pages, and its bases when it has them, into its slots (asynchronous on CUDA: the
     slots are pinned): the copy a step boundary pays per job."""
     for page, slot in zip(pages, slots):
-        copy_page(page, channel.kv(slot))
+        slot_copy.page(page, channel.kv(slot))
     if bases is not None:  # all layers' K and V bases in one copy
-        channel.bases(slots[0]).view(-1, *bases.k[0].shape).copy_(bases.stacked(),
-                                                                   non_blocking=True)
+        slot_copy.tensor(bases.stacked(), channel.bases(slots[0]).view(-1, *bases.k[0].shape))
 
 
 def _shutdown(workers: list[_Worker], channel: Channel) -> None:
