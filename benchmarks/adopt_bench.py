@@ -15,8 +15,8 @@ Then the third operation a daemon page costs the scheduler thread: the boundary'
 page (every layer's K/V, from a pool-like hot buffer, by the pool's `SlotCopy`: torch
 `page_kv`, and the `page_gather` kernel where kernels run; on CUDA off the current stream) and
 its bases into a real shared-memory slot (pinned on CUDA), `client.fill_slots`; host time only,
-the device synchronized after it, the slot checked against `page_kv`. --profile prints the torch ops with
-the most host time per operation.
+the device synchronized after it, the slot checked against `page_kv`. --profile prints the
+torch ops with the most host time per operation.
 
 All stores must end up with the same arena bytes, header rows (but the base) and page metadata
 (checked after the reps; the test suite checks the same through the pool on the CPU).
@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from mosaickv_kernels.common import interpreting
 from mosaickv_sglang.codec.arena import HDR, META_FIELDS, pack_page
 from mosaickv_sglang.codec.layer import Candidates
 from mosaickv_sglang.codec.seal import BasisPair, page_kv, seal_group, worst_page_bytes
@@ -42,7 +43,6 @@ from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.daemon.channel import Channel, ChannelSpec, dump, load
 from mosaickv_sglang.daemon.client import SlotCopy, fill_slots
-from mosaickv_kernels.common import interpreting
 from mosaickv_sglang.segment_store import SegmentStore
 
 SHAPES = {"small": (4, 2, 64), "llama8b": (32, 8, 128)}  # layers, KV heads, head_dim

@@ -29,17 +29,16 @@ from __future__ import annotations
 
 import logging
 import os
-
-import numpy as np
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from mosaickv_kernels.band_decode import band_width_classes
 from mosaickv_kernels.band_pack import pack_layout
-from mosaickv_kernels.row_copy import COPY, WIDEN, copy_rows
 from mosaickv_kernels.page_select import PackedPageMeta
+from mosaickv_kernels.row_copy import COPY, WIDEN, copy_rows
 
 from .codec.arena import (ALIGN, HDR, HEADER_WIDTH, META_FIELDS, PLAN_FIELDS, ArenaPage,
                           BlockLayout, band_channels, block_views, layout_of, packable,

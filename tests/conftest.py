@@ -84,7 +84,7 @@ def compile_sm90():
     def run(fn, signature: dict, constexprs: dict):
         if not isinstance(fn, JITFunction):  # under TRITON_INTERPRET=1 (kernels calling other
             fn = JITFunction(fn.fn)  # @triton.jit functions would need those rewrapped too)
-        src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                        constexprs=constexprs)
+        constexpr_sig = {k: "constexpr" for k in constexprs}
+        src = ASTSource(fn=fn, signature={**signature, **constexpr_sig}, constexprs=constexprs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32))
     return run

@@ -392,8 +392,8 @@ class SlotCopy:
     """Fills daemon slots from the device: a logical page's K/V, every layer ([L, 2, H, S, D],
     from its hot page; a page freed since submit goes as zeros: its result is discarded by
     generation, and zeros add nothing to a basis fit over the job's other pages), and a job's
-    bases. The page is read by one `page_gather` launch with `kernel`,
-    else by `page_kv`'s torch stack of every layer's slice (~0.5 ms of H200 host time a page).
+    bases. The page is read by one `page_gather` launch with `kernel`, else by `page_kv`'s torch
+    stack of every layer's slice (~0.5 ms of H200 host time a page).
 
     On CUDA the copies leave the forward's stream: the page is read on a read stream, which the
     current stream then waits for (a freed hot page is rewritten only after it was read: tens of
@@ -435,8 +435,8 @@ class SlotCopy:
             dst.copy_(src, non_blocking=True)
             return
         read, copy = self.streams
-        copy.wait_stream(torch.cuda.current_stream(read.device))
-        copy.wait_stream(read)
+        copy.wait_stream(torch.cuda.current_stream(read.device))  # after `src` was made there
+        copy.wait_stream(read)  # or on the read stream (`page`)
         with torch.cuda.stream(copy):
             dst.copy_(src, non_blocking=True)
         src.record_stream(copy)  # its memory is reused only after this copy
