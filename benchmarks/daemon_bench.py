@@ -18,8 +18,11 @@ the device work is in flight, as in SGLang's default overlap loop, whose adoptio
   from the queue and counted (in the server that is the backpressure seal, whose cost per page
   is measured separately as `inline_seal_ms`).
 
-An adopted page is installed as the pool does it (`SegmentStore.adopt` for an arena-ready result,
-else `install_pages`: arena writes, headers, page metadata) into a store of --store-pages pages,
+Pages go into slots by the pool's `SlotCopy` (--copies: the `page_gather` kernel or torch's
+stack; --copy-stream: on CUDA off the current stream, as the pool does, or on it, the A/B).
+An adopted page is installed as the pool does it (`SegmentStore.adopt` for an arena-ready result
+-- one `row_copy` launch with --copies auto on CUDA, else torch slices --, else
+`install_pages`: arena writes, headers, page metadata) into a store of --store-pages pages,
 the oldest released when it is full; `install_ms` times that part of the boundary. Not
 modelled: the pool's own bookkeeping around it (accounting, swap log: dict updates) and its
 backpressure (the bench drops pages over --max-pending instead).
