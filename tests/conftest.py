@@ -12,7 +12,6 @@ import random
 
 import pytest
 import torch
-import triton
 
 if not torch.cuda.is_available():
     # Triton kernels run in the interpreter on a CPU; this must precede the first `import triton`
@@ -77,6 +76,7 @@ def compile_sm90():
     """Compile a Triton kernel for the H200 (sm_90) down to a cubin, here on the CPU: the
     interpreter runs what the compiler refuses (e.g. one name bound to two pointer types in an
     if/else), so a kernel that passed its CPU test could still fail on the GPU."""
+    import triton  # here, not at the top: TRITON_INTERPRET must be set before the first import
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
