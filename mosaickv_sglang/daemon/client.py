@@ -443,11 +443,7 @@ class SlotCopy:
 
     def done(self):
         """A CUDA event after every copy queued so far (None on a CPU: copies are done)."""
-        if self.k_buffer[0].device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(self.streams[1] if self.streams is not None else None)
-        return event
+        return _record(self.k_buffer[0].device, None if self.streams is None else self.streams[1])
 
     def _read(self, hot: int) -> torch.Tensor:
         if self.gather is not None:
@@ -487,11 +483,12 @@ def _shutdown(workers: list[_Worker], channel: Channel) -> None:
     channel.close(unlink=True)
 
 
-def _record(device: torch.device):
+def _record(device: torch.device, stream=None):
+    """A CUDA event on `stream` (None: the current stream); None on a CPU."""
     if device.type != "cuda":
         return None
     event = torch.cuda.Event()
-    event.record()
+    event.record(stream)
     return event
 
 
