@@ -43,10 +43,12 @@ the Llama-3.1-8B shape for a *stated* step time (--production-step-ms, not measu
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
 import platform
+import pstats
 import statistics
 import time
 from types import SimpleNamespace
@@ -64,6 +66,21 @@ from mosaickv_sglang.daemon.client import DaemonClient, SlotCopy
 from mosaickv_sglang.segment_store import SegmentStore, use_pack_kernel
 
 SHAPES = {"small": (4, 2, 64), "llama8b": (32, 8, 128)}  # layers, KV heads, head_dim
+
+
+def smt_siblings(core: int) -> set[int]:
+    """The logical CPUs sharing `core`'s physical core (itself included; {core} where the
+    kernel does not say)."""
+    path = f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list"
+    try:
+        text = open(path).read().strip()
+    except OSError:
+        return {core}
+    out = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def quantiles(xs: list[float]) -> dict:
@@ -173,6 +190,12 @@ def main() -> None:
                     help="stated batch-128 Llama-8B decode step times for the production rate")
     ap.add_argument("--isolate", action="store_true",
                     help="pin this (scheduler) process to core 0 and the workers to the others")
+    ap.add_argument("--spare-smt", action="store_true",
+                    help="with --isolate: keep core 0's SMT siblings free of workers too (the "
+                         "scheduler thread then has a physical core to itself)")
+    ap.add_argument("--profile-boundaries", default=None, metavar="PATH",
+                    help="cProfile the saturated phase's step boundaries (the functions with the "
+                         "most own time, to PATH; slows them: not for the ratios)")
     ap.add_argument("--nice", type=int, default=MosaicConfig.daemon_nice,
                     help="the workers' daemon_nice (A/B its effect on throughput)")
     ap.add_argument("--warm-pages", type=int, default=32,
@@ -223,11 +246,16 @@ def main() -> None:
     while any(float(client.channel.heartbeats[w.index]) <= w.spawned_at for w in client.workers):
         time.sleep(0.05)
     startup_s = time.perf_counter() - t0
+    worker_cores = None
     if args.isolate:
         cores = sorted(os.sched_getaffinity(0))
+        spare = smt_siblings(cores[0]) if args.spare_smt else {cores[0]}
+        worker_cores = [c for c in cores if c not in spare] or cores
         os.sched_setaffinity(0, cores[:1])
         for w in client.workers:
-            os.sched_setaffinity(w.proc.pid, cores[1:] or cores)
+            os.sched_setaffinity(w.proc.pid, worker_cores)
+        print(f"scheduler on core {cores[0]} (SMT siblings {sorted(smt_siblings(cores[0]))}), "
+              f"workers on {len(worker_cores)} cores: {worker_cores}")
 
     # backpressure cost: one page sealed on this thread (what a backpressure seal costs a step)
     read = lambda idx: gather_pages(k_buffer, v_buffer, torch.tensor([0]), tokens)  # noqa: E731
@@ -322,7 +350,11 @@ def main() -> None:
                 work.wait()
             breakdown.take()
             read0, installed0 = client.counters.worker_pages, state["installed"]
+            if produce and profiler is not None:
+                profiler.enable()
             bound, sub = boundary(produce)
+            if produce and profiler is not None:
+                profiler.disable()
             if args.overlap:
                 work.wait()
             part = breakdown.take()
@@ -373,6 +405,7 @@ def main() -> None:
                 "open_jobs_left": len(client.open_jobs())}
 
     breakdown = BoundaryBreakdown(client, pool)
+    profiler = cProfile.Profile() if args.profile_boundaries else None
     warm = warm_up()
     phase(False)  # warm-up of the step itself
     idle = phase(False)
@@ -380,6 +413,9 @@ def main() -> None:
     saturated = phase(True)
     saturated["layouts_registered"] = len(store.layouts) - layouts0
     client.close()
+    if profiler is not None:
+        with open(args.profile_boundaries, "w") as fh:
+            pstats.Stats(profiler, stream=fh).sort_stats("tottime").print_stats(40)
 
     cores = args.workers * args.threads
     thr = saturated["pages_done"] / saturated["wall_s"]
@@ -387,7 +423,7 @@ def main() -> None:
     page_bytes = layers * 2 * heads * tokens * head_dim * 2
     out = {
         "machine": platform.node(), "cpu_count": os.cpu_count(), "device": str(device),
-        "torch": torch.__version__, "args": vars(args),
+        "torch": torch.__version__, "args": vars(args), "worker_cores": worker_cores,
         "shape": {"layers": layers, "kv_heads": heads, "head_dim": head_dim, "tokens": tokens,
                   "page_bytes_bf16": page_bytes},
         "worker_startup_s": startup_s, "inline_seal_ms_with_fit": inline_fit_ms,

@@ -12,16 +12,21 @@
 #   * 60 ms strict, side streams (the order of a MosaicKV step at 3 x 128K, session 8).
 # COPIES: who moves a page's bytes (auto: the kernels on CUDA; torch).
 # JSON per run, adopt_bench's JSON and log, and one daemon log under $OUT; prints each run's
-# table last. Env: DAEMON_LIMIT_S (150), DAEMON_STEPS (400), SHARE (the config default).
+# table last. Env: DAEMON_LIMIT_S (150), DAEMON_STEPS (400), SHARE (the config default), RUNS
+# (the runs, see below), PROFILE_RUN (a run like those of RUNS, added last with its boundaries
+# cProfiled into <name>_prof.txt; its ratios are not comparable).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 source scripts/device_env.sh > "$OUT/env.log" 2>&1 || { tail -5 "$OUT/env.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-if [ -f .device/pytest_site.tar.xz ]; then  # carried: the daemon's copy kernels' tests on CUDA
+echo "cpu0 SMT siblings: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list 2>/dev/null); $(nproc) cpus; $(grep -m1 'model name' /proc/cpuinfo)"
+if [ -f .device/pytest_site.tar.xz ]; then  # carried: pytest for the image that lacks it
   mkdir -p /tmp/pytest_site && tar -xJf .device/pytest_site.tar.xz -C /tmp/pytest_site
-  PYTHONPATH="/tmp/pytest_site:$PYTHONPATH" timeout "${TESTS_LIMIT_S:-120}" python3 -m pytest \
-      -q -p no:cacheprovider -W ignore tests/test_page_gather_kernel.py \
-      tests/test_row_copy_kernel.py > "$OUT/gpu_tests.log" 2>&1
+  export PYTHONPATH="/tmp/pytest_site:$PYTHONPATH"
+fi
+if python3 -c 'import pytest' 2> /dev/null; then  # the daemon's copy kernels' tests on CUDA
+  timeout "${TESTS_LIMIT_S:-120}" python3 -m pytest -q -p no:cacheprovider -W ignore \
+      tests/test_page_gather_kernel.py tests/test_row_copy_kernel.py > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc $? ($(tail -1 "$OUT/gpu_tests.log"))"
 fi
 timeout "${ADOPT_LIMIT_S:-90}" python3 benchmarks/adopt_bench.py --device cuda --reps 50 --profile \
@@ -29,27 +34,29 @@ timeout "${ADOPT_LIMIT_S:-90}" python3 benchmarks/adopt_bench.py --device cuda -
 echo "adopt bench rc $?"
 share=${SHARE:-$(python3 -c 'from mosaickv_sglang.config import MosaicConfig as C; print(C.daemon_boundary_share)')}
 copies=${COPIES:-auto}
-# (step ms, mode, boundary share, slot-copy stream)
-runs=("30 strict $share side" "30 strict $share current" "30 overlap $share side"
-      "30 overlap $share current" "60 strict $share side")
+# (step ms, mode, boundary share, slot-copy stream, workers, cores kept from the workers: the
+# scheduler's core, or with "smt" its SMT siblings too); RUNS (";"-separated) replaces the list
+IFS=';' read -r -a runs <<< "${RUNS:-30 strict $share side 12 core;30 strict $share current 12 core;30 overlap $share side 12 core;30 overlap $share current 12 core;60 strict $share side 12 core}"
+[ -n "${PROFILE_RUN:-}" ] && runs+=("$PROFILE_RUN prof")
+name_of() { echo "daemon_${2}_${1}ms_share${3}_${copies}_${4}_w${5}_${6}${7:+_$7}"; }
 for run in "${runs[@]}"; do
-  read -r ms mode sh stream <<< "$run"
-  name=daemon_${mode}_${ms}ms_share${sh}_${copies}_${stream}
+  read -r ms mode sh stream workers spare prof <<< "$run"
+  name=$(name_of $run)
   echo "===== $name" >> "$OUT/daemon.log"
   timeout "${DAEMON_LIMIT_S:-150}" python3 benchmarks/daemon_bench.py --shape llama8b --device cuda \
-      --workers 12 --slots 32 --steps "${DAEMON_STEPS:-400}" --step-ms "$ms" --isolate \
+      --workers "$workers" --slots 32 --steps "${DAEMON_STEPS:-400}" --step-ms "$ms" --isolate \
       --share "$sh" --copies "$copies" --copy-stream "$stream" \
-      $([ "$mode" = overlap ] && echo --overlap) \
+      $([ "$mode" = overlap ] && echo --overlap) $([ "$spare" = smt ] && echo --spare-smt) \
+      $([ -n "$prof" ] && echo --profile-boundaries "$OUT/$name.txt") \
       --json "$OUT/$name.json" \
       > "$OUT/$name.log" 2>&1
-  echo "daemon bench step $ms ms $mode share $sh copies $copies on $stream stream rc $?"
+  echo "daemon bench $name rc $?"
   cat "$OUT/$name.log" >> "$OUT/daemon.log" && rm "$OUT/$name.log"
 done
 grep -v -i warn "$OUT/adopt_bench.log" | tail -8
 for run in "${runs[@]}"; do
-  read -r ms mode sh stream <<< "$run"
-  name=daemon_${mode}_${ms}ms_share${sh}_${copies}_${stream}
+  name=$(name_of $run)
   echo "== $name"
   sed -n "/^===== $name\$/,/^=====/p" "$OUT/daemon.log" \
-    | grep -E "^(saturated/idle|daemon:|\| |adopting|saturated:)" | tail -"${TAIL_LINES:-12}"
+    | grep -E "^(saturated/idle|daemon:|\| |adopting|saturated:|scheduler on)" | tail -"${TAIL_LINES:-12}"
 done
