@@ -305,7 +305,7 @@ def main() -> None:
 
         @property
         def free_hot_pages(self):
-            return range(max(0, args.hot_pages - sum(len(j.pages) for j in client.open_jobs())))
+            return range(max(0, args.hot_pages - len(client.open)))  # one page a job
 
         def _finish(self, job, results):
             return install(job)
@@ -328,7 +328,7 @@ def main() -> None:
                 state["credit"] -= 1
                 page = state["page"]
                 state["page"] += 1
-                pending = sum(len(j.pages) for j in client.open_jobs())
+                pending = len(client.open)  # pages: the bench's jobs are one page each
                 if pending >= args.max_pending:
                     state["dropped"] += 1  # the server would seal the oldest inline here
                     continue

@@ -104,6 +104,7 @@ class SegmentStore:
         self.device_type = torch.device(device).type
         self._arena_ptrs = np.array([d.data_ptr() for d in self.data], dtype=np.int64)
         self._rows_per_layer = pages + 1  # (layer, page) rows of the header / metadata tables
+        self._adopt_rows: AdoptRows | None = None  # made at the first adoption by kernel
         self.packed = torch.zeros(layers, pages + 1, dtype=torch.bool)  # host: kernel-readable
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
         self.free: list[dict[int, list[int]]] = [{} for _ in range(layers)]  # size -> bases
@@ -293,46 +294,10 @@ class SegmentStore:
 
     def _adopt_by_kernel(self, page: int, ap: ArenaPage, layout_ids: list[int],
                          bases: list[int], sizes: list[int]) -> None:
-        """`adopt`'s writes as rows of one `copy_rows` launch: per layer its block, its header
-        row (sent up with the row table in one copy) and a row per page-metadata table. The
-        addresses come from the tables' base pointers (taken once) and numpy arithmetic."""
-        layers = np.arange(len(sizes))
-        meta = [] if self._meta is None else [getattr(ap.pages, f).to(self.device).contiguous()
-                                              for f in META_FIELDS]
-        n_rows = len(sizes) * (2 + len(meta))
-        width = HEADER_WIDTH
-        host = torch.empty(n_rows * 4 + len(sizes) * width // 2, dtype=torch.int64,
-                           pin_memory=self.device_type == "cuda")
-        up = host if self.device_type != "cuda" else torch.empty_like(host, device=self.device)
-        rows = host[:n_rows * 4].numpy().reshape(-1, len(sizes), 4)  # [kinds of row, L, 4]
-        headers = host[n_rows * 4:].view(torch.int32).numpy().reshape(len(sizes), width)
-        headers[:] = self._header_table[layout_ids]
-        base = np.asarray(bases, dtype=np.int64)
-        headers[:, HDR["base16"]] = base // ALIGN
-        size = np.asarray(sizes, dtype=np.int64)
-        src = ap.blocks.to(self.device)  # kept alive here until the launch below
-        rows[0] = np.stack([self._arena_ptrs + base, src.data_ptr() + np.cumsum(size) - size,
-                            size // 2, np.full_like(size, COPY)], axis=1)
-        at = layers * self._rows_per_layer + page  # (layer, page) row of every page table
-        rows[1] = np.stack([self._headers.data_ptr() + at * width * 4,
-                            up.data_ptr() + n_rows * 32 + layers * width * 4,
-                            np.full_like(size, width * 2), np.full_like(size, COPY)], axis=1)
-        for i, (f, part) in enumerate(zip(META_FIELDS, meta)):
-            table = getattr(self._meta, f)
-            row = table[0, 0].numel()  # elements of one (layer, page) row
-            widen = part.dtype == torch.uint8 and table.dtype == torch.int32
-            if part.shape[1:] != table.shape[2:] or not (widen or part.dtype == table.dtype):
-                raise ValueError(f"SegmentStore: page metadata {f} {tuple(part.shape)} "
-                                 f"{part.dtype} does not fit the table {tuple(table.shape)} "
-                                 f"{table.dtype}")
-            rows[2 + i] = np.stack([
-                table.data_ptr() + at * row * table.element_size(),
-                part.data_ptr() + layers * row * part.element_size(),
-                np.full_like(size, row if widen else row * part.element_size() // 2),
-                np.full_like(size, WIDEN if widen else COPY)], axis=1)
-        if up is not host:
-            up.copy_(host, non_blocking=True)
-        copy_rows(up[:n_rows * 4].view(-1, 4), int(size.max()) // 2)
+        """`adopt`'s writes as rows of one `copy_rows` launch (`AdoptRows`)."""
+        if self._adopt_rows is None:
+            self._adopt_rows = AdoptRows(self)
+        self._adopt_rows.launch(page, ap, layout_ids, bases, sizes)
 
     def release(self, page: int) -> None:
         for layer in range(len(self.data)):
@@ -366,6 +331,93 @@ class SegmentStore:
         meta = sum(m.nbytes() for m in self.meta) if self.meta is not None else 0
         return sum(t.numel() * t.element_size() for t in self.data + self.headers) + \
             self.plans.numel() * self.plans.element_size() + meta
+
+
+class AdoptRows:
+    """The `copy_rows` table that adopts an arena-ready page: per layer its block, its header row
+    and a row per page-metadata table. Everything that does not depend on the page (table base
+    pointers, row sizes, the header rows' source) is written once into a ring of staging
+    buffers (pinned host + device on CUDA); an adoption fills in the page's addresses with a
+    few numpy column writes, sends the buffer up in one copy and launches once. A staging buffer
+    whose last copy up has not finished (many adoptions in one boundary) is replaced by a new one,
+    never waited for: the current stream may still be running a forward."""
+    RING = 4
+
+    def __init__(self, store: SegmentStore):
+        self.store = store
+        layers = len(store.data)
+        self.layers = np.arange(layers, dtype=np.int64)
+        at = self.layers * store._rows_per_layer  # (layer, page 0) row of every page table
+        self.header_dst = store._headers.data_ptr() + at * HEADER_WIDTH * 4
+        # per metadata table: (field, its (layer, page 0) addresses, elements per row, element
+        # size, the row shape an arriving part must have, the table dtype)
+        self.tables = [] if store._meta is None else [
+            (f, t.data_ptr() + at * t[0, 0].numel() * t.element_size(), t[0, 0].numel(),
+             t.element_size(), tuple(t.shape[2:]), t.dtype)
+            for f, t in ((f, getattr(store._meta, f)) for f in META_FIELDS)]
+        self.kinds = 2 + len(self.tables)
+        self.n_rows = layers * self.kinds
+        self.cuda = store.device_type == "cuda"
+        self.ring = [self._staging() for _ in range(self.RING)]
+        self.turn = 0
+
+    def _staging(self):
+        """(host int64 tensor, its device copy, rows [kinds, L, 4] and headers [L, W] as numpy
+        views of the host tensor, the event after its last copy up)."""
+        width = HEADER_WIDTH
+        layers = len(self.layers)
+        host = torch.empty(self.n_rows * 4 + layers * width // 2, dtype=torch.int64,
+                           pin_memory=self.cuda)
+        up = torch.empty_like(host, device=self.store.device) if self.cuda else host
+        rows = host[:self.n_rows * 4].numpy().reshape(self.kinds, layers, 4)
+        headers = host[self.n_rows * 4:].view(torch.int32).numpy().reshape(layers, width)
+        rows[:, :, 3] = COPY
+        rows[1, :, 1] = up.data_ptr() + self.n_rows * 32 + self.layers * width * 4
+        rows[1, :, 2] = width * 2
+        return [host, up, rows, headers, None]
+
+    def launch(self, page: int, ap: ArenaPage, layout_ids: list[int], bases: list[int],
+               sizes: list[int]) -> None:
+        store = self.store
+        self.turn = (self.turn + 1) % self.RING
+        stage = self.ring[self.turn]
+        if stage[4] is not None and not stage[4].query():
+            stage = self.ring[self.turn] = self._staging()
+        host, up, rows, headers, _ = stage
+        base = np.asarray(bases, dtype=np.int64)
+        size = np.asarray(sizes, dtype=np.int64)
+        headers[:] = store._header_table[layout_ids]
+        headers[:, HDR["base16"]] = base // ALIGN
+        src = ap.blocks  # alive until the launch below; freed memory is reused in stream order
+        self._on_device("blocks", src)
+        rows[0, :, 0] = store._arena_ptrs + base
+        rows[0, :, 1] = src.data_ptr() + np.cumsum(size) - size
+        rows[0, :, 2] = size // 2
+        rows[1, :, 0] = self.header_dst + page * HEADER_WIDTH * 4
+        for k, (f, dst, row, es, shape, dtype) in enumerate(self.tables, start=2):
+            part = getattr(ap.pages, f)
+            self._on_device(f, part)
+            widen = part.dtype == torch.uint8 and dtype == torch.int32
+            if tuple(part.shape[1:]) != shape or not (widen or part.dtype == dtype):
+                raise ValueError(f"SegmentStore: page metadata {f} {tuple(part.shape)} "
+                                 f"{part.dtype} does not fit the table rows {shape} {dtype}")
+            rows[k, :, 0] = dst + page * row * es
+            rows[k, :, 1] = part.data_ptr() + self.layers * row * part.element_size()
+            rows[k, :, 2] = row if widen else row * es // 2
+            rows[k, :, 3] = WIDEN if widen else COPY
+        if self.cuda:
+            up.copy_(host, non_blocking=True)
+            stage[4] = torch.cuda.Event()
+            stage[4].record()
+        copy_rows(up[:self.n_rows * 4].view(-1, 4), int(size.max()) // 2)
+
+    def _on_device(self, what: str, t: torch.Tensor) -> None:
+        """A result's tensor must be on the store's device and contiguous (the kernel reads it
+        by address): `channel.load` puts it there."""
+        if t.device.type != self.store.device_type or not t.is_contiguous():
+            raise ValueError(f"SegmentStore: an arena-ready page's {what} is on {t.device} "
+                             f"(contiguous: {t.is_contiguous()}); adopting by kernel needs it "
+                             f"contiguous on the store's {self.store.device_type} device")
 
 
 class StoredSegments(Sequence):
