@@ -5,11 +5,13 @@
 # <commit> mosaickv_sglang triton_kernels benchmarks`). Runs adopt_bench (old, new), then
 # daemon_bench at the Llama-8B shape, 12 workers, 30 ms strict (old, new, old, new: the spread
 # between equal runs shows), then the new tree at 30 ms overlapped and 60 ms strict. Prints a
-# table last (summarize_daemon_runs.py); JSON and logs under $OUT.
-# Env: DAEMON_STEPS (400), DAEMON_LIMIT_S (150), EXTRA (more daemon_bench args, both trees).
+# table last (summarize_daemon_runs.py); under $OUT a JSON per daemon run and two logs (the
+# device returns at most 8 files).
+# Env: DAEMON_STEPS (400), DAEMON_LIMIT_S (150), EXTRA (more daemon_bench args, both trees),
+# RUNS (";"-separated "tree mode step-ms" runs, at most 6: the files that come back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-source scripts/device_env.sh > "$OUT/env.log" 2>&1 || { tail -5 "$OUT/env.log"; exit 1; }
+source scripts/device_env.sh > /tmp/env.log 2>&1 || { tail -5 /tmp/env.log; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 base=/tmp/base_tree
 rm -rf "$base" && mkdir -p "$base" && tar -xf "${BASE_ARCHIVE:-.device/base.tar}" -C "$base" \
@@ -20,22 +22,25 @@ in_tree() {  # in_tree old|new CMD...: the old tree's package first on the path,
   else shift; "$@"; fi
 }
 for tree in old new; do
+  echo "===== $tree" >> "$OUT/adopt.log"
   in_tree $tree timeout 120 python3 benchmarks/adopt_bench.py --device cuda --reps 50 \
-    --json "$OUT/adopt_$tree.json" > "$OUT/adopt_$tree.log" 2>&1
+    > /tmp/adopt_$tree.log 2>&1
   echo "adopt bench $tree rc $?"
+  cat /tmp/adopt_$tree.log >> "$OUT/adopt.log"
 done
 i=0
-for run in "old strict 30" "new strict 30" "old strict 30" "new strict 30" "new overlap 30" \
-           "new strict 60"; do
+IFS=';' read -r -a runs <<< "${RUNS:-old strict 30;new strict 30;old strict 30;new strict 30;new overlap 30;new strict 60}"
+for run in "${runs[@]}"; do
   read -r tree mode ms <<< "$run"
   i=$((i + 1))
   name="daemon_${i}_${tree}_${mode}_${ms}ms"
   in_tree $tree timeout "${DAEMON_LIMIT_S:-150}" python3 benchmarks/daemon_bench.py \
     --shape llama8b --device cuda --workers 12 --slots 32 --steps "${DAEMON_STEPS:-400}" \
     --step-ms "$ms" --isolate $([ "$mode" = overlap ] && echo --overlap) ${EXTRA:-} \
-    --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    --json "$OUT/$name.json" > /tmp/run.log 2>&1
   echo "daemon bench $name rc $?"
+  { echo "===== $name"; cat /tmp/run.log; } >> "$OUT/daemon.log"
 done
 for tree in old new; do echo "adopt_bench $tree: $(grep -E '^arena_ready_kernels|^pump by kernel' \
-  "$OUT/adopt_$tree.log" | sed 's/.*median of 50 ms: //; s/.*pinned): //' | tr '\n' ' ')"; done
+  /tmp/adopt_$tree.log | sed 's/.*median of 50 ms: //; s/.*pinned): //' | tr '\n' ' ')"; done
 python3 scripts/summarize_daemon_runs.py "$OUT"/daemon_*.json
