@@ -8,7 +8,8 @@
 # table last (summarize_daemon_runs.py); under $OUT a JSON per daemon run and two logs (the
 # device returns at most 8 files).
 # Env: DAEMON_STEPS (400), DAEMON_LIMIT_S (150), EXTRA (more daemon_bench args, both trees),
-# RUNS (";"-separated "tree mode step-ms" runs, at most 6: the files that come back).
+# RUNS (";"-separated "tree mode step-ms" runs, at most 6: the files that come back), ADOPT=0
+# (no adopt_bench).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 source scripts/device_env.sh > /tmp/env.log 2>&1 || { tail -5 /tmp/env.log; exit 1; }
@@ -21,7 +22,7 @@ in_tree() {  # in_tree old|new CMD...: the old tree's package first on the path,
   if [ "$1" = old ]; then shift; (cd "$base" && PYTHONPATH="$base:$PYTHONPATH" "$@")
   else shift; "$@"; fi
 }
-for tree in old new; do
+for tree in $([ "${ADOPT:-1}" = 1 ] && echo old new); do
   echo "===== $tree" >> "$OUT/adopt.log"
   in_tree $tree timeout 120 python3 benchmarks/adopt_bench.py --device cuda --reps 50 \
     > /tmp/adopt_$tree.log 2>&1
@@ -41,6 +42,6 @@ for run in "${runs[@]}"; do
   echo "daemon bench $name rc $?"
   { echo "===== $name"; cat /tmp/run.log; } >> "$OUT/daemon.log"
 done
-for tree in old new; do echo "adopt_bench $tree: $(grep -E '^arena_ready_kernels|^pump by kernel' \
+for tree in $([ "${ADOPT:-1}" = 1 ] && echo old new); do echo "adopt_bench $tree: $(grep -E '^arena_ready_kernels|^pump by kernel' \
   /tmp/adopt_$tree.log | sed 's/.*median of 50 ms: //; s/.*pinned): //' | tr '\n' ' ')"; done
 python3 scripts/summarize_daemon_runs.py "$OUT"/daemon_*.json
