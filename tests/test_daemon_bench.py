@@ -42,6 +42,12 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path, 
     assert ("overlapped with the boundary" in proc.stdout) is overlap
     adopt = sat["adopt_page_ms"]
     assert adopt["pages"] >= 1 and adopt["install"]["max"] > 0 and adopt["load"]["max"] > 0
+    # the device scripts' closing table: one row per run, its ratios as in the JSON
+    table = subprocess.run([sys.executable, str(ROOT / "scripts/summarize_daemon_runs.py"),
+                            str(out)], capture_output=True, text=True, timeout=60, check=True)
+    row = table.stdout.splitlines()[-1].split(" | ")
+    assert row[0] == "| daemon" and row[1] == f"{result['step_p50_ratio']:.3f}", table.stdout
+    assert row[2] == f"{result['step_p99_ratio']:.3f}", table.stdout
 
 
 def test_adopt_bench_compares_both_paths_on_the_same_bytes(tmp_path):

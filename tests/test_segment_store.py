@@ -3,6 +3,7 @@ arena, headers, page metadata, block allocation (free lists, a full arena) and t
 segment tensors are what installing the same segments one at a time gives."""
 import copy
 
+import pytest
 import torch
 
 from conftest import repro
@@ -10,7 +11,7 @@ from mosaickv_sglang.codec.arena import BlockLayout
 from mosaickv_sglang.codec.basis import fit_basis
 from mosaickv_sglang.codec.layer import Candidates, seal_segments
 from mosaickv_sglang.config import MosaicConfig
-from mosaickv_sglang.segment_store import SegmentStore
+from mosaickv_sglang.segment_store import AdoptRows, SegmentStore
 
 H, S, D, N = 2, 128, 64, 12
 
@@ -138,3 +139,46 @@ def test_adopting_a_page_issues_as_many_tensor_writes_for_any_layer_count(seed):
     assert counts[2] == counts[6], (counts, repro(seed))
     assert released[2] == released[6] and len(released[6]) == 1, (released, repro(seed))
     assert counts[6].count("_foreach_copy_") == 2 and "copy_" in counts[6]
+
+
+def test_adopting_by_kernel_refuses_what_it_cannot_read_by_address():
+    """The kernel path (`AdoptRows`) reads an arena-ready page's tensors by address: a part that is
+    not contiguous, or metadata whose rows do not fit the store's tables, is refused with the
+    field named, and the store takes the page after that as the torch path does."""
+    from dataclasses import replace
+
+    from mosaickv_sglang.codec.arena import META_FIELDS, pack_page
+    from mosaickv_sglang.codec.pages import PageMeta
+    from mosaickv_sglang.codec.seal import seal_group, worst_page_bytes
+    from mosaickv_sglang.codec.strategies import parse_strategy
+
+    cfg, dense, layers = MosaicConfig(), parse_strategy("dense"), 2
+    g = torch.Generator().manual_seed(0)
+    kv = (torch.randn(layers, 2, H, cfg.segment_tokens, D, generator=g)
+          * torch.logspace(0.5, -1, D)).bfloat16()
+    page = seal_group(lambda idx: (kv[None, :, 0], kv[None, :, 1]), [cfg.segment_tokens], None,
+                      cfg, Candidates.from_config(cfg), dense)[0]
+    ap = pack_page(page, cfg.page_tokens)
+    stores = {k: SegmentStore(layers, 2, H, D, cfg.segment_tokens, cfg.page_tokens, "cpu",
+                              cfg.select.meta_channels, 2 * worst_page_bytes(cfg, H, D, dense),
+                              pack_kernel=k) for k in ("torch", "triton")}
+    meta = {f: getattr(ap.pages, f) for f in META_FIELDS}
+    strided = replace(ap, pages=PageMeta(**{**meta, "lo": meta["lo"].transpose(-1, -2)}))
+    with pytest.raises(ValueError, match="lo is on cpu .contiguous: False"):
+        stores["triton"].adopt(1, strided)
+    short = replace(ap, pages=PageMeta(**{**meta, "hi": meta["hi"][..., :-1].contiguous()}))
+    with pytest.raises(ValueError, match="page metadata hi .* does not fit the table rows"):
+        stores["triton"].adopt(1, short)
+    for store in stores.values():
+        store.clear()
+        for _ in range(AdoptRows.RING + 1):  # around the ring of staging buffers
+            assert store.adopt(1, ap) is not None
+            store.release(1)
+        assert store.adopt(1, ap) is not None
+    a, b = stores.values()
+    for layer in range(layers):
+        (ba, size), (bb, _) = a.blocks[(layer, 1)], b.blocks[(layer, 1)]
+        assert torch.equal(a.data[layer][ba:ba + size], b.data[layer][bb:bb + size])
+        assert torch.equal(a.headers[layer][1], b.headers[layer][1])
+        for f in META_FIELDS:
+            assert torch.equal(getattr(a.meta[layer], f)[1], getattr(b.meta[layer], f)[1]), f
