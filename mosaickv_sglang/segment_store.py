@@ -339,8 +339,8 @@ class AdoptRows:
     pointers, row sizes, the header rows' source) is written once into a ring of staging
     buffers (pinned host + device on CUDA); an adoption fills in the page's addresses with a
     few numpy column writes, sends the buffer up in one copy and launches once. A staging buffer
-    whose last copy up has not finished (many adoptions in one boundary) is replaced by a new one,
-    never waited for: the current stream may still be running a forward."""
+    whose last launch has not finished (many adoptions in one boundary) is replaced by a new
+    one, never waited for: the current stream may still be running a forward."""
     RING = 4
 
     def __init__(self, store: SegmentStore):
@@ -363,7 +363,7 @@ class AdoptRows:
 
     def _staging(self):
         """(host int64 tensor, its device copy, rows [kinds, L, 4] and headers [L, W] as numpy
-        views of the host tensor, the event after its last copy up)."""
+        views of the host tensor, the event after its last launch)."""
         width = HEADER_WIDTH
         layers = len(self.layers)
         host = torch.empty(self.n_rows * 4 + layers * width // 2, dtype=torch.int64,
@@ -407,9 +407,10 @@ class AdoptRows:
             rows[k, :, 3] = WIDEN if widen else COPY
         if self.cuda:
             up.copy_(host, non_blocking=True)
-            stage[4] = torch.cuda.Event()
-            stage[4].record()
         copy_rows(up[:self.n_rows * 4].view(-1, 4), int(size.max()) // 2)
+        if self.cuda:  # after the launch: reusable once the kernel read `up`, on any stream
+            stage[4] = torch.cuda.Event()
+            stage[4].record(torch.cuda.current_stream(up.device))
 
     def _on_device(self, what: str, t: torch.Tensor) -> None:
         """A result's tensor must be on the store's device and contiguous (the kernel reads it
