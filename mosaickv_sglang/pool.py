@@ -452,6 +452,23 @@ class MosaicKVPool(MHATokenToKVPool):
         workers finish in. Deterministic in the pool's state: every TP rank decides alike."""
         return all(p in self.sealed or p not in self.pending for p in job.needs)
 
+    def next_to_seal(self, jobs: list):
+        """Of open `jobs` (oldest first), the one to seal on this thread next (backpressure, a
+        broken daemon): the first installable one, so requests' sealed pages stay prefixes.
+        While the bookkeeping holds there always is one (a job's earlier pages are sealed, freed
+        or in an older job); if none is, the oldest is taken, which may seal out of request
+        order: logged and counted (`out_of_order_seals`), never silent."""
+        job = next((j for j in jobs if self.installable(j)), None)
+        if job is not None:
+            return job
+        job = jobs[0]
+        self.daemon.counters.out_of_order_seals += len(job.pages)
+        logger.error("MosaicKV daemon: no open job can be sealed in request order (%d open; "
+                     "the oldest, pages %s, waits on %s); sealing it anyway. Please report with "
+                     "the server log.", len(jobs), job.pages,
+                     [p for p in job.needs if p not in self.sealed and p in self.pending])
+        return job
+
     def _relieve(self, want_free: int) -> int:
         """Backpressure: seal the oldest pending jobs on this thread until `want_free` hot pages
         are free (or nothing is pending). Counted and logged; returns pages sealed."""
@@ -460,7 +477,7 @@ class MosaicKVPool(MHATokenToKVPool):
             jobs = self.daemon.open_jobs()
             if not jobs:
                 break
-            job = next((j for j in jobs if self.installable(j)), jobs[0])  # oldest position first
+            job = self.next_to_seal(jobs)
             self.daemon.cancel(job)  # a result still on its way is dropped when it comes
             n = self._finish(job, None)
             self.daemon.counters.sync_seals_backpressure += n

@@ -404,6 +404,31 @@ def test_backpressure_seals_oldest_pages_inline_when_hot_buffer_runs_low(pools):
     assert kept == a.arena_bytes and len(a.free_hot_pages) == 8
 
 
+def test_sealing_out_of_request_order_is_logged_and_counted(pools, caplog):
+    """Backpressure seals the first installable open job; were none installable (a bookkeeping
+    fault: here a job made to wait on a page no job will seal), the oldest is sealed anyway,
+    logged and counted, not silently."""
+    a = pools("process", pages=32, hot_buffer_fraction=0.25, daemon_hot_watermark=0.5)
+    pid = a.daemon.workers[0].proc.pid
+    os.kill(pid, signal.SIGSTOP)  # jobs stay open
+    try:
+        slots = torch.arange(PS, 5 * PS)  # 4 pages: one job
+        write(a, slots, seed=11)
+        a.seal_request(slots, len(slots))
+        job, = a.daemon.open_jobs()
+        assert a.next_to_seal([job]) is job and a.daemon.counters.out_of_order_seals == 0
+        a.pending[31] = job  # page 31: pending, never sealed by anyone
+        job.needs.append(31)
+        with caplog.at_level("ERROR"):
+            assert a._relieve(a.num_hot_pages) == 4
+        assert a.daemon.counters.out_of_order_seals == 4 and "sealing it anyway" in caplog.text
+        assert a.stats()["daemon"]["out_of_order_seals"] == 4
+        del a.pending[31]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_later_basis_block_is_not_adopted_before_an_earlier_one(pools):
     """Block 1's job finishes first; it waits (readers need sealed pages to be a prefix) and goes
     in at the first adoption point after block 0's."""

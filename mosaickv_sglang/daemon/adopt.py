@@ -120,7 +120,7 @@ def adopt(pool, group=None) -> int:
             break
     if client.broken:  # restarting did not help: seal what is left here (logged by the client)
         while open_jobs := client.open_jobs():
-            job = next((j for j in open_jobs if pool.installable(j)), open_jobs[0])
+            job = pool.next_to_seal(open_jobs)
             client.cancel(job)
             client.counters.sync_seals_fallback += len(job.pages)
             installed += pool._finish(job, None)
