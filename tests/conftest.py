@@ -71,20 +71,39 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# Run in a fresh process without TRITON_INTERPRET (compile_sm90): prints the compiled kinds.
+_COMPILE_SM90 = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, name, signature, constexprs = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), name)
+src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                constexprs=constexprs)
+print(json.dumps(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm)))
+"""
+
+
 @pytest.fixture
 def compile_sm90():
     """Compile a Triton kernel for the H200 (sm_90) down to a cubin, here on the CPU: the
     interpreter runs what the compiler refuses (e.g. one name bound to two pointer types in an
-    if/else), so a kernel that passed its CPU test could still fail on the GPU."""
-    import triton  # here, not at the top: TRITON_INTERPRET must be set before the first import
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+    if/else), so a kernel that passed its CPU test could still fail on the GPU. Returns the
+    compiled kinds ("ttir" ... "cubin"). In a fresh process without the interpreter: the
+    interpreter patches triton.language for the whole process while it runs a kernel (and a
+    device function's call leaves its patches), so compiling here depended on which kernel
+    tests ran first (seen in CI: "'ir.value' object has no attribute 'dtype'")."""
+    import json
+    import subprocess
+    import sys
 
-    def run(fn, signature: dict, constexprs: dict):
-        if not isinstance(fn, JITFunction):  # under TRITON_INTERPRET=1 (kernels calling other
-            fn = JITFunction(fn.fn)  # @triton.jit functions would need those rewrapped too)
-        constexpr_sig = {k: "constexpr" for k in constexprs}
-        src = ASTSource(fn=fn, signature={**signature, **constexpr_sig}, constexprs=constexprs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    def run(fn, signature: dict, constexprs: dict) -> list[str]:
+        inner = getattr(fn, "fn", fn)  # a JITFunction, or the interpreter's wrapper of one
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, json.dumps(
+            [inner.__module__, inner.__name__, signature, constexprs])],
+            capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.splitlines()[-1])
     return run
