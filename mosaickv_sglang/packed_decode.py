@@ -48,6 +48,27 @@ class StepPlan:
     req_rows: torch.Tensor  # int64 [K, max rows] (device): each kernel request's rows (pad: R)
 
 
+def _sealed_runs(sealed: dict, pages: list[int]):
+    """One pass over a request's sealed prefix: its length n and its runs of pages sharing a
+    basis block, with each run's BasisPair (one dict lookup per page: this loop is most of the
+    step's host plan)."""
+    runs: list[list[int]] = []
+    run_bases = []
+    n, last = len(pages), None
+    for j, p in enumerate(pages):
+        page = sealed.get(p)
+        if page is None:
+            n = j
+            break
+        if page.bases is last:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+            run_bases.append(page.bases)
+            last = page.bases
+    return n, runs, run_bases
+
+
 class PackedDecode:
     def __init__(self, pool):
         if pool.dtype != torch.bfloat16:
@@ -88,22 +109,11 @@ class PackedDecode:
         for i, seq_len in enumerate(seq_lens):
             page_ids = page_slots[i, :-(-seq_len // ps)] // ps
             pages = page_ids.tolist()
-            # One pass over the sealed prefix: its length n and its runs of pages sharing a basis
-            # block (one dict lookup per page: this loop is most of the step's host plan).
-            runs: list[list[int]] = []
-            run_bases = []  # each run's BasisPair
-            n, last = len(pages), None
-            for j, p in enumerate(pages):
-                page = pool.sealed.get(p)
-                if page is None:
-                    n = j
-                    break
-                if page.bases is last:
-                    runs[-1].append(p)
-                else:
-                    runs.append([p])
-                    run_bases.append(page.bases)
-                    last = page.bases
+            n, runs, run_bases = _sealed_runs(pool.sealed, pages)
+            hot = pool.hot_page_of[page_ids[n:]]
+            if bool((hot < 0).any()) and pool.seal_prefix_now(pages):  # not a prefix (pool.py)
+                n, runs, run_bases = _sealed_runs(pool.sealed, pages)
+                hot = pool.hot_page_of[page_ids[n:]]
             if n and not bool(pool.store.packed[:, page_ids[:n]].all()):
                 rid = int(forward_batch.req_pool_indices[i])
                 reference_slots[i] = req_to_token[rid, :seq_len]
@@ -111,7 +121,6 @@ class PackedDecode:
             kernel_reqs.append(i)
             sealed_ids.append(page_ids[:n])
             needs_select |= self.cfg.select.enabled and n * ps > self.cfg.select.budget_tokens
-            hot = pool.hot_page_of[page_ids[n:]]
             if bool((hot < 0).any()):
                 raise RuntimeError("MosaicKV: read of a logical page that is neither hot nor sealed")
             hot = (hot[:, None] * ps + torch.arange(ps)).flatten()[:seq_len - n * ps]

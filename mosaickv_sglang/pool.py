@@ -57,6 +57,10 @@ class PoolCounters:
     over_budget: int = 0  # segment kinds kept dense because no candidate met the budget
     rescued: int = 0  # segment kinds no candidate fitted, kept by a rescue candidate instead
     arena_over_budget: int = 0  # seals that left the packed bytes above the start-up sizing
+    # reads that found a request's sealed pages not a prefix and sealed the pages before them
+    # inline (seal_prefix_now), and the pages that took
+    prefix_repairs: int = 0
+    prefix_repair_pages: int = 0
     strategies: dict = field(default_factory=dict)
     # Per page position in its request (index i: tokens [i*page, (i+1)*page)): pages sealed there
     # and sealed pages handed out there by prefix matches. A prefix shared by N requests shows one
@@ -237,17 +241,60 @@ class MosaicKVPool(MHATokenToKVPool):
         slots [T] in position order. Sealed pages are always a prefix of the request's pages."""
         ps = self.page_size
         pages = (slots[::ps] // ps).tolist()
-        n_sealed = 0
-        while n_sealed < len(pages) and pages[n_sealed] in self.sealed:
-            n_sealed += 1
+        n_sealed = self._sealed_prefix(pages)
         if any(p in self.sealed for p in pages[n_sealed:]):
-            raise RuntimeError("MosaicKV: sealed pages must form a prefix of a request")
+            self.seal_prefix_now(pages)
+            n_sealed = self._sealed_prefix(pages)
         local = layer_id - self.start_layer
         hot_slots = slots[n_sealed * ps:]
         phys = self.physical_loc(hot_slots) if hot_slots.numel() else hot_slots
         hot_k = self.k_buffer[local][phys].transpose(0, 1)  # [H, T_hot, D]
         hot_v = self.v_buffer[local][phys].transpose(0, 1)
         return pages[:n_sealed], hot_k, hot_v, n_sealed * ps
+
+    def _sealed_prefix(self, pages: list[int]) -> int:
+        n = 0
+        while n < len(pages) and pages[n] in self.sealed:
+            n += 1
+        return n
+
+    def seal_prefix_now(self, pages: list[int]) -> int:
+        """Seal on this thread every unsealed page before the last sealed one of `pages` (one
+        request's, in position order), so its sealed pages are a prefix again, which every read
+        path needs. They stop being one when SGLang swaps a running request's own prefix pages
+        for the radix tree's copies of the same tokens (`cache_unfinished_req` frees the
+        duplicates) after pages behind them were sealed, or submitted with the freed page as the
+        one to wait for. Called before a forward's first read; the same on every TP rank.
+        Counted (`prefix_repairs`, `prefix_repair_pages`) and logged. Returns pages sealed."""
+        last = max((i for i, p in enumerate(pages) if p in self.sealed), default=-1)
+        todo = [i for i in range(last) if pages[i] not in self.sealed]
+        if not todo:
+            return 0
+        block = self.cfg.basis_block_tokens // self.page_size
+        before = self.counters.sealed_pages
+        for i in todo:
+            page = pages[i]
+            while page not in self.sealed:  # each turn seals this page or brings it closer
+                if page not in self.pending:  # hot, never submitted: seal it alone
+                    first = pages[i // block * block]
+                    self._seal_now([(i * self.page_size, page, self.page_gen[page])],
+                                   self.sealed[first].bases if first in self.sealed else None)
+                    continue
+                job = self.pending[page]
+                if job is None:  # deferred: its block's first job goes first, then it is sent
+                    job = next((self.pending[first] for first, group in self.deferred.items()
+                                if any(p == page for _, p, _ in group)), None)
+                if job is None:
+                    raise RuntimeError(f"MosaicKV: page {page} is pending without a job")
+                self.daemon.cancel(job)
+                self._finish(job, None)
+        done = self.counters.sealed_pages - before
+        self.counters.prefix_repairs += 1
+        self.counters.prefix_repair_pages += done
+        logger.warning("MosaicKV: a request's sealed pages were not a prefix (its prefix pages "
+                       "were swapped for the radix tree's copies): %d pages before them sealed "
+                       "on the scheduler thread (counted as prefix_repairs)", done)
+        return done
 
     def layer_view(self, layer_id: int, slots: torch.Tensor) -> CompressedLayer:
         """One request's sealed segments + hot rows as a CompressedLayer for the codec."""

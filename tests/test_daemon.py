@@ -429,6 +429,47 @@ def test_sealing_out_of_request_order_is_logged_and_counted(pools, caplog):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("daemon", ["off", "process"])
+def test_a_request_whose_prefix_pages_were_swapped_reads_a_sealed_prefix_again(pools, daemon):
+    """SGLang's cache_unfinished_req swaps a running request's own prefix pages for the radix
+    tree's copies of the same tokens and frees its own: pages behind them may be sealed (or, with
+    the daemon, submitted waiting on a page now freed) while the tree's copies are hot or
+    pending. The next read seals the pages before them on the scheduler thread (counted) instead
+    of failing the batch (seen in the CPU server stress test)."""
+    a = pools(daemon, pages=32)
+    stopped = None
+    if daemon == "process":
+        stopped = a.daemon.workers[0].proc.pid
+        os.kill(stopped, signal.SIGSTOP)  # every job stays open until sealed here
+    try:
+        own = torch.arange(PS, 9 * PS)  # the request's own pages 1-8: two basis blocks
+        write(a, own, seed=12)
+        a.seal_request(own, len(own))
+        tree = torch.arange(20 * PS, 24 * PS)  # the tree's copies of pages 1-4: pages 20-23
+        write(a, tree, seed=13)
+        if daemon == "process":
+            a.seal_request(tree, len(tree))  # another request's: pending in the daemon
+        a.release_pages([1, 2, 3, 4])  # the duplicates freed; the request now reads 20-23
+        if daemon == "process":  # pages 5-8 waited on page 4, now freed: they may go in
+            job = a.pending[5]
+            assert a.installable(job)
+            a.daemon.cancel(job)
+            a._finish(job, None)
+        assert all(p in a.sealed for p in range(5, 9))
+        assert not any(p in a.sealed for p in range(20, 24))
+        swapped = torch.cat([tree, own[4 * PS:]])
+        pages, _, _, hot_start = a.request_view(0, swapped)
+        assert pages == [20, 21, 22, 23, 5, 6, 7, 8] and hot_start == len(swapped)
+        assert (a.counters.prefix_repairs, a.counters.prefix_repair_pages) == (1, 4)
+        assert a.request_view(1, swapped)[0] == pages and a.counters.prefix_repairs == 1
+        a.release_pages(list(range(5, 9)) + list(range(20, 24)))
+        assert a.arena_bytes == 0
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+
+
 def test_a_later_basis_block_is_not_adopted_before_an_earlier_one(pools):
     """Block 1's job finishes first; it waits (readers need sealed pages to be a prefix) and goes
     in at the first adoption point after block 0's."""

@@ -91,6 +91,36 @@ def test_unpacked_segment_goes_to_reference_and_is_counted():
     assert (dec.reference_requests, dec.kernel_requests) == (1, 1)
 
 
+def test_a_request_whose_prefix_pages_were_swapped_is_repaired_before_the_kernels_read():
+    """A request whose own prefix pages were swapped for hot copies (SGLang's radix tree dedup)
+    while pages behind them are sealed: begin() seals the copies first (pool.seal_prefix_now,
+    counted) and the kernels read a sealed prefix, as the reference does."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    pool = make_pool()
+    req_to_token = torch.zeros(1, 1024, dtype=torch.long, device=DEVICE)
+    own = fill(pool, req_to_token, 0, 1, 600, gen)  # pages 1-4 sealed, the rest hot
+    copies = torch.arange(20 * PS, 22 * PS, device=DEVICE)  # copies of pages 1-2, hot
+    for layer_id in range(LAYERS):
+        k = (torch.randn(2 * PS, H, D, generator=gen) * (1 + torch.arange(D) % 7)).to(DEVICE)
+        v = torch.randn(2 * PS, H, D, generator=gen).to(DEVICE)
+        pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), copies, k.bfloat16(), v.bfloat16())
+    pool.release_pages([1, 2])
+    swapped = torch.cat([copies, own[2 * PS:]])
+    req_to_token[0, :600] = swapped
+    batch = SimpleNamespace(batch_size=1, req_pool_indices=torch.arange(1, device=DEVICE),
+                            seq_lens=torch.tensor([600], device=DEVICE))
+    dec = PackedDecode(pool)
+    dec.begin(batch, req_to_token)
+    assert pool.counters.prefix_repairs == 1 and all(p in pool.sealed for p in (20, 21, 3, 4))
+    layer = SimpleNamespace(layer_id=0, scaling=D ** -0.5)
+    q = torch.randn(1, HQ, D, generator=gen).bfloat16().to(DEVICE)
+    out = torch.full((1, HQ, D), float("nan"), device=DEVICE)
+    dec.attend(q, layer, out)
+    want = reference(pool, q[0], swapped, layer)
+    assert float((out[0] - want).norm() / want.norm()) < 2e-3
+    assert pool.counters.prefix_repairs == 1  # the reference read a prefix: nothing to repair
+
+
 def test_store_blocks_are_views_and_freed_blocks_are_reused():
     seed = int(torch.randint(0, 2**31, ()))
     pool = make_pool()
