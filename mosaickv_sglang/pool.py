@@ -238,7 +238,8 @@ class MosaicKVPool(MHATokenToKVPool):
     # ---- reads --------------------------------------------------------------------------
     def request_view(self, layer_id: int, slots: torch.Tensor):
         """(sealed logical pages in position order, hot K, hot V, hot start) for one request's
-        slots [T] in position order. Sealed pages are always a prefix of the request's pages."""
+        slots [T] in position order. Sealed pages are a prefix of the request's pages (made one
+        first by `seal_prefix_now` where SGLang's prefix swap broke it)."""
         ps = self.page_size
         pages = (slots[::ps] // ps).tolist()
         n_sealed = self._sealed_prefix(pages)
