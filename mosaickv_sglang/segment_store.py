@@ -100,10 +100,7 @@ class SegmentStore:
         self.headers = list(self._headers.unbind(0))
         self._header_rows: list[torch.Tensor] = []  # per layout id: its header at base 0
         self._header_table = np.zeros((0, HEADER_WIDTH), dtype=np.int32)  # the same, stacked
-        # what `_adopt_by_kernel` computes addresses from
         self.device_type = torch.device(device).type
-        self._arena_ptrs = np.array([d.data_ptr() for d in self.data], dtype=np.int64)
-        self._rows_per_layer = pages + 1  # (layer, page) rows of the header / metadata tables
         self._adopt_rows: AdoptRows | None = None  # made at the first adoption by kernel
         self.packed = torch.zeros(layers, pages + 1, dtype=torch.bool)  # host: kernel-readable
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
@@ -271,8 +268,10 @@ class SegmentStore:
             if id(lay) not in ids:
                 ids[id(lay)] = self._layout_id(lay)
         layout_ids = [ids[id(lay)] for lay in lays]
-        if self.pack_kernel:
-            self._adopt_by_kernel(page, ap, layout_ids, bases, sizes)
+        if self.pack_kernel:  # every write as a row of one `copy_rows` launch
+            if self._adopt_rows is None:
+                self._adopt_rows = AdoptRows(self)
+            self._adopt_rows.launch(page, ap, layout_ids, bases, sizes)
         else:
             rows = torch.stack([self._header_rows[i] for i in layout_ids])
             rows[:, HDR["base16"]] = torch.tensor([b // ALIGN for b in bases], dtype=torch.int32)
@@ -291,13 +290,6 @@ class SegmentStore:
             self.blocks[(layer, page)] = (base, size)
         self.live_bytes += sum(sizes)
         return StoredSegments(self, page, ap)
-
-    def _adopt_by_kernel(self, page: int, ap: ArenaPage, layout_ids: list[int],
-                         bases: list[int], sizes: list[int]) -> None:
-        """`adopt`'s writes as rows of one `copy_rows` launch (`AdoptRows`)."""
-        if self._adopt_rows is None:
-            self._adopt_rows = AdoptRows(self)
-        self._adopt_rows.launch(page, ap, layout_ids, bases, sizes)
 
     def release(self, page: int) -> None:
         for layer in range(len(self.data)):
@@ -347,7 +339,8 @@ class AdoptRows:
         self.store = store
         layers = len(store.data)
         self.layers = np.arange(layers, dtype=np.int64)
-        at = self.layers * store._rows_per_layer  # (layer, page 0) row of every page table
+        self.arena_ptrs = np.array([d.data_ptr() for d in store.data], dtype=np.int64)
+        at = self.layers * store._headers.shape[1]  # (layer, page 0) row of every page table
         self.header_dst = store._headers.data_ptr() + at * HEADER_WIDTH * 4
         # per metadata table: (field, its (layer, page 0) addresses, elements per row, element
         # size, the row shape an arriving part must have, the table dtype)
@@ -390,7 +383,7 @@ class AdoptRows:
         headers[:, HDR["base16"]] = base // ALIGN
         src = ap.blocks  # alive until the launch below; freed memory is reused in stream order
         self._on_device("blocks", src)
-        rows[0, :, 0] = store._arena_ptrs + base
+        rows[0, :, 0] = self.arena_ptrs + base
         rows[0, :, 1] = src.data_ptr() + np.cumsum(size) - size
         rows[0, :, 2] = size // 2
         rows[1, :, 0] = self.header_dst + page * HEADER_WIDTH * 4
