@@ -193,6 +193,10 @@ def main() -> None:
     ap.add_argument("--spare-smt", action="store_true",
                     help="with --isolate: keep core 0's SMT siblings free of workers too (the "
                          "scheduler thread then has a physical core to itself)")
+    ap.add_argument("--spare-cores", default="", metavar="LIST",
+                    help="with --isolate: keep these cores (comma-separated) free of workers too, "
+                         "e.g. the scheduler core's unreported SMT sibling that "
+                         "scripts/core_probe.py finds")
     ap.add_argument("--profile-boundaries", default=None, metavar="PATH",
                     help="cProfile the saturated phase's step boundaries (the functions with the "
                          "most own time, to PATH; slows them: not for the ratios)")
@@ -250,6 +254,7 @@ def main() -> None:
     if args.isolate:
         cores = sorted(os.sched_getaffinity(0))
         spare = smt_siblings(cores[0]) if args.spare_smt else {cores[0]}
+        spare |= {int(c) for c in args.spare_cores.split(",") if c}
         worker_cores = [c for c in cores if c not in spare] or cores
         os.sched_setaffinity(0, cores[:1])
         for w in client.workers:

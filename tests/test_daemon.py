@@ -567,6 +567,8 @@ def test_random_steps_keep_every_requests_sealed_pages_a_prefix(pools, seed):
         if live and rng.random() < 0.15:
             drop(rng.choice(live))  # aborted mid-run
         a.adopt()
+        # the client's ready set is exactly its open jobs that are ready (adopt reads only it)
+        assert set(a.daemon.ready) == {j.id for j in a.daemon.open_jobs() if j.ready}, repro(seed)
         for req in live:
             a.request_view(0, slots_of(req))
         time.sleep(0.03)  # a step's time: some results come back, others are still sealing
@@ -579,11 +581,19 @@ def test_random_steps_keep_every_requests_sealed_pages_a_prefix(pools, seed):
 
 # --------------------------------------------------------------------------- TP agreement
 
+def _client_with_ready(flags):
+    """A stand-in client: open jobs 0.. and those of `flags` ready (the client's own ready set)."""
+    jobs = [SimpleNamespace(id=i) for i in range(len(flags))]
+    ready = {job.id: job for job, ok in zip(jobs, flags) if ok}
+    return jobs, SimpleNamespace(ready=ready, ready_jobs=lambda: [ready[i] for i in sorted(ready)])
+
+
 def _agree_rank(rank, init, ready, out):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    out[rank] = agree(ready[rank], dist.group.WORLD)
+    jobs, client = _client_with_ready(ready[rank])
+    out[rank] = [job.id for job in agree(client, jobs, dist.group.WORLD)]
     dist.destroy_process_group()
 
 
@@ -592,8 +602,9 @@ def test_ranks_agree_on_the_ready_set(tmp_path):
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_agree_rank, args=(f"file://{tmp_path}/rdv", ready, out), nprocs=2)
-        assert out[0] == out[1] == [True, False, False, True]
-    assert agree([True, False]) == [True, False]  # no group: the local decision
+        assert out[0] == out[1] == [0, 3]
+    jobs, client = _client_with_ready([False, True, True])
+    assert [job.id for job in agree(client, jobs)] == [1, 2]  # no group: the local decision
 
 
 def _state_rank(rank, init, cases, out):

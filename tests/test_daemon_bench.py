@@ -64,3 +64,23 @@ def test_adopt_bench_compares_both_paths_on_the_same_bytes(tmp_path):
         "per_tensor", "arena_ready", "arena_ready_kernels"}
     assert all(v["load"] > 0 and v["install"] > 0 for v in result["median_ms"].values())
     assert set(result["pump_host_ms"]) == {"torch", "kernel"}
+
+
+def test_core_probe_reports_a_slowdown_per_core_and_per_antagonist(tmp_path):
+    """scripts/core_probe.py (what slows the scheduler's core: an unreported SMT sibling, memory
+    bandwidth, all-core load): every case measured, ratios finite and positive."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the probe needs two cores")
+    out = tmp_path / "probe.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/core_probe.py"), "--iters", "20",
+                           "--reps", "3", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    others = sorted(os.sched_getaffinity(0))[1:]
+    assert sorted(int(c) for c in result["per_core_spin"]) == others
+    assert set(result["all_others"]) == {"spin", "stream", "svd"}
+    ratios = list(result["per_core_spin"].values()) + list(result["all_others"].values())
+    assert all(0 < r < 100 for r in ratios), ratios  # NaN fails too
+    assert set(result["hidden_siblings"]) <= set(others)
+    assert "| svd | all" in proc.stdout

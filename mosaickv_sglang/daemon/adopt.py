@@ -42,15 +42,19 @@ def _rank(group) -> int:
     return dist.get_rank(group)
 
 
-def agree(ready: list[bool], group=None) -> list[bool]:
-    """Jobs ready on every rank of `group` (a gloo/CPU process group; None or size 1: local)."""
-    if not ready or _world(group) == 1:
-        return ready
+def agree(client, jobs: list, group=None) -> list:
+    """The open `jobs` (the same list on every rank) ready on every rank of `group` (a gloo/CPU
+    process group), in submit order; with one rank the client's ready jobs, without a look at
+    the others."""
+    if _world(group) == 1:
+        return client.ready_jobs()
+    if not jobs:
+        return []
     import torch.distributed as dist
 
-    flags = torch.tensor(ready, dtype=torch.uint8)
+    flags = torch.tensor([job.id in client.ready for job in jobs], dtype=torch.uint8)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-    return [bool(f) for f in flags.tolist()]
+    return [job for job, ok in zip(jobs, flags.tolist()) if ok]
 
 
 def agree_state(jobs: list, broken: bool, group=None) -> bool:
@@ -89,14 +93,14 @@ def adopt(pool, group=None) -> int:
     client = pool.daemon
     client.budget.open()
     client.check()
-    jobs = client.open_jobs()
+    jobs = client.open_jobs() if _world(group) > 1 else []  # one rank: nothing to agree over
     if agree_state(jobs, client.broken, group) and not client.broken:
         client.broken = True
         logger.error("MosaicKV daemon: another tensor-parallel rank's daemon is broken: pages are "
                      "sealed on the scheduler thread here too (counted as sync_seals_fallback), "
                      "so every rank switches the same pages at the same step")
     installed = 0
-    agreed = [job for job, ok in zip(jobs, agree([job.ready for job in jobs], group)) if ok]
+    agreed = agree(client, jobs, group)
     # Hot buffer within twice the watermark (the same on every rank): install, read and copy all
     # there is, unbudgeted (counted): spreading the work would bring an inline seal (0.5-1 s)
     # closer. Installs go in request order: a job whose earlier pages are still on their way
