@@ -61,6 +61,7 @@ from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 import mosaickv_sglang.daemon.channel as channel_mod
 import mosaickv_sglang.daemon.client as client_mod
+import mosaickv_sglang.segment_store as store_mod
 from mosaickv_sglang.daemon.adopt import adopt
 from mosaickv_sglang.daemon.client import DaemonClient, SlotCopy
 from mosaickv_sglang.segment_store import SegmentStore, use_pack_kernel
@@ -92,15 +93,21 @@ def quantiles(xs: list[float]) -> dict:
 class BoundaryBreakdown:
     """Where a step boundary's time goes: the client's and the stand-in pool's steps timed by
     wrapping them (bench-only instrumentation; the client is unchanged) plus Python GC pauses.
-    `take()` returns and resets the current boundary's totals in ms."""
+    `take()` returns and resets the current boundary's totals in ms. Inside install: the store's
+    adoption (`store`: SegmentStore.adopt, of which `launch` is the copy_rows kernel's launch)
+    and the release of the page it replaces (`release`)."""
     PARTS = ("alive", "install", "handle", "load", "unpickle", "pump", "gc")
+    INSTALL_PARTS = ("store", "launch", "release")
 
     def __init__(self, client, pool):
-        self.now = dict.fromkeys(self.PARTS, 0.0)
+        self.now = dict.fromkeys(self.PARTS + self.INSTALL_PARTS, 0.0)
         for part, owner, name in (("alive", client, "_alive"), ("handle", client, "_handle"),
                                   ("pump", client, "pump"), ("install", pool, "_finish"),
                                   ("load", client_mod, "load"),
-                                  ("unpickle", channel_mod._Loader, "load")):
+                                  ("unpickle", channel_mod._Loader, "load"),
+                                  ("store", SegmentStore, "adopt"),
+                                  ("launch", store_mod, "copy_rows"),
+                                  ("release", SegmentStore, "release")):
             setattr(owner, name, self._timed(part, getattr(owner, name)))
         self._gc_t0 = None
         gc.callbacks.append(self._gc)
@@ -122,7 +129,7 @@ class BoundaryBreakdown:
 
     def take(self) -> dict:
         out = {k: v * 1e3 for k, v in self.now.items()}
-        self.now = dict.fromkeys(self.PARTS, 0.0)
+        self.now = dict.fromkeys(self.now, 0.0)
         return out
 
 
@@ -345,6 +352,7 @@ def main() -> None:
     def phase(produce: bool) -> dict:
         steps, bounds, submits, parts, ops = [], [], [], [], []
         page_loads, page_installs = [], []  # ms per adopted page: read + unpickle, install
+        install_parts = {k: [] for k in BoundaryBreakdown.INSTALL_PARTS}  # boundaries of 1 install
         done0, busy0 = state["done"], client.counters.worker_seconds
         deferred0, unbounded0 = client.budget.deferred, client.budget.unbounded_boundaries
         t_start = time.perf_counter()
@@ -369,6 +377,9 @@ def main() -> None:
                 page_loads.append(part["load"])
             if state["installed"] > installed0:
                 page_installs.append(part["install"] / (state["installed"] - installed0))
+            if state["installed"] - installed0 == 1:
+                for k, xs in install_parts.items():
+                    xs.append(part[k])
             steps.append(time.perf_counter() - t)
             bounds.append(bound)
             submits.append(sub)
@@ -384,7 +395,11 @@ def main() -> None:
                 # (copy + unpickle) and its install into the store (arena, headers, metadata)
                 "adopt_page_ms": {"load": quantiles(page_loads) if page_loads else None,
                                   "install": quantiles(page_installs) if page_installs else None,
-                                  "pages": len(page_installs)},
+                                  "pages": len(page_installs),
+                                  # inside one install: SegmentStore.adopt (its kernel launch
+                                  # apart) and the release of the page it replaces
+                                  "install_parts": {k: quantiles(xs) if xs else None
+                                                    for k, xs in install_parts.items()}},
                 "wall_s": wall, "pages_done": state["done"] - done0,
                 "worker_busy_fraction": (client.counters.worker_seconds - busy0)
                 / (wall * args.workers)}
@@ -481,7 +496,9 @@ def main() -> None:
     if a["load"] and a["install"]:
         print(f"adopting one page on the scheduler thread ({a['pages']} pages), ms p50/mean/max: "
               + ", ".join(f"{k} " + "/".join(f"{a[k][q]:.2f}" for q in ("p50", "mean", "max"))
-                          for k in ("load", "install")))
+                          for k in ("load", "install"))
+              + "; inside an install, p50: " + ", ".join(
+                  f"{k} {v['p50']:.2f}" for k, v in a["install_parts"].items() if v))
     for name in ("idle", "saturated"):
         b = out[name]["slowest_1pct_boundary_ms"]
         print(f"{name}: slowest 1% of boundaries ({b['steps']} steps), mean ms: "

@@ -42,6 +42,10 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path, 
     assert ("overlapped with the boundary" in proc.stdout) is overlap
     adopt = sat["adopt_page_ms"]
     assert adopt["pages"] >= 1 and adopt["install"]["max"] > 0 and adopt["load"]["max"] > 0
+    # inside an install: the store's adoption timed apart (no kernel launch on this CPU path)
+    parts = adopt["install_parts"]
+    assert set(parts) == {"store", "launch", "release"} and parts["store"]["max"] > 0, parts
+    assert parts["store"]["p50"] <= adopt["install"]["max"] and "inside an install" in proc.stdout
     # the device scripts' closing table: one row per run, its ratios as in the JSON
     table = subprocess.run([sys.executable, str(ROOT / "scripts/summarize_daemon_runs.py"),
                             str(out)], capture_output=True, text=True, timeout=60, check=True)
