@@ -103,11 +103,15 @@ class SegmentStore:
         self.device_type = torch.device(device).type
         self._adopt_rows: AdoptRows | None = None  # made at the first adoption by kernel
         self.packed = torch.zeros(layers, pages + 1, dtype=torch.bool)  # host: kernel-readable
+        self._packed_np = self.packed.numpy()  # the same memory: a page's flags in ~1 us, not ~15
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
         self.free: list[dict[int, list[int]]] = [{} for _ in range(layers)]  # size -> bases
         self.top = [0] * layers  # bump pointer per layer
         self.live_bytes = 0
         self.layouts: dict[tuple, int] = {}  # BlockLayout.key() -> layout id (plans row)
+        # an adopted page's per-layer specs -> (block sizes, layout ids): pages repeat a few
+        # spec lists, and looking up 32 layouts and their ids costs ~60 us (bounded: FIFO)
+        self._page_layouts: dict[tuple, tuple[list[int], list[int]]] = {}  # (tokens, *specs)
         self._plans: list[torch.Tensor] = []
         self.plans = torch.zeros(1, 2, len(PLAN_FIELDS), head_dim, dtype=torch.int32, device=device)
         self.width_classes: list[tuple[int, ...]] = []  # of the layouts in plans, for the kernel
@@ -250,8 +254,7 @@ class SegmentStore:
         if self.meta is not None and ap.pages is None:
             raise ValueError("SegmentStore: selection is on but an arena-ready page came without "
                              "page metadata")
-        lays = ap.layouts()
-        sizes = [self.heads * lay.head_bytes for lay in lays]
+        sizes, layout_ids = self._layouts_of(ap)
         bases = []
         for layer, size in enumerate(sizes):
             base = self._alloc(layer, size)
@@ -263,11 +266,6 @@ class SegmentStore:
                         self.free[lyr].setdefault(n, []).append(b)
                 return None
             bases.append(base)
-        ids = {}  # layouts are shared objects (`layout_of`): look each one up once
-        for lay in lays:
-            if id(lay) not in ids:
-                ids[id(lay)] = self._layout_id(lay)
-        layout_ids = [ids[id(lay)] for lay in lays]
         if self.pack_kernel:  # every write as a row of one `copy_rows` launch
             if self._adopt_rows is None:
                 self._adopt_rows = AdoptRows(self)
@@ -285,20 +283,36 @@ class SegmentStore:
                 tables = [getattr(self._meta, f)[:, page] for f in META_FIELDS]
                 torch._foreach_copy_(tables, [getattr(ap.pages, f).to(self.device, t.dtype)
                                               for f, t in zip(META_FIELDS, tables)])
-        self.packed[:, page] = True
-        for layer, (base, size) in enumerate(zip(bases, sizes)):
-            self.blocks[(layer, page)] = (base, size)
+        self._packed_np[:, page] = True
+        self.blocks.update(zip([(layer, page) for layer in range(len(sizes))], zip(bases, sizes)))
         self.live_bytes += sum(sizes)
         return StoredSegments(self, page, ap)
 
+    def _layouts_of(self, ap: ArenaPage) -> tuple[list[int], list[int]]:
+        """(block size, layout id) of every layer of an arena-ready page, registering layouts
+        the store has not seen."""
+        specs = (ap.tokens, *ap.specs)
+        known = self._page_layouts.get(specs)
+        if known is None:
+            lays = ap.layouts()
+            ids = {}  # layouts are shared objects (`layout_of`): look each one up once
+            for lay in lays:
+                if id(lay) not in ids:
+                    ids[id(lay)] = self._layout_id(lay)
+            known = ([self.heads * lay.head_bytes for lay in lays],
+                     [ids[id(lay)] for lay in lays])
+            if len(self._page_layouts) >= 256:
+                del self._page_layouts[next(iter(self._page_layouts))]
+            self._page_layouts[specs] = known
+        return known
+
     def release(self, page: int) -> None:
-        for layer in range(len(self.data)):
-            block = self.blocks.pop((layer, page), None)
+        blocks = [self.blocks.pop((layer, page), None) for layer in range(len(self.data))]
+        for free, block in zip(self.free, blocks):
             if block is not None:
-                base, size = block
-                self.free[layer].setdefault(size, []).append(base)
-                self.live_bytes -= size
-        self.packed[:, page] = False  # one write for all layers (on CUDA one launch, not L)
+                free.setdefault(block[1], []).append(block[0])
+                self.live_bytes -= block[1]
+        self._packed_np[:, page] = False  # one write for all layers
 
     def clear(self) -> None:
         self.blocks.clear()
@@ -330,9 +344,10 @@ class AdoptRows:
     and a row per page-metadata table. Everything that does not depend on the page (table base
     pointers, row sizes, the header rows' source) is written once into a ring of staging
     buffers (pinned host + device on CUDA); an adoption fills in the page's addresses with a
-    few numpy column writes, sends the buffer up in one copy and launches once. A staging buffer
-    whose last launch has not finished (many adoptions in one boundary) is replaced by a new
-    one, never waited for: the current stream may still be running a forward."""
+    dozen numpy writes (the metadata tables' rows all at once), sends the buffer up in one copy
+    and launches once. A staging buffer whose last launch has not finished (many adoptions in
+    one boundary) is replaced by a new one, never waited for: the current stream may still be
+    running a forward."""
     RING = 4
 
     def __init__(self, store: SegmentStore):
@@ -342,13 +357,17 @@ class AdoptRows:
         self.arena_ptrs = np.array([d.data_ptr() for d in store.data], dtype=np.int64)
         at = self.layers * store._headers.shape[1]  # (layer, page 0) row of every page table
         self.header_dst = store._headers.data_ptr() + at * HEADER_WIDTH * 4
-        # per metadata table: (field, its (layer, page 0) addresses, elements per row, element
-        # size, the row shape an arriving part must have, the table dtype)
-        self.tables = [] if store._meta is None else [
-            (f, t.data_ptr() + at * t[0, 0].numel() * t.element_size(), t[0, 0].numel(),
-             t.element_size(), tuple(t.shape[2:]), t.dtype)
-            for f, t in ((f, getattr(store._meta, f)) for f in META_FIELDS)]
-        self.kinds = 2 + len(self.tables)
+        tables = [] if store._meta is None else [getattr(store._meta, f) for f in META_FIELDS]
+        # per metadata table: its rows' shape and dtype (what an arriving part must match), the
+        # (layer, page 0) address of each layer's row [T, L] and the bytes from page to page [T]
+        self.table_rows = [(tuple(t.shape[2:]), t.dtype) for t in tables]
+        row_bytes = np.array([t[0, 0].numel() * t.element_size() for t in tables],
+                             dtype=np.int64)
+        self.table_dst = np.array([t.data_ptr() for t in tables], dtype=np.int64)[:, None] + \
+            at[None, :] * row_bytes[:, None]
+        self.page_stride = row_bytes
+        self.parts_seen = None  # the (dtype, shape) of the parts the staging buffers were set for
+        self.kinds = 2 + len(tables)
         self.n_rows = layers * self.kinds
         self.cuda = store.device_type == "cuda"
         self.ring = [self._staging() for _ in range(self.RING)]
@@ -356,7 +375,7 @@ class AdoptRows:
 
     def _staging(self):
         """(host int64 tensor, its device copy, rows [kinds, L, 4] and headers [L, W] as numpy
-        views of the host tensor, the event after its last launch)."""
+        views of the host tensor, the event after its last launch, the device rows [R, 4])."""
         width = HEADER_WIDTH
         layers = len(self.layers)
         host = torch.empty(self.n_rows * 4 + layers * width // 2, dtype=torch.int64,
@@ -367,7 +386,31 @@ class AdoptRows:
         rows[:, :, 3] = COPY
         rows[1, :, 1] = up.data_ptr() + self.n_rows * 32 + self.layers * width * 4
         rows[1, :, 2] = width * 2
-        return [host, up, rows, headers, None]
+        if self.parts_seen is not None:
+            rows[2:, :, 2:] = self.part_counts
+        return [host, up, rows, headers, None, up[:self.n_rows * 4].view(-1, 4)]
+
+    def _set_parts(self, parts: list[torch.Tensor]) -> None:
+        """Check the metadata parts against the tables (on a new dtype/shape only: a daemon's
+        results all have the same) and set what follows from them: each table's element count
+        and copy kind per row, and where each layer's row starts in a part."""
+        seen = [(p.dtype, tuple(p.shape)) for p in parts]
+        if seen == self.parts_seen:
+            return
+        counts, src_offsets = [], []
+        for f, part, (shape, dtype) in zip(META_FIELDS, parts, self.table_rows):
+            widen = part.dtype == torch.uint8 and dtype == torch.int32
+            if tuple(part.shape[1:]) != shape or not (widen or part.dtype == dtype):
+                raise ValueError(f"SegmentStore: page metadata {f} {tuple(part.shape)} "
+                                 f"{part.dtype} does not fit the table rows {shape} {dtype}")
+            row = part[0].numel()
+            counts.append((row, WIDEN) if widen else (row * part.element_size() // 2, COPY))
+            src_offsets.append(self.layers * row * part.element_size())
+        self.part_counts = np.array(counts, dtype=np.int64)[:, None, :]
+        self.part_offsets = np.array(src_offsets, dtype=np.int64).reshape(len(parts), -1)
+        self.parts_seen = seen
+        for stage in self.ring:
+            stage[2][2:, :, 2:] = self.part_counts
 
     def launch(self, page: int, ap: ArenaPage, layout_ids: list[int], bases: list[int],
                sizes: list[int]) -> None:
@@ -376,10 +419,10 @@ class AdoptRows:
         stage = self.ring[self.turn]
         if stage[4] is not None and not stage[4].query():
             stage = self.ring[self.turn] = self._staging()
-        host, up, rows, headers, _ = stage
-        base = np.asarray(bases, dtype=np.int64)
-        size = np.asarray(sizes, dtype=np.int64)
-        headers[:] = store._header_table[layout_ids]
+        host, up, rows, headers, _, table = stage
+        base = np.array(bases, dtype=np.int64)
+        size = np.array(sizes, dtype=np.int64)
+        np.take(store._header_table, layout_ids, axis=0, out=headers)
         headers[:, HDR["base16"]] = base // ALIGN
         src = ap.blocks  # alive until the launch below; freed memory is reused in stream order
         self._on_device("blocks", src)
@@ -387,20 +430,17 @@ class AdoptRows:
         rows[0, :, 1] = src.data_ptr() + np.cumsum(size) - size
         rows[0, :, 2] = size // 2
         rows[1, :, 0] = self.header_dst + page * HEADER_WIDTH * 4
-        for k, (f, dst, row, es, shape, dtype) in enumerate(self.tables, start=2):
-            part = getattr(ap.pages, f)
-            self._on_device(f, part)
-            widen = part.dtype == torch.uint8 and dtype == torch.int32
-            if tuple(part.shape[1:]) != shape or not (widen or part.dtype == dtype):
-                raise ValueError(f"SegmentStore: page metadata {f} {tuple(part.shape)} "
-                                 f"{part.dtype} does not fit the table rows {shape} {dtype}")
-            rows[k, :, 0] = dst + page * row * es
-            rows[k, :, 1] = part.data_ptr() + self.layers * row * part.element_size()
-            rows[k, :, 2] = row if widen else row * es // 2
-            rows[k, :, 3] = WIDEN if widen else COPY
+        if self.table_rows:
+            parts = [getattr(ap.pages, f) for f in META_FIELDS]
+            for f, part in zip(META_FIELDS, parts):
+                self._on_device(f, part)
+            self._set_parts(parts)
+            rows[2:, :, 0] = self.table_dst + page * self.page_stride[:, None]
+            rows[2:, :, 1] = np.array([p.data_ptr() for p in parts], dtype=np.int64)[:, None] \
+                + self.part_offsets
         if self.cuda:
             up.copy_(host, non_blocking=True)
-        copy_rows(up[:self.n_rows * 4].view(-1, 4), int(size.max()) // 2)
+        copy_rows(table, int(size.max()) // 2)
         if self.cuda:  # after the launch: reusable once the kernel read `up`, on any stream
             stage[4] = torch.cuda.Event()
             stage[4].record(torch.cuda.current_stream(up.device))
@@ -408,7 +448,7 @@ class AdoptRows:
     def _on_device(self, what: str, t: torch.Tensor) -> None:
         """A result's tensor must be on the store's device and contiguous (the kernel reads it
         by address): `channel.load` puts it there."""
-        if t.device.type != self.store.device_type or not t.is_contiguous():
+        if t.is_cuda != self.cuda or not t.is_contiguous():
             raise ValueError(f"SegmentStore: an arena-ready page's {what} is on {t.device} "
                              f"(contiguous: {t.is_contiguous()}); adopting by kernel needs it "
                              f"contiguous on the store's {self.store.device_type} device")

@@ -8,10 +8,9 @@
 # table last (summarize_daemon_runs.py); under $OUT a JSON per daemon run and two logs (the
 # device returns at most 8 files).
 # Env: DAEMON_STEPS (400), DAEMON_LIMIT_S (150), EXTRA (more daemon_bench args, both trees),
-# RUNS (";"-separated "tree mode step-ms [spare]" runs, at most 6: the files that come back;
-# spare: cores kept free of workers besides the scheduler's, comma-separated, or "probe": those
-# scripts/core_probe.py finds slowing the scheduler's core, run first when any run asks for it;
-# new tree only), ADOPT=0 (no adopt_bench).
+# RUNS (";"-separated "tree mode step-ms [daemon_bench args...]" runs, at most 6: the files
+# that come back; the args of one run, e.g. "--share 0.03", name its JSON too), ADOPT=0 (no
+# adopt_bench).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 source scripts/device_env.sh > /tmp/env.log 2>&1 || { tail -5 /tmp/env.log; exit 1; }
@@ -33,21 +32,15 @@ for tree in $([ "${ADOPT:-1}" = 1 ] && echo old new); do
 done
 i=0
 IFS=';' read -r -a runs <<< "${RUNS:-old strict 30;new strict 30;old strict 30;new strict 30;new overlap 30;new strict 60}"
-probed=""
-if [[ "${RUNS:-}" == *probe* ]]; then
-  timeout 120 python3 scripts/core_probe.py --json "$OUT/core_probe.json" > /tmp/probe.log 2>&1
-  echo "core probe rc $?"; cat /tmp/probe.log
-  probed=$(python3 -c "import json; print(','.join(map(str, json.load(open('$OUT/core_probe.json'))['hidden_siblings'])))")
-fi
 for run in "${runs[@]}"; do
-  read -r tree mode ms spare <<< "$run"
-  [ "${spare:-}" = probe ] && spare=$probed
+  read -r tree mode ms args <<< "$run"
   i=$((i + 1))
-  name="daemon_${i}_${tree}_${mode}_${ms}ms${spare:+_spare$spare}"
+  tag=$(tr -cd 'A-Za-z0-9.' <<< "${args:-}")  # the device returns plain file names only
+  name="daemon_${i}_${tree}_${mode}_${ms}ms${tag:+_$tag}"
   in_tree $tree timeout "${DAEMON_LIMIT_S:-150}" python3 benchmarks/daemon_bench.py \
     --shape llama8b --device cuda --workers 12 --slots 32 --steps "${DAEMON_STEPS:-400}" \
     --step-ms "$ms" --isolate $([ "$mode" = overlap ] && echo --overlap) ${EXTRA:-} \
-    ${spare:+--spare-cores $spare} --json "$OUT/$name.json" > /tmp/run.log 2>&1
+    ${args:-} --json "$OUT/$name.json" > /tmp/run.log 2>&1
   echo "daemon bench $name rc $?"
   { echo "===== $name"; cat /tmp/run.log; } >> "$OUT/daemon.log"
 done

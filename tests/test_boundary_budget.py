@@ -69,3 +69,27 @@ def test_a_lifted_boundary_runs_everything_and_is_counted(clock):
     run(b, clock, "install", 0.001)
     assert not b.allows("load")
     assert b.stats()["unbounded_boundaries"] == 1
+
+
+def test_an_operation_whose_time_varies_is_predicted_above_its_mean(clock):
+    """The prediction is the running mean plus twice the running mean deviation: an operation
+    that alternates 0.2 / 1.8 ms (mean ~1 ms) is not let into the ~1.5 ms left of a 3 ms budget,
+    one that always takes 1 ms is."""
+    def after(times):
+        b = BoundaryBudget(share=0.03)
+        b.open()
+        for t in times:
+            clock[0] += 0.1  # 100 ms between boundaries: a 3 ms budget
+            b.open()
+            run(b, clock, "load", t)
+        clock[0] += 0.1
+        b.open()
+        run(b, clock, "install", 0.0015)
+        return b, b.allows("load")
+
+    steady, steady_allowed = after([0.001] * 10)
+    jumpy, jumpy_allowed = after([0.0002, 0.0018] * 5)
+    assert steady.cost["load"] == pytest.approx(0.001) and steady.dev["load"] < 1e-9
+    assert jumpy.cost["load"] == pytest.approx(0.001, rel=0.3) and jumpy.dev["load"] > 0.0005
+    assert steady_allowed and not jumpy_allowed
+    assert jumpy.stats()["page_cost_dev_ms"]["load"] > 0.5

@@ -6,7 +6,9 @@ ms each): reading the worker's result out of its slot (`load`), installing it in
 they add ~2 ms to that step: at a 26 ms host-bound step the p99 step grew 1.07-1.14x with the
 daemon saturated (RESULTS.md, session 9). A boundary now runs operations only while they fit in
 `share` of the step period (the running mean of the time between boundaries), predicting each
-operation's cost from its running mean, so the work of a page is spread over consecutive steps.
+operation's cost from its running mean plus twice its running mean deviation (an operation
+that runs past the budget lands in the p99 step; the mean alone let every other one through
+when two fitted just), so the work of a page is spread over consecutive steps.
 The first operation of a boundary always runs: the daemon never starves, and when the loop spins
 idle (tiny periods) it does one operation per iteration.
 
@@ -30,6 +32,7 @@ class BoundaryBudget:
         self.share = share
         self.period: float | None = None  # running mean of the time between boundaries (s)
         self.cost: dict[str, float] = {}  # operation -> running mean of its time per page (s)
+        self.dev: dict[str, float] = {}  # operation -> running mean |time - mean| per page (s)
         self.started: float | None = None
         self.ops = 0  # operations run in the current boundary
         self.deferred = 0  # operations left to a later boundary because the budget was spent
@@ -53,7 +56,7 @@ class BoundaryBudget:
         if self.unbounded:
             return True
         elapsed = time.perf_counter() - self.started
-        predicted = self.cost.get(op, 0.0) * pages
+        predicted = (self.cost.get(op, 0.0) + 2 * self.dev.get(op, 0.0)) * pages
         if self.period is not None and elapsed + predicted <= self.share * self.period:
             return True
         self.deferred += 1
@@ -65,13 +68,18 @@ class BoundaryBudget:
         self.unbounded_boundaries += 1
 
     def spent(self, op: str, seconds: float, pages: int = 1) -> None:
-        self.cost[op] = _mean(self.cost.get(op), seconds / max(pages, 1))
+        sample = seconds / max(pages, 1)
+        mean = self.cost.get(op)
+        if mean is not None:
+            self.dev[op] = _mean(self.dev.get(op, 0.0), abs(sample - mean))
+        self.cost[op] = _mean(mean, sample)
         self.ops += 1
 
     def stats(self) -> dict:
         return {"boundary_share": self.share,
                 "step_period_ms": None if self.period is None else self.period * 1e3,
                 "page_cost_ms": {op: s * 1e3 for op, s in self.cost.items()},
+                "page_cost_dev_ms": {op: s * 1e3 for op, s in self.dev.items()},
                 "deferred_ops": self.deferred, "unbounded_boundaries": self.unbounded_boundaries}
 
 
