@@ -128,6 +128,21 @@ for r in json.load(open(sys.argv[1])):
                                  "cached_ratio") if k in r}, mk)
 PY
 done
+[ -f "$OUT/serving.json" ] && python3 - "$OUT/serving.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):  # the daemon's counters where it ran (mosaickv_daemon)
+    mk = r.get("mosaickv") or {}
+    d = mk.get("daemon")
+    if d:
+        c = mk.get("counters", {})
+        keys = ("submitted_pages", "adopted_pages", "discarded_pages", "sync_seals_backpressure",
+                "sync_seals_fallback", "out_of_order_seals", "worker_errors", "restarts",
+                "arena_ready_pages", "per_tensor_pages", "page_seconds_p50", "boundary")
+        print(f"daemon {r['system']} ctx {r['context']} batch {r['batch']}:",
+              {k: d.get(k) for k in keys},
+              {k: c.get(k) for k in ("prefix_repairs", "prefix_repair_pages")},
+              "sealed_ratio", mk.get("sealed_ratio"))
+PY
 for f in "$OUT"/logs/*.log; do
   echo "== $f"; grep -E "Error|error|Traceback|MosaicKV|max_total_num_tokens|Capture cuda graph end" "$f" | tail -5 | cut -c1-300
 done

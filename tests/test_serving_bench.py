@@ -77,6 +77,8 @@ def test_mosaickv_systems_merge_their_config_over_the_given_one():
     assert json.loads(args[3]) == {"hot_buffer_fraction": 0.05, "decode_cuda_graph": "breakable"}
     plain = serving_bench.system_args("mosaickv", "triton", '{"hot_buffer_fraction": 0.05}')
     assert json.loads(plain[3]) == {"hot_buffer_fraction": 0.05}
+    daemon = serving_bench.system_args("mosaickv_daemon", "triton", '{"daemon_workers": 8}')
+    assert json.loads(daemon[3]) == {"daemon_workers": 8, "daemon": "process"}
 
 
 class _FakeGenerate:
