@@ -361,11 +361,10 @@ class AdoptRows:
         # per metadata table: its rows' shape and dtype (what an arriving part must match), the
         # (layer, page 0) address of each layer's row [T, L] and the bytes from page to page [T]
         self.table_rows = [(tuple(t.shape[2:]), t.dtype) for t in tables]
-        row_bytes = np.array([t[0, 0].numel() * t.element_size() for t in tables],
-                             dtype=np.int64)
+        self.page_stride = np.array([t[0, 0].numel() * t.element_size() for t in tables],
+                                    dtype=np.int64)  # a row's bytes
         self.table_dst = np.array([t.data_ptr() for t in tables], dtype=np.int64)[:, None] + \
-            at[None, :] * row_bytes[:, None]
-        self.page_stride = row_bytes
+            at[None, :] * self.page_stride[:, None]
         self.parts_seen = None  # the (dtype, shape) of the parts the staging buffers were set for
         self.kinds = 2 + len(tables)
         self.n_rows = layers * self.kinds
@@ -407,7 +406,7 @@ class AdoptRows:
             counts.append((row, WIDEN) if widen else (row * part.element_size() // 2, COPY))
             src_offsets.append(self.layers * row * part.element_size())
         self.part_counts = np.array(counts, dtype=np.int64)[:, None, :]
-        self.part_offsets = np.array(src_offsets, dtype=np.int64).reshape(len(parts), -1)
+        self.part_offsets = np.array(src_offsets, dtype=np.int64)  # [T, L]
         self.parts_seen = seen
         for stage in self.ring:
             stage[2][2:, :, 2:] = self.part_counts
