@@ -25,6 +25,7 @@ result for a page that was freed (and maybe reused) meanwhile is discarded, neve
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -468,6 +469,7 @@ class MosaicKVPool(MHATokenToKVPool):
         """A job leaves the daemon: install its live pages (sealing them here if `sealed` is
         None), then submit the pages that waited for its bases. Returns pages installed."""
         self.daemon.retire(job)
+        adopting = sealed is not None  # a daemon result (else sealed here: timed by the caller)
         live = [i for i, (p, g) in enumerate(zip(job.pages, job.gens))
                 if self.page_gen[p] == g and p not in self.sealed]
         for p in job.pages:
@@ -483,7 +485,10 @@ class MosaicKVPool(MHATokenToKVPool):
             for i, sp in zip(live, done):
                 sealed[i] = sp
         if live:
+            t = time.perf_counter()
             self._install([job.pages[i] for i in live], [sealed[i] for i in live])
+            if adopting:
+                self.daemon.budget.note("install_store", time.perf_counter() - t, len(live))
         self.daemon.counters.discarded_pages += len(job.pages) - len(live)
         waiting = [(pos, p, g) for pos, p, g in self.deferred.pop(job.first, ())
                    if self.page_gen[p] == g]

@@ -93,3 +93,26 @@ def test_an_operation_whose_time_varies_is_predicted_above_its_mean(clock):
     assert jumpy.cost["load"] == pytest.approx(0.001, rel=0.3) and jumpy.dev["load"] > 0.0005
     assert steady_allowed and not jumpy_allowed
     assert jumpy.stats()["page_cost_dev_ms"]["load"] > 0.5
+
+
+def test_the_slowest_boundaries_are_kept_with_their_parts(clock):
+    """Each closed boundary is ranked by its own time; the slowest KEEP_SLOWEST stay, slowest
+    first, each with the time of every part (budgeted operations and noted ones) and its pages;
+    the longest per-page time of each operation is kept beside the running means."""
+    b = BoundaryBudget(share=0.04)
+    for i in range(budget_mod.KEEP_SLOWEST + 4):
+        clock[0] += 0.030  # the step
+        b.open()
+        run(b, clock, "install", 0.001 * (i + 1))
+        clock[0] += 0.0005
+        b.note("check", 0.0005)
+        b.close()
+    st = b.stats()
+    ms = [r["ms"] for r in st["slowest"]]
+    n = budget_mod.KEEP_SLOWEST + 4
+    assert ms == sorted(ms, reverse=True) and len(ms) == budget_mod.KEEP_SLOWEST
+    assert ms[0] == pytest.approx(n + 0.5) and ms[-1] == pytest.approx(5 + 0.5)
+    top = st["slowest"][0]
+    assert top["parts_ms"] == pytest.approx({"install": n, "check": 0.5})
+    assert top["pages"] == {"install": 1}
+    assert st["page_cost_max_ms"]["install"] == pytest.approx(n)

@@ -91,8 +91,12 @@ def adopt(pool, group=None) -> int:
     against the budget, so the loads and copies after them wait for a later boundary when they
     took the step's share."""
     client = pool.daemon
-    client.budget.open()
+    budget = client.budget
+    budget.open()
+    t = time.perf_counter()
     client.check()
+    budget.note("check", time.perf_counter() - t)
+    t = time.perf_counter()
     jobs = client.open_jobs() if _world(group) > 1 else []  # one rank: nothing to agree over
     if agree_state(jobs, client.broken, group) and not client.broken:
         client.broken = True
@@ -101,6 +105,7 @@ def adopt(pool, group=None) -> int:
                      "so every rank switches the same pages at the same step")
     installed = 0
     agreed = agree(client, jobs, group)
+    budget.note("agree", time.perf_counter() - t)
     # Hot buffer within twice the watermark (the same on every rank): install, read and copy all
     # there is, unbudgeted (counted): spreading the work would bring an inline seal (0.5-1 s)
     # closer. Installs go in request order: a job whose earlier pages are still on their way
@@ -108,7 +113,7 @@ def adopt(pool, group=None) -> int:
     watermark = math.ceil(pool.cfg.daemon_hot_watermark * pool.num_hot_pages)
     low = len(pool.free_hot_pages) < 2 * watermark
     if low:
-        client.budget.lift()
+        budget.lift()
     while job := next((j for j in agreed if pool.installable(j)), None):
         agreed.remove(job)
         t = time.perf_counter()
@@ -119,16 +124,20 @@ def adopt(pool, group=None) -> int:
             n = pool._finish(job, job.results)
             client.counters.adopted_pages += n
             installed += n
-        client.budget.spent("install", time.perf_counter() - t, len(job.pages))
+        budget.spent("install", time.perf_counter() - t, len(job.pages))
         if not low:
             break
+    t = time.perf_counter()
     if client.broken:  # restarting did not help: seal what is left here (logged by the client)
         while open_jobs := client.open_jobs():
             job = pool.next_to_seal(open_jobs)
             client.cancel(job)
             client.counters.sync_seals_fallback += len(job.pages)
             installed += pool._finish(job, None)
-    pool._relieve(watermark)
+    budget.note("relieve", time.perf_counter() - t, pool._relieve(watermark))
     client.collect()
+    t = time.perf_counter()
     pool.swaps.flush(_rank(group))
+    budget.note("swaplog", time.perf_counter() - t)
+    budget.close()
     return installed

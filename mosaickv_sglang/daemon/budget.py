@@ -12,6 +12,10 @@ when two fitted just), so the work of a page is spread over consecutive steps.
 The first operation of a boundary always runs: the daemon never starves, and when the loop spins
 idle (tiny periods) it does one operation per iteration.
 
+Each boundary's own time is also recorded by part (`spent` for budgeted operations, `note` for
+the rest: health checks, the ranks' agreement, backpressure seals), and the `KEEP_SLOWEST`
+slowest boundaries are kept with their parts: the rare long boundary a mean hides, named.
+
 While the hot buffer runs low (`lift()`, called by adopt.py) the budget steps aside: a page not
 adopted soon enough is sealed inline by backpressure, which costs a step 0.5-1 s, not 1 ms.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import time
 
 EMA = 0.2  # weight of the newest sample in the running means
+KEEP_SLOWEST = 8  # boundaries kept with their parts (stats()["slowest"])
 
 
 class BoundaryBudget:
@@ -38,6 +43,9 @@ class BoundaryBudget:
         self.deferred = 0  # operations left to a later boundary because the budget was spent
         self.unbounded = False  # this boundary runs whatever there is (hot buffer low)
         self.unbounded_boundaries = 0
+        self.longest: dict[str, float] = {}  # operation -> its longest time per page (s)
+        self.parts: dict[str, list] = {}  # this boundary: part -> [seconds, pages]
+        self.slowest: list[dict] = []  # the slowest closed boundaries, slowest first
 
     def open(self) -> None:
         """A boundary starts: its clock, and one more sample of the step period."""
@@ -46,6 +54,25 @@ class BoundaryBudget:
             self.period = _mean(self.period, now - self.started)
         self.started, self.ops = now, 0
         self.unbounded = False
+        self.parts = {}
+
+    def close(self) -> None:
+        """The boundary is over: rank its time among the slowest, with its parts."""
+        if self.started is None:
+            return
+        ms = (time.perf_counter() - self.started) * 1e3
+        if len(self.slowest) < KEEP_SLOWEST or ms > self.slowest[-1]["ms"]:
+            self.slowest.append({"ms": round(ms, 3), "unbounded": self.unbounded,
+                                 "parts_ms": {k: round(v[0] * 1e3, 3) for k, v in self.parts.items()},
+                                 "pages": {k: v[1] for k, v in self.parts.items() if v[1]}})
+            self.slowest.sort(key=lambda r: -r["ms"])
+            del self.slowest[KEEP_SLOWEST:]
+
+    def note(self, part: str, seconds: float, pages: int = 0) -> None:
+        """Time this boundary spent on something the budget does not gate (its record only)."""
+        entry = self.parts.setdefault(part, [0.0, 0])
+        entry[0] += seconds
+        entry[1] += pages
 
     def allows(self, op: str, pages: int = 1) -> bool:
         """May `op` on `pages` pages run now? Always the boundary's first operation; later ones
@@ -73,14 +100,18 @@ class BoundaryBudget:
         if mean is not None:
             self.dev[op] = _mean(self.dev.get(op, 0.0), abs(sample - mean))
         self.cost[op] = _mean(mean, sample)
+        self.longest[op] = max(self.longest.get(op, 0.0), sample)
         self.ops += 1
+        self.note(op, seconds, pages)
 
     def stats(self) -> dict:
         return {"boundary_share": self.share,
                 "step_period_ms": None if self.period is None else self.period * 1e3,
                 "page_cost_ms": {op: s * 1e3 for op, s in self.cost.items()},
                 "page_cost_dev_ms": {op: s * 1e3 for op, s in self.dev.items()},
-                "deferred_ops": self.deferred, "unbounded_boundaries": self.unbounded_boundaries}
+                "page_cost_max_ms": {op: s * 1e3 for op, s in self.longest.items()},
+                "deferred_ops": self.deferred, "unbounded_boundaries": self.unbounded_boundaries,
+                "slowest": self.slowest}
 
 
 def _mean(old: float | None, sample: float) -> float:
