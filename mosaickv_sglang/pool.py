@@ -452,6 +452,9 @@ class MosaicKVPool(MHATokenToKVPool):
         result_bytes = self.layer_num * (per_layer + 16384) + bases + 65536
         self._slot_copy = SlotCopy(self.k_buffer, self.v_buffer, self.page_size,
                                    self.store.pack_kernel, lambda page: int(self.hot_page_of[page]))
+        # the boundary's two kernels compiled now, not in the step of the first page
+        self._slot_copy.warm()
+        self.store.prepare_adoption()
         return DaemonClient(self.cfg, self.layer_num, self.head_num, self.head_dim,
                             self.k_buffer[0].dtype, self.device, self.dense.spec, result_bytes,
                             self._slot_copy)

@@ -101,7 +101,7 @@ class SegmentStore:
         self._header_rows: list[torch.Tensor] = []  # per layout id: its header at base 0
         self._header_table = np.zeros((0, HEADER_WIDTH), dtype=np.int32)  # the same, stacked
         self.device_type = torch.device(device).type
-        self._adopt_rows: AdoptRows | None = None  # made at the first adoption by kernel
+        self._adopt_rows: AdoptRows | None = None  # prepare_adoption (daemon start)
         self.packed = torch.zeros(layers, pages + 1, dtype=torch.bool)  # host: kernel-readable
         self._packed_np = self.packed.numpy()  # the same memory: a page's flags in ~1 us, not ~15
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
@@ -268,7 +268,7 @@ class SegmentStore:
             bases.append(base)
         if self.pack_kernel:  # every write as a row of one `copy_rows` launch
             if self._adopt_rows is None:
-                self._adopt_rows = AdoptRows(self)
+                self.prepare_adoption()
             self._adopt_rows.launch(page, ap, layout_ids, bases, sizes)
         else:
             rows = torch.stack([self._header_rows[i] for i in layout_ids])
@@ -287,6 +287,21 @@ class SegmentStore:
         self.blocks.update(zip([(layer, page) for layer in range(len(sizes))], zip(bases, sizes)))
         self.live_bytes += sum(sizes)
         return StoredSegments(self, page, ap)
+
+    def prepare_adoption(self) -> None:
+        """Make the adoption's staging buffers and compile its copy kernel with one harmless
+        launch (one element between two scratch slots), before serving: done at the first
+        adopted page, the Triton compile cost the step it landed in ~0.3 s (a 328 ms boundary in
+        a GPU server, RESULTS.md session 16). Without the pack kernel, nothing to prepare."""
+        if not self.pack_kernel or self._adopt_rows is not None:
+            return
+        self._adopt_rows = AdoptRows(self)
+        scratch = torch.tensor([1, 0], dtype=torch.int16, device=self.device)
+        copy_rows(torch.tensor([[scratch[1:].data_ptr(), scratch.data_ptr(), 1, COPY]],
+                               dtype=torch.int64, device=self.device), 1)
+        if scratch[1].item() != 1:  # a launch that did nothing would only show at the first page
+            raise RuntimeError("SegmentStore: the adoption copy kernel's warm-up launch did not "
+                               "copy its element")
 
     def _layouts_of(self, ap: ArenaPage) -> tuple[list[int], list[int]]:
         """(block size, layout id) of every layer of an arena-ready page, registering layouts

@@ -185,3 +185,29 @@ def test_adopting_by_kernel_refuses_what_it_cannot_read_by_address():
         assert torch.equal(a.headers[layer][1], b.headers[layer][1])
         for f in META_FIELDS:
             assert torch.equal(getattr(a.meta[layer], f)[1], getattr(b.meta[layer], f)[1]), f
+
+
+def test_prepare_adoption_builds_the_staging_ring_and_runs_the_copy_kernel_once(monkeypatch):
+    """The daemon's start prepares adoption (no Triton compile in the step of the first adopted
+    page): with the pack kernel the staging ring exists afterwards and one real `copy_rows`
+    launch ran (its scratch element copied); without it there is nothing to prepare."""
+    from mosaickv_sglang import segment_store as store_mod
+
+    launches = []
+    real = store_mod.copy_rows
+    monkeypatch.setattr(store_mod, "copy_rows", lambda rows, n: (launches.append(n), real(rows, n)))
+    cfg = MosaicConfig()
+    stores = {k: SegmentStore(2, 2, H, D, cfg.segment_tokens, cfg.page_tokens, "cpu",
+                              cfg.select.meta_channels, 1 << 20, pack_kernel=k)
+              for k in ("torch", "triton")}
+    for store in stores.values():
+        store.prepare_adoption()
+    assert stores["torch"]._adopt_rows is None
+    assert isinstance(stores["triton"]._adopt_rows, AdoptRows) and launches == [1]
+    stores["triton"].prepare_adoption()  # once only
+    assert launches == [1]
+    monkeypatch.setattr(store_mod, "copy_rows", lambda rows, n: None)  # a launch that does nothing
+    fresh = SegmentStore(2, 2, H, D, cfg.segment_tokens, cfg.page_tokens, "cpu",
+                         cfg.select.meta_channels, 1 << 20, pack_kernel="triton")
+    with pytest.raises(RuntimeError, match="warm-up launch did not copy"):
+        fresh.prepare_adoption()

@@ -440,6 +440,12 @@ class SlotCopy:
         self.streams = ((torch.cuda.Stream(device), torch.cuda.Stream(device))
                         if device.type == "cuda" and side_streams else None)
 
+    def warm(self) -> None:
+        """Compile the page gather before serving (one gather of hot page 0, dropped): at the
+        first pump it cost that boundary ~0.4 s (RESULTS.md session 16)."""
+        if self.gather is not None:
+            self.gather(0)
+
     def page(self, page: int, dst: torch.Tensor) -> None:
         hot = self.hot_page_of(page)
         if hot < 0:
