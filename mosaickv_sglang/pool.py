@@ -660,5 +660,8 @@ class MosaicKVPool(MHATokenToKVPool):
                               "arena_full_segments": self.store.arena_full,
                               # who wrote the blocks: the GPU pack kernel or torch copies
                               "pack_kernel": self.store.pack_kernel,
-                              "packed_by": dict(self.store.pack_counts)},
+                              "packed_by": dict(self.store.pack_counts),
+                              # block layouts seen, and the band decode kernel's variants
+                              "layouts": len(self.store.layouts),
+                              "decode_width_classes": len(self.store.width_classes)},
         }

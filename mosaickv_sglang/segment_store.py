@@ -240,7 +240,16 @@ class SegmentStore:
             self.layouts[lay.key()] = len(self._plans)
             self._plans.append(lay.channel_plan())
             self.plans = torch.stack(self._plans).to(self.device)
+            known = set(self.width_classes)
             self.width_classes = band_width_classes(torch.stack(self._plans))  # host copy
+            for widths in set(self.width_classes) - known:
+                # each class is its own compile-time variant of the band decode kernel: the
+                # first decode step after this line compiles it (a stall of seconds on a GPU
+                # server seen only once per class: logged, so it can be told apart)
+                logger.info("MosaicKV: layout %d (K %s, V %s) adds decode width class %s "
+                            "(K b8/b4/b2, V b8/b4/b2 channels; %d classes): the band decode "
+                            "kernel compiles it at its next launch", self.layouts[lay.key()],
+                            lay.k.spec, lay.v.spec, widths, len(self.width_classes))
             self.min_group = min(self.min_group, lay.k.group, lay.v.group)
             self._header_rows.append(lay.header(0, self.layouts[lay.key()]))
             self._header_table = torch.stack(self._header_rows).numpy()

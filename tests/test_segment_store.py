@@ -211,3 +211,19 @@ def test_prepare_adoption_builds_the_staging_ring_and_runs_the_copy_kernel_once(
                          cfg.select.meta_channels, 1 << 20, pack_kernel="triton")
     with pytest.raises(RuntimeError, match="warm-up launch did not copy"):
         fresh.prepare_adoption()
+
+
+def test_each_new_decode_width_class_is_logged_once(caplog, seed):
+    """A layout whose band widths the decode kernel has not launched with yet makes the next
+    decode step compile a variant (a stall on a GPU server): each such class is logged once, a
+    layout of known widths is not."""
+    import logging
+
+    segs = _segments(seed)
+    store = _store(1 << 24)
+    with caplog.at_level(logging.INFO, logger="mosaickv_sglang.segment_store"):
+        store.install(0, list(range(N)), segs)
+        store.install(0, list(range(N)), segs)  # the same layouts again: nothing new
+    lines = [r.getMessage() for r in caplog.records if "adds decode width class" in r.getMessage()]
+    assert len(lines) == len(store.width_classes) >= 2, (lines, repro(seed))
+    assert len(set(lines)) == len(lines)
