@@ -140,6 +140,7 @@ def test_itl_p99_all_decoding_leaves_out_the_waits_while_later_prompts_prefill()
     got = serving_bench.latency_stats(recs)
     assert got["ttft_s_p50"] == pytest.approx(3.0) and got["ttft_s_max"] == pytest.approx(5.0)
     assert got["itl_ms_p99"] == pytest.approx(3990.0)  # the wait is among all the gaps
+    assert got["itl_ms_max"] == pytest.approx(3990.0)
     assert got["itl_ms_p99_all_decoding"] == pytest.approx(10.0)
     assert got["decode_tok_s"] == pytest.approx(7 / 0.03)  # 7 tokens after the firsts, 5 -> 5.03 s
 
@@ -182,3 +183,12 @@ def test_the_table_says_which_systems_gave_identical_greedy_outputs(capsys):
     serving_bench.print_table([{**row, "system": "mosaickv", "output_sha1": ["a", "b"]},
                                {**row, "system": "mosaickv_graph", "output_sha1": ["a", "c"]}])
     assert "mosaickv_graph identical to mosaickv in 1 of 2 requests" in capsys.readouterr().out
+
+
+def test_itl_max_shows_a_single_stall_that_p99_hides():
+    # one request, 300 gaps of 10 ms and one of 4 s in the middle (a compile): p99 stays 10 ms
+    stamps = [0.01 * i for i in range(151)]
+    stamps += [stamps[-1] + 4.0 + 0.01 * i for i in range(151)]
+    got = serving_bench.latency_stats([{"start": 0.0, "stamps": stamps}])
+    assert got["itl_ms_p99"] == pytest.approx(10.0)
+    assert got["itl_ms_max"] == pytest.approx(4000.0)
