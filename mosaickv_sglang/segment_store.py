@@ -247,8 +247,8 @@ class SegmentStore:
                 # first decode step after this line compiles it (a stall of seconds on a GPU
                 # server seen only once per class: logged, so it can be told apart)
                 logger.info("MosaicKV: layout %d (K %s, V %s) adds decode width class %s "
-                            "(K b8/b4/b2, V b8/b4/b2 channels; %d classes): the band decode "
-                            "kernel compiles it at its next launch", self.layouts[lay.key()],
+                            "(K b8/b4/b2, V b8/b4/b2 channels; %d classes): the Triton band "
+                            "decode kernel compiles it at its next launch", self.layouts[lay.key()],
                             lay.k.spec, lay.v.spec, widths, len(self.width_classes))
             self.min_group = min(self.min_group, lay.k.group, lay.v.group)
             self._header_rows.append(lay.header(0, self.layouts[lay.key()]))

@@ -57,9 +57,8 @@ class BoundaryBudget:
         self.parts = {}
 
     def close(self) -> None:
-        """The boundary is over: rank its time among the slowest, with its parts."""
-        if self.started is None:
-            return
+        """The boundary (opened by `open`) is over: rank its time among the slowest, with its
+        parts."""
         ms = (time.perf_counter() - self.started) * 1e3
         if len(self.slowest) < KEEP_SLOWEST or ms > self.slowest[-1]["ms"]:
             self.slowest.append({"ms": round(ms, 3), "unbounded": self.unbounded,
