@@ -239,14 +239,14 @@ def test_lazy_chooser_picks_what_trying_every_candidate_picks(seed):
     from mosaickv_sglang.codec.layer import _segment_bytes
     order = sorted(cands.k, key=lambda st: _segment_bytes(st, "k", H, S, D))  # cached from here
     calls = []
-    for strat in cands.k:
-        enc = strat.encode
-        strat.encode = lambda x, kind, enc=enc: calls.append(x.shape[0]) or enc(x, kind)
+    for strat in cands.k:  # the chooser's one encode per try
+        enc = strat.encode_decoded
+        strat.encode_decoded = lambda x, kind, enc=enc: calls.append(x.shape[0]) or enc(x, kind)
     try:
         got, _ = _choose_batch(k, k_rot, "k", cands.k, 0.06, "within-budget", DENSE)
     finally:
         for strat in cands.k:
-            del strat.encode
+            del strat.encode_decoded
     for i, c in enumerate(got):
         want = choose(k[i], k_rot[i], "k", cands.k, 0.06)
         assert (c.strategy.spec, c.reason) == (want.strategy.spec, want.reason), repro(seed)

@@ -114,6 +114,20 @@ def test_packed_qk_pv_match_decode(spec, kind, seed):
 
 @pytest.mark.parametrize("kind", ("k", "v"))
 @pytest.mark.parametrize("spec", SPECS)
+def test_encode_decoded_is_encode_then_decode(spec, kind, seed):
+    """The chooser's `encode_decoded` (Band rebuilds from its codes before packing) gives the
+    bytes `encode` keeps and, bit for bit, what `decode` reads back from them."""
+    strat, x, _, _, enc = make_case(spec, kind)
+    tensors, decoded = strat.encode_decoded(x, kind)
+    assert tensors.keys() == enc.tensors.keys(), f"{spec} {repro(seed)}"
+    for name, t in tensors.items():
+        assert torch.equal(t, enc.tensors[name]), f"{spec} {kind} {name} {repro(seed)}"
+    want = strat.decode(enc)
+    assert decoded.dtype == want.dtype and torch.equal(decoded, want), f"{spec} {kind} {repro(seed)}"
+
+
+@pytest.mark.parametrize("kind", ("k", "v"))
+@pytest.mark.parametrize("spec", SPECS)
 def test_nbytes_is_tensor_bytes_and_formula(spec, kind, seed):
     strat, x, _, _, enc = make_case(spec, kind)
     h, s, d = x.shape

@@ -161,13 +161,14 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
     segment elsewhere calls `own_storage`. Shared by the offline codec and the serving pool.
     `keep_rotated` also hands each segment its rotated K/V (`Segment.rotated`). `write`: the
     bases' write transforms (`write_transform(kb)`, `write_transform(vb)`) when the caller has
-    them, so pages sharing a basis block invert each basis once, not once per segment."""
+    them, so pages sharing a basis block invert each basis once, not once per segment; kb and
+    vb are then unused (None), and the transforms may be per layer for whole pages (`_rotate`)."""
     budgets = (cfg.sink_error_budget,) * 2 if sink else (cfg.k_error_budget, cfg.v_error_budget)
     k_cands, v_cands = (cands.sink, cands.sink) if sink else (cands.k, cands.v)
     reason = "sink" if sink else "within-budget"
     with phase(timer, "choose_encode"):
         kw, vw = write if write is not None else (write_transform(kb), write_transform(vb))
-        k_rot, v_rot = k.float() @ kw, v.float() @ vw
+        k_rot, v_rot = _rotate(k, kw), _rotate(v, vw)
         kc, k_dec = _choose_batch(k, k_rot, "k", k_cands, budgets[0], reason,
                                   fallback, need_decoded=select_meta, rescue=cands.rescue)
         vc, _ = _choose_batch(v, v_rot, "v", v_cands, budgets[1], reason, fallback,
@@ -189,6 +190,16 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
                     metas[i] is not None and kc[i].strategy.rot, headers[i],
                     (k_rot[i], v_rot[i]) if keep_rotated else None)
             for i, start in enumerate(starts)]
+
+
+def _rotate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, H, S, D] @ w: one transform per segment ([N, H, D, D]), or n < N transforms that
+    repeat over x's rows (N = pages x n layers, page-major: `seal_pages`'s whole-page batches),
+    broadcast instead of copied per segment."""
+    x = x.float()
+    if w.shape[0] == x.shape[0]:
+        return x @ w
+    return (x.view(-1, w.shape[0], *x.shape[1:]) @ w).flatten(0, 1)
 
 
 def own_storage(seg: Segment) -> None:
@@ -224,8 +235,8 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
         if len(todo) < n:
             src = src[todo]
         m = len(todo)
-        tensors = strat.encode(src.reshape(m * h, s, d), kind)
-        dec = strat.decode(Encoded(kind, (m * h, s, d), tensors)).reshape(m, h, s, d)
+        tensors, dec = strat.encode_decoded(src.reshape(m * h, s, d), kind)
+        dec = dec.reshape(m, h, s, d)
         errs = _errors(dec, src).tolist()
         tries.append((strat, tensors, m, errs, dec, why))
         for row, i in enumerate(todo):

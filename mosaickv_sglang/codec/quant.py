@@ -23,7 +23,9 @@ def _check_pack_bits(bits: int) -> None:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes in [0, 2**bits) along the last axis into uint8."""
+    """Pack integer codes in [0, 2**bits) along the last axis into uint8. Byte operations on
+    strided slices (code i of each byte is every per_byte-th code from i), not an int32 sum:
+    sealing packs every candidate it tries, and int32 grouping was 4x the bytes."""
     _check_pack_bits(bits)
     codes = codes.to(torch.uint8)
     if bits == 8:
@@ -32,9 +34,10 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n = codes.shape[-1]
     if n % per_byte:
         raise ValueError(f"last axis {n} is not a multiple of {per_byte} ({bits}-bit codes)")
-    grouped = codes.reshape(*codes.shape[:-1], n // per_byte, per_byte).to(torch.int32)
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
-    return (grouped << shifts).sum(-1).to(torch.uint8)
+    packed = codes[..., 0::per_byte].clone()
+    for i in range(1, per_byte):
+        packed |= codes[..., i::per_byte] << (i * bits)
+    return packed
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -43,9 +46,12 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return packed
     per_byte = 8 // bits
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
-    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)
+    mask = (1 << bits) - 1
+    codes = torch.empty(*packed.shape[:-1], packed.shape[-1], per_byte, dtype=torch.uint8,
+                        device=packed.device)
+    for i in range(per_byte):
+        torch.bitwise_and(packed >> (i * bits), mask, out=codes[..., i])
+    return codes.view(*packed.shape[:-1], packed.shape[-1] * per_byte)
 
 
 def round_fp16(x: torch.Tensor, down: bool) -> torch.Tensor:
@@ -64,8 +70,11 @@ def quantize_asym(x: torch.Tensor, bits: int, reduce_dims: tuple[int, ...]):
     """
     check_bits(bits)
     levels = (1 << bits) - 1
-    lo = x.amin(dim=reduce_dims, keepdim=True)
-    hi = x.amax(dim=reduce_dims, keepdim=True)
+    if len(reduce_dims) == 1:  # one pass for both (sealing quantizes every candidate it tries)
+        lo, hi = torch.aminmax(x, dim=reduce_dims[0], keepdim=True)
+    else:
+        lo = x.amin(dim=reduce_dims, keepdim=True)
+        hi = x.amax(dim=reduce_dims, keepdim=True)
     # Round the fp16 zero down and the scale up, so [zero, zero + levels*scale] covers [lo, hi]
     # and no value is clamped by more than rounding.
     zero = round_fp16(lo, down=True)
@@ -74,8 +83,8 @@ def quantize_asym(x: torch.Tensor, bits: int, reduce_dims: tuple[int, ...]):
     # then); IEEE division keeps the bits of the CPU and of the GPU pack kernel (band_pack).
     span = (hi - zero.float()) / torch.full((), levels, dtype=torch.float32, device=x.device)
     scale = round_fp16(span.clamp_min(1e-8), down=False)
-    codes = torch.round((x - zero.float()) / scale.float()).clamp_(0, levels).to(torch.uint8)
-    return codes, scale, zero
+    codes = (x - zero.float()).div_(scale.float()).round_().clamp_(0, levels)  # one temporary
+    return codes.to(torch.uint8), scale, zero
 
 
 def quantize_absmax(x: torch.Tensor, bits: int, dim: int = -1):

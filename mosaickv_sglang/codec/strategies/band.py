@@ -49,10 +49,22 @@ class Band(Strategy):
                 start += n
 
     def encode(self, x: torch.Tensor, kind: str) -> Tensors:
+        return self._encode(x, None)
+
+    def encode_decoded(self, x: torch.Tensor, kind: str) -> tuple[Tensors, torch.Tensor]:
+        decoded = torch.zeros(x.shape, device=x.device)
+        return self._encode(x, decoded), decoded
+
+    def _encode(self, x: torch.Tensor, decoded: torch.Tensor | None) -> Tensors:
+        """The bands' codes, scales and zeros; `decoded`, when given, gets each band rebuilt from
+        its codes as `decode` would from the packed ones (the codes are the same bytes)."""
         self.validate_dims(x.shape[-1])
         out = {}
         for start, n, bits in self.bands(x.shape[-1]):
             codes, scale, zero = quantize_channel_groups(x[..., start:start + n], bits, self.group)
+            if decoded is not None:
+                decoded[..., start:start + n] = channel_groups_decode(codes.float(), scale.float(),
+                                                                      zero.float())
             out.update({f"codes{bits}": pack_codes(codes, bits), f"scale{bits}": scale,
                         f"zero{bits}": zero})
         return out

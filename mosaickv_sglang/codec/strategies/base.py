@@ -67,6 +67,13 @@ class Strategy(ABC):
     def decode(self, e: Encoded) -> torch.Tensor:
         """Full float32 reconstruction [H, S, D] (tests and error measurement only)."""
 
+    def encode_decoded(self, x: torch.Tensor, kind: str) -> tuple[Tensors, torch.Tensor]:
+        """(encode(x), decode of it): what the chooser measures every candidate by. A strategy
+        that can rebuild x from its codes before packing them overrides this (same result, one
+        unpack less per try)."""
+        tensors = self.encode(x, kind)
+        return tensors, self.decode(Encoded(kind, tuple(x.shape), tensors))
+
     @abstractmethod
     def qk(self, e: Encoded, q: torch.Tensor) -> torch.Tensor:
         """q [H, G, D] (GQA group G per KV head) -> scores [H, G, S], on the packed form."""
