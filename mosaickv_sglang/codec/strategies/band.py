@@ -12,8 +12,8 @@ import torch
 
 from ..quant import pack_codes, unpack_codes
 from .base import Encoded, Strategy, Tensors, _device, register
-from .lowbit import (channel_groups_decode, channel_groups_pv, channel_groups_qk,
-                     quantize_channel_groups)
+from .lowbit import (channel_group_bounds, channel_groups_decode, channel_groups_pv,
+                     channel_groups_qk, quantize_channel_groups)
 
 BAND_BITS = (8, 4, 2)
 UNIT = 64  # band widths are per this many channels
@@ -52,21 +52,31 @@ class Band(Strategy):
         return self._encode(x, None)
 
     def encode_decoded(self, x: torch.Tensor, kind: str) -> tuple[Tensors, torch.Tensor]:
-        decoded = torch.zeros(x.shape, device=x.device)
+        decoded = self._reconstruction(x.shape, x.device)
         return self._encode(x, decoded), decoded
 
     def _encode(self, x: torch.Tensor, decoded: torch.Tensor | None) -> Tensors:
-        """The bands' codes, scales and zeros; `decoded`, when given, gets each band rebuilt from
-        its codes as `decode` would from the packed ones (the codes are the same bytes)."""
+        """The bands' codes, scales and zeros (each channel's range over a token group reduced
+        once for all bands); `decoded`, when given, gets each band rebuilt from its codes as
+        `decode` rebuilds it from the packed ones (the codes are the same bytes)."""
         self.validate_dims(x.shape[-1])
+        lo, hi = channel_group_bounds(x, self.group)
         out = {}
         for start, n, bits in self.bands(x.shape[-1]):
-            codes, scale, zero = quantize_channel_groups(x[..., start:start + n], bits, self.group)
+            band = slice(start, start + n)
+            codes, scale, zero = quantize_channel_groups(x[..., band], bits, self.group,
+                                                         (lo[..., band], hi[..., band]))
             if decoded is not None:
-                decoded[..., start:start + n] = channel_groups_decode(codes.float(), scale.float(),
-                                                                      zero.float())
+                channel_groups_decode(codes, scale, zero, out=decoded[..., band])
             out.update({f"codes{bits}": pack_codes(codes, bits), f"scale{bits}": scale,
                         f"zero{bits}": zero})
+        return out
+
+    def _reconstruction(self, shape, device) -> torch.Tensor:
+        """float32 [H, S, D] for a reconstruction: the bands fill their channels, the dropped
+        tail is zero."""
+        out = torch.empty(shape, device=device)
+        out[..., sum(n for _, n, _ in self.bands(shape[-1])):].zero_()
         return out
 
     def _band(self, e: Encoded, bits: int):
@@ -75,9 +85,11 @@ class Band(Strategy):
                 t[f"zero{bits}"].float())
 
     def decode(self, e: Encoded) -> torch.Tensor:
-        out = torch.zeros(e.shape, device=_device(e))
+        out = self._reconstruction(e.shape, _device(e))
         for start, n, bits in self.bands(e.shape[-1]):
-            out[..., start:start + n] = channel_groups_decode(*self._band(e, bits))
+            t = e.tensors
+            channel_groups_decode(unpack_codes(t[f"codes{bits}"], bits), t[f"scale{bits}"],
+                                  t[f"zero{bits}"], out=out[..., start:start + n])
         return out
 
     def qk(self, e: Encoded, q: torch.Tensor) -> torch.Tensor:

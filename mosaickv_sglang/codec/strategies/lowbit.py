@@ -7,25 +7,41 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import check_bits, pack_codes, quantize_asym, unpack_codes
+from ..quant import check_bits, pack_codes, quantize_asym, quantize_in_range, unpack_codes
 from .base import Encoded, Strategy, Tensors, register
 
 AXES = ("channel", "token")
 
 
-def quantize_channel_groups(x: torch.Tensor, bits: int, group: int):
-    """x [H, S, C] -> codes [H, S, C], scale/zero [H, S/group, C]: one pair per channel per group."""
+def channel_group_bounds(x: torch.Tensor, group: int):
+    """x [H, S, C] -> (min, max) per channel per group of `group` tokens, each [H, S/group, 1, C]."""
     h, s, c = x.shape
     if s % group:
         raise ValueError(f"segment of {s} tokens is not a multiple of group={group}")
-    codes, scale, zero = quantize_asym(x.reshape(h, s // group, group, c), bits, (2,))
+    grouped = x.reshape(h, s // group, group, c)
+    return grouped.amin(2, keepdim=True), grouped.amax(2, keepdim=True)
+
+
+def quantize_channel_groups(x: torch.Tensor, bits: int, group: int, bounds=None):
+    """x [H, S, C] -> codes [H, S, C], scale/zero [H, S/group, C]: one pair per channel per group.
+    `bounds`: x's `channel_group_bounds` when the caller has them (Band reduces all its channels
+    once and slices them per band)."""
+    h, s, c = x.shape
+    lo, hi = bounds if bounds is not None else channel_group_bounds(x, group)
+    codes, scale, zero = quantize_in_range(x.reshape(h, s // group, group, c), bits, lo, hi)
     return codes.reshape(h, s, c), scale.squeeze(2), zero.squeeze(2)
 
 
-def channel_groups_decode(codes, scale, zero) -> torch.Tensor:
+def channel_groups_decode(codes, scale, zero, out: torch.Tensor | None = None) -> torch.Tensor:
+    """scale * code + zero per channel group, float32 [H, S, C], written into `out` (e.g. a
+    channel slice of a reconstruction) when given: no temporaries besides the result."""
     h, s, c = codes.shape
     n = scale.shape[1]
-    return (codes.reshape(h, n, s // n, c) * scale[:, :, None] + zero[:, :, None]).reshape(h, s, c)
+    out = torch.empty(h, s, c, device=codes.device) if out is None else out
+    grouped = out.view(h, n, s // n, c)
+    torch.mul(codes.reshape(h, n, s // n, c), scale.float()[:, :, None], out=grouped)
+    grouped.add_(zero.float()[:, :, None])
+    return out
 
 
 def channel_groups_qk(codes, scale, zero, q) -> torch.Tensor:
