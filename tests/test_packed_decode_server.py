@@ -18,30 +18,36 @@ CONFIG = {"basis_block_tokens": 256, "hot_tokens": 32,
 
 
 LOGPROB_TOL = 0.05  # the chosen token's log-probability, reference vs kernel path (bf16 noise)
-MIN_AGREED = 6  # with selection on: greedy steps both paths must agree on
+SELECTION_TOL = 0.2  # with selection on: a page-score near tie moves a step's log-probs by more
+MIN_AGREED = 6  # with selection on: greedy steps both paths agree on before any parting is fine
 
 
 def _assert_same_greedy_decode(ref: dict, got: dict, strict: bool) -> None:
     """The kernel path decodes what the reference path decodes: the same ids with the same
     log-probabilities (within bf16 noise), up to the first step where they part, which must be
-    a near tie (the reference's best two tokens within LOGPROB_TOL, the kernel taking the
-    second: on one CPU the two were 0.031 apart in the reference and tied in the kernel at step
-    2 of 12) or, with page selection on (`strict` False), come after MIN_AGREED steps: the
-    kernel and the reference score pages in different arithmetic, so a near tie between two
-    pages' scores can select different pages from there on (seen at step 8 on one CPU)."""
+    a near tie: the reference's best two tokens within the tolerance and the kernel taking the
+    second (on one CPU the two were 0.031 apart in the reference and tied in the kernel at step
+    2 of 12). With page selection on (`strict` False) the kernel and the reference score pages
+    from queries that differ by bf16 noise, so a near tie between two pages' scores can select
+    different pages and move that step's log-probs by more than bf16 noise: there the tie may
+    be up to SELECTION_TOL wide (CI's CPU: 0.094 at step 5), or the parting come after
+    MIN_AGREED steps (seen at step 8 on one CPU)."""
+    tol = LOGPROB_TOL if strict else SELECTION_TOL
     ids = [ref["output_ids"], got["output_ids"]]
     lps = [[t[0] for t in r["meta_info"]["output_token_logprobs"]] for r in (ref, got)]
     split = next((i for i, (a, b) in enumerate(zip(*ids)) if a != b), len(ids[0]))
     if split < len(ids[0]):
         best, second = ref["meta_info"]["output_top_logprobs"][split][:2]
-        near_tie = best[0] - second[0] < LOGPROB_TOL and ids[1][split] == second[1]
+        near_tie = best[0] - second[0] < tol and ids[1][split] == second[1]
         assert near_tie or (not strict and split >= MIN_AGREED), (split, best, second, ids)
-        if near_tie:  # and the kernel scores the same two tokens alike
+        if near_tie:  # and the kernel scores the token it took alike
+            assert abs(lps[1][split] - second[0]) < tol, (split, second, lps[1][split])
+        if near_tie and strict:  # and both tokens alike
             theirs = {t[1]: t[0] for t in got["meta_info"]["output_top_logprobs"][split][:2]}
             assert theirs.keys() == {best[1], second[1]}, (split, best, second, theirs)
-            assert all(abs(theirs[t[1]] - t[0]) < LOGPROB_TOL for t in (best, second)), theirs
+            assert all(abs(theirs[t[1]] - t[0]) < tol for t in (best, second)), theirs
     for i in range(split):
-        assert abs(lps[0][i] - lps[1][i]) < LOGPROB_TOL, (i, lps)
+        assert abs(lps[0][i] - lps[1][i]) < tol, (i, lps)
 
 
 @pytest.mark.parametrize("budget", [256, 4096], ids=["selection", "every_page"])
