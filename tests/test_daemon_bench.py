@@ -52,6 +52,7 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path, 
     row = table.stdout.splitlines()[-1].split(" | ")
     assert row[0] == "| daemon" and row[1] == f"{result['step_p50_ratio']:.3f}", table.stdout
     assert row[2] == f"{result['step_p99_ratio']:.3f}", table.stdout
+    assert row[8] == f"{sat['worker_busy_fraction']:.2f}", table.stdout  # what bounds pages/s
 
 
 def test_adopt_bench_compares_both_paths_on_the_same_bytes(tmp_path):
