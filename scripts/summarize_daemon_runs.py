@@ -4,13 +4,19 @@ saturated: near 1 the workers bound the throughput, well under 1 the step bounda
 (pages wait there to be loaded, installed or copied); "per busy core" is what one worker core
 seals per second of work.
 
-    python scripts/summarize_daemon_runs.py out/daemon_*.json
+    python scripts/summarize_daemon_runs.py out/daemon_*.json [--plot throughput.png]
+
+--plot (matplotlib) draws each run's daemon pages/s against its saturated/idle p99 step
+ratio, beside the 5% step target and batch-128 decode's production at 30 ms: where a setting
+sits between "keeps the step" and "keeps up".
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
+
+BATCH128_PAGES_PER_S_30MS = 1000 / 30  # one 128-token page per step of batch-128 decode
 
 
 def row(path: Path) -> str:
@@ -28,13 +34,46 @@ def row(path: Path) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def main(paths: list[str]) -> None:
+def plot(paths: list[Path], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in paths:
+        r = json.loads(p.read_text())
+        mode = f"{'overlap' if r['args']['overlap'] else 'strict'} {r['args']['step_ms']:g} ms"
+        x, y = r["daemon_pages_per_s"], r["step_p99_ratio"]
+        ax.scatter(x, y, color="tab:orange" if r["args"]["overlap"] else "tab:blue")
+        ax.annotate(f"{mode}, share {r['args']['share']:g}", (x, y), fontsize=7,
+                    xytext=(4, 2), textcoords="offset points")
+    ax.axhline(1.05, color="gray", ls="--", lw=1)
+    ax.axvline(BATCH128_PAGES_PER_S_30MS, color="gray", ls=":", lw=1)
+    ax.text(BATCH128_PAGES_PER_S_30MS, ax.get_ylim()[0], " batch-128 @ 30 ms", fontsize=7,
+            rotation=90, va="bottom")
+    ax.text(ax.get_xlim()[0], 1.05, " 5% step target", fontsize=7, va="bottom")
+    ax.set_xlabel("daemon throughput, pages/s (Llama-8B shape)")
+    ax.set_ylabel("step p99, daemon saturated / idle")
+    ax.set_title("Daemon throughput against the decode step's tail")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", type=Path, help="daemon_bench JSON files")
+    ap.add_argument("--plot", type=Path, help="also draw pages/s against the p99 ratio here")
+    args = ap.parse_args()
+    paths = args.results
     print("| run | p50 ratio | p99 ratio | idle step p50 ms | boundary p50/p99 idle, saturated ms "
           "| install p50 ms | load p50 ms | pages/s | worker busy | pages/s per busy core |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for p in map(Path, paths):
+    for p in paths:
         print(row(p))
+    if args.plot:
+        plot(paths, args.plot)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
