@@ -40,12 +40,12 @@ def _assert_same_greedy_decode(ref: dict, got: dict, strict: bool) -> None:
         best, second = ref["meta_info"]["output_top_logprobs"][split][:2]
         near_tie = best[0] - second[0] < tol and ids[1][split] == second[1]
         assert near_tie or (not strict and split >= MIN_AGREED), (split, best, second, ids)
-        if near_tie:  # and the kernel scores the token it took alike
-            assert abs(lps[1][split] - second[0]) < tol, (split, second, lps[1][split])
-        if near_tie and strict:  # and both tokens alike
+        if near_tie and strict:  # and the kernel scores the same two tokens alike
             theirs = {t[1]: t[0] for t in got["meta_info"]["output_top_logprobs"][split][:2]}
             assert theirs.keys() == {best[1], second[1]}, (split, best, second, theirs)
             assert all(abs(theirs[t[1]] - t[0]) < tol for t in (best, second)), theirs
+        elif near_tie:  # and the token it took alike (other pages may move the rest)
+            assert abs(lps[1][split] - second[0]) < tol, (split, second, lps[1][split])
     for i in range(split):
         assert abs(lps[0][i] - lps[1][i]) < tol, (i, lps)
 
