@@ -66,6 +66,9 @@ from mosaickv_sglang.daemon.adopt import adopt
 from mosaickv_sglang.daemon.client import DaemonClient, SlotCopy
 from mosaickv_sglang.segment_store import SegmentStore, use_pack_kernel
 
+# saturated with the workers this busy (or more), they bound the throughput; below it pages wait
+# in the step boundary (to be loaded, installed or copied into a slot within its budget)
+WORKERS_BOUND_BUSY = 0.9
 SHAPES = {"small": (4, 2, 64), "llama8b": (32, 8, 128)}  # layers, KV heads, head_dim
 
 
@@ -441,6 +444,7 @@ def main() -> None:
 
     cores = args.workers * args.threads
     thr = saturated["pages_done"] / saturated["wall_s"]
+    busy = saturated["worker_busy_fraction"]
     lat = sorted(client.latencies)
     page_bytes = layers * 2 * heads * tokens * head_dim * 2
     out = {
@@ -454,6 +458,8 @@ def main() -> None:
         "step_p99_ratio": saturated["step_ms"]["p99"] / idle["step_ms"]["p99"],
         "waits_on_daemon": 0,  # no blocking call at the boundary: see boundary_ms for its cost
         "daemon_pages_per_s": thr, "daemon_pages_per_s_per_core": thr / cores,
+        "daemon_pages_per_busy_core_s": thr / (busy * cores) if busy else None,
+        "bound_by": "workers" if busy >= WORKERS_BOUND_BUSY else "step boundary",
         "worker_page_ms": {"p50": lat[len(lat) // 2] * 1e3, "p99": lat[int(0.99 * (len(lat) - 1))]
                            * 1e3} if lat else None,
         "warm_up": warm,
@@ -487,6 +493,9 @@ def main() -> None:
     print(f"daemon: {thr:.2f} pages/s ({thr / cores:.2f} per worker core), worker page latency "
           f"{out['worker_page_ms']}, inline seal (with basis fit) {inline_fit_ms:.0f} ms/page, "
           f"{out['dropped_pages_backpressure']} pages over the pending bound")
+    print(f"bound by the {out['bound_by']}: workers busy {busy:.2f} of the saturated phase"
+          + (f", {out['daemon_pages_per_busy_core_s']:.2f} pages per busy core-second" if busy
+             else ""))
     print(f"warm-up: {warm['pages_installed']} pages installed in {warm['steps']} steps "
           f"({warm['layouts_registered']} layouts registered, {warm['open_jobs_left']} jobs left "
           f"open); layouts first seen while measuring: {saturated['layouts_registered']}")

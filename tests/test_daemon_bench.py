@@ -31,7 +31,11 @@ def test_daemon_bench_installs_adopted_pages_and_reports_the_boundary(tmp_path, 
     slowest = sat["slowest_1pct_boundary_ms"]
     assert set(slowest) >= {"boundary", "alive", "install", "handle", "load", "unpickle", "pump",
                             "gc", "other", "steps"}
-    # share 0: one operation (install, read or copy) per boundary, the rest deferred
+    # share 0: one operation (install, read or copy) per boundary, the rest deferred, so a
+    # small-shape page (sealed in milliseconds) waits in the boundary, not for the worker
+    assert result["bound_by"] == "step boundary" and sat["worker_busy_fraction"] < 0.9, sat
+    assert result["daemon_pages_per_busy_core_s"] > result["daemon_pages_per_s"]
+    assert "bound by the step boundary: workers busy" in proc.stdout
     assert set(sat["ops_per_boundary"]) <= {"0", "1"} and sat["deferred_ops"] > 0, sat
     assert result["args"]["share"] == 0
     assert result["args"]["nice"] == 0 and "install p50/p99/max ms" in proc.stdout
