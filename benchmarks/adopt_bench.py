@@ -9,7 +9,10 @@ and installed into a SegmentStore on --device, timed over --reps:
   with torch slice copies;
 * arena_ready_kernels: the same, its blocks, header rows and page metadata written by one
   `row_copy` launch (on CUDA, or on the CPU under TRITON_INTERPRET=1: what the pool does with
-  `pack_kernel` auto on CUDA).
+  `pack_kernel` auto on CUDA);
+* in_place_kernels: the same launch reading the result where it lies, in a real shared-memory
+  slot (pinned and mapped on CUDA, `SegmentStore.reads_host`): `load` unpickles views of the
+  slot, no device copy (what the pool does where the store can read the slots in place).
 
 Then the third operation a daemon page costs the scheduler thread: the boundary's copy of a hot
 page (every layer's K/V, from a pool-like hot buffer, by the pool's `SlotCopy`: torch
@@ -74,18 +77,31 @@ def main() -> None:
     stores, out = {}, {}
     kernels = args.device.startswith("cuda") or interpreting()
     paths = [("per_tensor", page, "torch"), ("arena_ready", packed, "torch")] + (
-        [("arena_ready_kernels", packed, "triton")] if kernels else [])
+        [("arena_ready_kernels", packed, "triton"), ("in_place_kernels", packed, "triton")]
+        if kernels else [])
+    slot = Channel.create(ChannelSpec(layers, heads, head_dim, tokens, "bfloat16", 1, 1,
+                                      region.numel()))
+    if args.device.startswith("cuda"):
+        slot.pin()
     for name, obj, copies in paths:
-        off, n = dump(obj, region, {id(page.bases): "bases"})
+        in_place = name.startswith("in_place")
+        where = slot.result(0) if in_place else region
+        off, n = dump(obj, where, {id(page.bases): "bases"})
         store = stores[name] = SegmentStore(layers, 2, heads, head_dim, tokens, cfg.page_tokens,
                                             args.device, cfg.select.meta_channels, capacity,
                                             pack_kernel=copies)
+        if in_place and not store.reads_host(slot.result(0)[off + n:]):  # past the result
+            print(f"{name}: skipped, the store cannot read the slot in place "
+                  f"(pinned: {slot.pinned})")
+            del stores[name]
+            continue
         loads, installs = [], []
         with profiled(args.profile, f"{name} load + install"):
             for rep in range(args.reps + 1):  # rep 0: warm-up
                 sync()
                 t0 = time.perf_counter()
-                got = load(region, off, n, {"bases": page.bases}, args.device)
+                got = load(where, off, n, {"bases": page.bases},
+                           None if in_place else args.device)
                 sync()
                 t1 = time.perf_counter()
                 if name == "per_tensor":
@@ -103,6 +119,7 @@ def main() -> None:
         print(f"{name}: {off / 1e6:.2f} MB of tensors + {n / 1e3:.1f} KB pickled; per page, "
               f"median of {args.reps} ms: load {out[name][0]:.2f}, install {out[name][1]:.2f}, "
               f"total {sum(out[name]):.2f}")
+    slot.close(unlink=True)
     a = stores["per_tensor"]
     for name, b in stores.items():
         for layer in range(layers):
@@ -127,6 +144,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "device": args.device, "shape": args.shape, "reps": args.reps, "same_bytes": True,
+            "in_place": "in_place_kernels" in stores,
             "median_ms": {n: {"load": ld, "install": ins} for n, (ld, ins) in out.items()},
             "pump_host_ms": pump}, indent=2) + "\n")
 

@@ -230,6 +230,9 @@ def main() -> None:
     ap.add_argument("--copy-stream", choices=["side", "current"], default="side",
                     help="CUDA: fill slots on side streams (the pool's way) or on the current "
                          "stream, as before session 12 (an A/B of what that costs a step)")
+    ap.add_argument("--read-results", choices=["in-place", "device"], default="in-place",
+                    help="CUDA: install results from their pinned slots in place (the pool's way "
+                         "where the store can) or copy each onto the device when read (the A/B)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -256,9 +259,14 @@ def main() -> None:
 
     result_bytes = layers * (worst_page_bytes(cfg, heads, head_dim, dense) + 16384) + \
         layers * 2 * heads * head_dim * head_dim * 2 + 65536
+    store = SegmentStore(layers, args.store_pages, heads, head_dim, tokens, cfg.page_tokens,
+                         device, cfg.select.meta_channels if cfg.select.enabled else None,
+                         args.store_pages * (worst_page_bytes(cfg, heads, head_dim, dense)
+                                             + heads * 4096),  # + block alignment
+                         pack_kernel=args.copies)
     t0 = time.perf_counter()
     client = DaemonClient(cfg, layers, heads, head_dim, dtype, device, dense.spec, result_bytes,
-                          slot_copy)
+                          slot_copy, store.reads_host if args.read_results == "in-place" else None)
     while any(float(client.channel.heartbeats[w.index]) <= w.spawned_at for w in client.workers):
         time.sleep(0.05)
     startup_s = time.perf_counter() - t0
@@ -281,11 +289,6 @@ def main() -> None:
     seal_group(read, [tokens * 5], None, cfg, cands, dense)
     inline_fit_ms = (time.perf_counter() - t0) * 1e3
 
-    store = SegmentStore(layers, args.store_pages, heads, head_dim, tokens, cfg.page_tokens,
-                         device, cfg.select.meta_channels if cfg.select.enabled else None,
-                         args.store_pages * (worst_page_bytes(cfg, heads, head_dim, dense)
-                                             + heads * 4096),  # + block alignment
-                         pack_kernel=args.copies)
     def install(job) -> int:
         """What the pool does with a ready job's pages: into the arena, store pages taken in a
         ring (the oldest released when it comes round again). Returns pages installed."""
@@ -450,6 +453,7 @@ def main() -> None:
     out = {
         "machine": platform.node(), "cpu_count": os.cpu_count(), "device": str(device),
         "torch": torch.__version__, "args": vars(args), "worker_cores": worker_cores,
+        "results_in_place": client.in_place,
         "shape": {"layers": layers, "kv_heads": heads, "head_dim": head_dim, "tokens": tokens,
                   "page_bytes_bf16": page_bytes},
         "worker_startup_s": startup_s, "inline_seal_ms_with_fit": inline_fit_ms,
@@ -487,7 +491,8 @@ def main() -> None:
           f"{args.threads} threads, step work {args.step_ms} ms{mode}, "
           f"{args.pages_per_step} pages/step, boundary share {args.share}, copies by "
           f"{'kernels' if slot_copy.gather is not None else 'torch'} on the "
-          f"{args.copy_stream} stream{'s' if args.copy_stream == 'side' else ''}")
+          f"{args.copy_stream} stream{'s' if args.copy_stream == 'side' else ''}, results "
+          f"{'read in place' if client.in_place else 'copied onto the device when read'}")
     print(f"saturated/idle step time: p50 {out['step_p50_ratio']:.3f}, "
           f"p99 {out['step_p99_ratio']:.3f}; steps that waited on the daemon: 0")
     print(f"daemon: {thr:.2f} pages/s ({thr / cores:.2f} per worker core), worker page latency "

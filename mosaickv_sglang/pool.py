@@ -457,7 +457,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.store.prepare_adoption()
         return DaemonClient(self.cfg, self.layer_num, self.head_num, self.head_dim,
                             self.k_buffer[0].dtype, self.device, self.dense.spec, result_bytes,
-                            self._slot_copy)
+                            self._slot_copy, self.store.reads_host)
 
     def adopt(self, tp_group=None) -> int:
         """Step boundary (the scheduler hook): install what every rank has ready, relieve the

@@ -13,7 +13,10 @@ tensors and are flagged unpacked (counted); their requests decode on the referen
 
 A daemon result comes arena-ready (`codec.arena.ArenaPage`: the worker ran `write_blocks`), so
 `adopt` takes all its layers with one arena copy and one write per table, and its Segments are
-made only when something reads them (`StoredSegments`).
+made only when something reads them (`StoredSegments`). Its tensors may still be views of the
+daemon's shared-memory slot (read in place): on CUDA the copy kernel then reads them over PCIe
+from the pinned, mapped slot (`reads_host` checks once that it can), and nothing the store keeps
+points into the slot afterwards.
 
 Who writes a block's codes and scales (`pack_kernel`): on CUDA the GPU pack kernel
 (`band_pack.pack_layout`) encodes them in place from the chooser's rotated K/V, one launch per
@@ -27,6 +30,7 @@ against (byte-identical).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Sequence
@@ -102,6 +106,9 @@ class SegmentStore:
         self._header_table = np.zeros((0, HEADER_WIDTH), dtype=np.int32)  # the same, stacked
         self.device_type = torch.device(device).type
         self._adopt_rows: AdoptRows | None = None  # prepare_adoption (daemon start)
+        # adopted pages may sit in host memory (CPU tensors): on a CPU always; on CUDA once
+        # `reads_host` found the copy kernel reads registered host memory in place
+        self.host_sources = self.device_type == "cpu"
         self.packed = torch.zeros(layers, pages + 1, dtype=torch.bool)  # host: kernel-readable
         self._packed_np = self.packed.numpy()  # the same memory: a page's flags in ~1 us, not ~15
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
@@ -142,7 +149,8 @@ class SegmentStore:
                 segments[i] = self.adopt(page, sp)
                 if segments[i] is not None:
                     continue
-                segments[i] = sp.segments()
+                # no room: its segments keep their bytes, which must not be a daemon slot's
+                segments[i] = sp.copy_to(self.device).segments()
             else:
                 segments[i] = sp.segments
             rest.append(i)
@@ -285,17 +293,36 @@ class SegmentStore:
             self._headers[:, page].copy_(_to_device_async(rows, self.device), non_blocking=True)
             # One contiguous slice per layer (an index_copy_ over ALIGN-byte rows took 4.5 ms a
             # Llama-8B page on a CPU, plain slice copies 0.4 ms).
-            src = ap.blocks.to(self.device)[:sum(sizes)].split(sizes)
+            src = ap.blocks.to(self.device, non_blocking=True)[:sum(sizes)].split(sizes)
             torch._foreach_copy_([data.narrow(0, base, size) for data, base, size
                                   in zip(self.data, bases, sizes)], src)
             if self._meta is not None:
                 tables = [getattr(self._meta, f)[:, page] for f in META_FIELDS]
-                torch._foreach_copy_(tables, [getattr(ap.pages, f).to(self.device, t.dtype)
-                                              for f, t in zip(META_FIELDS, tables)])
+                torch._foreach_copy_(tables, [getattr(ap.pages, f).to(
+                    self.device, t.dtype, non_blocking=True) for f, t in zip(META_FIELDS, tables)])
         self._packed_np[:, page] = True
         self.blocks.update(zip([(layer, page) for layer in range(len(sizes))], zip(bases, sizes)))
         self.live_bytes += sum(sizes)
         return StoredSegments(self, page, ap)
+
+    def reads_host(self, scratch: torch.Tensor) -> bool:
+        """Can the adoption kernel read registered host memory (`scratch`: uint8, >= 16 bytes of
+        it) in place? On CUDA with the pack kernel: when the driver maps it at its host address
+        (asked first: a kernel reading an unmapped address would break the context) and a copy
+        of 16 bytes out of it comes back equal. Sets `host_sources` on success."""
+        if self.device_type != "cuda" or not self.pack_kernel:
+            return self.host_sources
+        self.prepare_adoption()
+        addr = scratch.data_ptr()
+        if _device_address(addr) != addr:
+            return False
+        pattern = torch.arange(1, 17, dtype=torch.uint8)
+        scratch[:16].copy_(pattern)
+        out = torch.zeros(16, dtype=torch.uint8, device=self.device)
+        copy_rows(torch.tensor([[out.data_ptr(), addr, 8, COPY]], dtype=torch.int64,
+                               device=self.device), 8)
+        self.host_sources = torch.equal(out.cpu(), pattern)
+        return self.host_sources
 
     def prepare_adoption(self) -> None:
         """Make the adoption's staging buffers and compile its copy kernel with one harmless
@@ -469,12 +496,15 @@ class AdoptRows:
             stage[4].record(torch.cuda.current_stream(up.device))
 
     def _on_device(self, what: str, t: torch.Tensor) -> None:
-        """A result's tensor must be on the store's device and contiguous (the kernel reads it
-        by address): `channel.load` puts it there."""
-        if t.is_cuda != self.cuda or not t.is_contiguous():
+        """A result's tensor must be contiguous where the kernel can read it by address: on the
+        store's device, or in host memory it reads in place (`reads_host`)."""
+        if not t.is_contiguous() or (t.is_cuda != self.cuda and not (
+                self.store.host_sources and not t.is_cuda)):
             raise ValueError(f"SegmentStore: an arena-ready page's {what} is on {t.device} "
                              f"(contiguous: {t.is_contiguous()}); adopting by kernel needs it "
-                             f"contiguous on the store's {self.store.device_type} device")
+                             f"contiguous on the store's {self.store.device_type} device"
+                             + ("" if self.store.host_sources else
+                                " (host memory is not read in place here)"))
 
 
 class StoredSegments(Sequence):
@@ -485,7 +515,8 @@ class StoredSegments(Sequence):
     def __init__(self, store: SegmentStore, page: int, ap: ArenaPage):
         # everything but the page's bytes, which now live in the store
         self.store, self.page = store, page
-        self.ap = replace(ap, blocks=None, headers=ap.headers.clone(), pages=None)
+        self.ap = replace(ap, blocks=None, pages=None,  # headers: off a slot they may be in
+                          headers=ap.headers.to(store.device, non_blocking=True, copy=True))
         self.made: list[Segment | None] = [None] * len(ap.specs)
 
     def __len__(self) -> int:
@@ -502,3 +533,16 @@ class StoredSegments(Sequence):
             base, _ = store.blocks[(layer, self.page)]
             self.made[layer] = self.ap.segment(layer, store.data[layer], base, pages)
         return self.made[layer]
+
+
+def _device_address(addr: int) -> int | None:
+    """The device address the CUDA driver gives host address `addr` (registered, mapped
+    memory), or None where it gives none."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    out = ctypes.c_uint64()
+    rc = cuda.cuPointerGetAttribute(ctypes.byref(out), ctypes.c_int(2),  # DEVICE_POINTER
+                                    ctypes.c_uint64(addr))
+    return int(out.value) if rc == 0 else None

@@ -129,6 +129,24 @@ def test_result_round_trip_through_shared_memory(seed):
         dump(torch.zeros(1 << 15), torch.zeros(1 << 16, dtype=torch.uint8)[:1024])
 
 
+def test_a_result_read_in_place_is_views_of_its_slot_wherever_the_slot_is(seed):
+    """device=None: no copy; every tensor a view of the region (a slot deep in the shared
+    block, not at its start: views count from the storage's start)."""
+    block = torch.zeros(3 << 16, dtype=torch.uint8)
+    region = block[(1 << 16) + 4096:]  # a slot's result region, 4096-aligned in the block
+    obj = {"t": torch.randn(3, 5), "h": torch.randn(4, 2).half(),
+           "i": torch.arange(6, dtype=torch.int32).reshape(2, 3)}
+    off, n = dump(obj, region)
+    back = load(region, off, n, device=None)
+    lo, hi = region.data_ptr(), region.data_ptr() + off
+    for key, t in obj.items():
+        assert torch.equal(back[key], t), key
+        assert lo <= back[key].data_ptr() < hi, key  # inside this slot's tensor bytes
+    copied = load(region, off, n)  # the default: a copy, unaffected by the slot's reuse
+    region[:off].zero_()
+    assert torch.equal(copied["t"], obj["t"]) and not torch.equal(back["t"], obj["t"])
+
+
 # --------------------------------------------------------------------------- swap
 
 def test_daemon_seals_equal_sync_seals_and_reads_switch_atomically(pools):
@@ -285,6 +303,34 @@ def test_a_low_hot_buffer_lifts_the_boundary_budget(pools):
         time.sleep(0.02)
     assert a.adopt() == 6  # both ready jobs in one boundary, not one per boundary
     assert len(a.sealed) == 6 and a.daemon.counters.sync_seals_backpressure == 0
+
+
+def test_results_read_in_place_hold_their_slots_until_installed_or_dropped(pools):
+    """A result read in place stays in its slot until the install copied it out: the slots are
+    held while the job is ready, and free again after the boundary that installed it; a ready
+    job dropped instead (its page freed) lets its slots go too."""
+    a = pools("process")
+    assert a.daemon.in_place  # on a CPU results are always read in place
+    for r, drop in ((0, False), (1, True)):
+        slots = torch.arange((1 + 3 * r) * PS, (4 + 3 * r) * PS)  # 3 pages: one fit job
+        write(a, slots, seed=r)
+        a.seal_request(slots, len(slots))
+        deadline = time.time() + 120
+        while not a.daemon.ready:  # boundaries that read only (nothing installed)
+            a.daemon.budget.open()
+            a.daemon.collect()
+            assert time.time() < deadline, (r, a.daemon.stats())
+            time.sleep(0.02)
+        job = next(iter(a.daemon.ready.values()))
+        st = a.daemon.stats()
+        assert st["held_slots"] == 3 and st["free_slots"] == 8 - 3
+        if drop:
+            a.release_pages(job.pages)  # the request ended before the install
+        installed = a.adopt()
+        assert installed == (0 if drop else 3)
+        st = a.daemon.stats()
+        assert st["held_slots"] == 0 and st["free_slots"] == 8, (r, st)
+    assert len(a.sealed) == 3
 
 
 def test_freed_page_result_is_discarded_not_installed(pools):

@@ -69,8 +69,8 @@ def test_adopt_bench_compares_both_paths_on_the_same_bytes(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["same_bytes"] and set(result["median_ms"]) == {
-        "per_tensor", "arena_ready", "arena_ready_kernels"}
+    assert result["same_bytes"] and result["in_place"] and set(result["median_ms"]) == {
+        "per_tensor", "arena_ready", "arena_ready_kernels", "in_place_kernels"}
     assert all(v["load"] > 0 and v["install"] > 0 for v in result["median_ms"].values())
     assert set(result["pump_host_ms"]) == {"torch", "kernel"}
 

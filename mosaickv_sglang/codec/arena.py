@@ -26,7 +26,7 @@ makes it packable.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -312,6 +312,14 @@ class ArenaPage:
     blocks: torch.Tensor  # uint8 [sum over layers of heads * head_bytes]
     headers: torch.Tensor  # int32 [L, len(layer.HEADER_FIELDS)]: the segments' codec headers
     pages: PageMeta | None  # page metadata, every field stacked over layers ([L, ...])
+
+    def copy_to(self, device) -> "ArenaPage":
+        """This page with its bytes and tables copied onto `device` (its bases as they are): a
+        page read in place from a daemon slot that must outlive the slot."""
+        move = lambda t: t.to(device, non_blocking=True, copy=True)  # noqa: E731
+        pages = None if self.pages is None else PageMeta(
+            *(move(getattr(self.pages, f)) for f in META_FIELDS))
+        return replace(self, blocks=move(self.blocks), headers=move(self.headers), pages=pages)
 
     def layouts(self) -> list[BlockLayout]:
         return [layout_of(k, v, self.tokens, self.head_dim) for k, v in self.specs]

@@ -47,6 +47,11 @@ class BasisPair:
         """[2L, H, D, D]: `whole`, or a new stack of the layers' bases."""
         return self.whole if self.whole is not None else torch.stack(self.k + self.v)
 
+    def copy_to(self, device) -> "BasisPair":
+        """A copy on `device` (one tensor): bases read in place from a daemon slot must leave it
+        before the slot is reused."""
+        return BasisPair.of(self.stacked().to(device, non_blocking=True, copy=True))
+
     def __reduce__(self):  # pickled (a daemon result) as the one tensor when there is one
         return (BasisPair, (self.k, self.v)) if self.whole is None else (BasisPair.of,
                                                                          (self.whole,))

@@ -9,8 +9,10 @@ data never goes through a pipe (a pipe read could make the scheduler wait on a b
                 result   bytes: the sealed page, tensors laid out raw + a pickled skeleton
 
 Results are written with a pickler whose tensors go into the slot's result region (no copy through
-the pipe; only offsets travel); `load` rebuilds them straight into their destination device. On
-CUDA the block is registered as pinned host memory so both copies can be asynchronous.
+the pipe; only offsets travel); `load` rebuilds them as views of the slot (the scheduler's install
+then reads them in place) or copies them onto a device. On CUDA the block is registered as
+pinned, mapped host memory: copies from it are asynchronous, and a kernel can read it by address
+over PCIe (what the pool's zero-copy install does, once `SegmentStore.reads_host` checked it).
 """
 from __future__ import annotations
 
@@ -150,11 +152,12 @@ class Channel:
         return self.raw[off:off + n]
 
     def pin(self) -> bool:
-        """Register the block as pinned host memory (CUDA only), so device copies are async."""
+        """Register the block as pinned host memory (CUDA only), so device copies are async, and
+        mapped into the device's address space (with unified addressing at the same address)."""
         if not torch.cuda.is_available() or self.pinned:
             return self.pinned
-        rc = int(torch.cuda.cudart().cudaHostRegister(self.raw.data_ptr(), self.raw.numel(), 1))
-        self.pinned = rc == 0  # flag 1: cudaHostRegisterPortable
+        rc = int(torch.cuda.cudart().cudaHostRegister(self.raw.data_ptr(), self.raw.numel(), 3))
+        self.pinned = rc == 0  # flags 1 | 2: cudaHostRegisterPortable | cudaHostRegisterMapped
         if not self.pinned:
             logger.warning("MosaicKV daemon: cudaHostRegister of %d MB failed (%s): device copies "
                            "of the daemon's slots are synchronous", self.raw.numel() >> 20, rc)
@@ -227,20 +230,29 @@ class _Loader(pickle.Unpickler):
             return self.refs[pid[1]]
         _, off, dtype, shape = pid
         dtype = _dtype(dtype)
-        flat = self.by_dtype.get(dtype)
-        if flat is None:
+        typed = self.by_dtype.get(dtype)
+        if typed is None:
             whole = self.blob.numel() // dtype.itemsize * dtype.itemsize
-            flat = self.by_dtype[dtype] = self.blob[:whole].view(dtype)
-        return flat.as_strided(shape, _contiguous_strides(shape), off // dtype.itemsize)
+            flat = self.blob[:whole].view(dtype)
+            # as_strided counts from the storage's start: where the blob starts in it (a slot's
+            # offset in the shared block when read in place, 0 for a copy)
+            typed = self.by_dtype[dtype] = (flat, flat.storage_offset())
+        flat, start = typed
+        return flat.as_strided(shape, _contiguous_strides(shape), start + off // dtype.itemsize)
 
 
 def load(region: torch.Tensor, offset: int, length: int, refs: dict[str, object] | None = None,
          device="cpu"):
-    """Rebuild what `dump` wrote. The tensor bytes leave the slot in one copy onto `device` (on
-    CUDA asynchronously: the slot may be reused only after the current stream passes here) and
-    every tensor is a view of that copy (one copy per page, not one per tensor: 4x faster)."""
+    """Rebuild what `dump` wrote, every tensor a view of one blob (one copy per page, not one per
+    tensor: 4x faster). device=None: the blob is the region itself (no copy; the slot must not
+    be reused while the tensors are read); else the tensor bytes leave the slot in one copy onto
+    `device` (on CUDA asynchronously: the slot may be reused only after the current stream
+    passes here)."""
     skeleton = region[offset:offset + length].numpy().tobytes()
-    device = torch.device(device)
     data = region[:offset]
-    blob = data.clone() if device.type == "cpu" else data.to(device, non_blocking=True)
+    if device is None:
+        blob = data
+    else:
+        device = torch.device(device)
+        blob = data.clone() if device.type == "cpu" else data.to(device, non_blocking=True)
     return _Loader(io.BytesIO(skeleton), blob, refs or {}).load()

@@ -6,7 +6,14 @@ hot buffer into free shared-memory slots, sends them to the least loaded worker,
 finished pages without ever blocking: results are in shared memory and the pipe is polled with
 a zero timeout. Both the reads and the copies run only while the boundary's time budget allows
 (budget.py), so their cost is spread over steps. The pool decides what to do with ready jobs
-(adopt.py); the client only moves data and keeps workers alive:
+(adopt.py); the client only moves data and keeps workers alive.
+
+Results are read in place where the store can (`in_place`: on a CPU, and on CUDA when the
+adoption kernel reads the pinned, mapped slots by address, checked once at start): a read
+unpickles the page as views of its slot, with no device copy, and the install copies the bytes
+from the slot straight into the arena; the job then holds its slots until it is installed or
+dropped, and they are freed after an event recorded at the next boundary (after its installs).
+Otherwise a read copies the result onto the device and frees the slots at once. Either way:
 
 * a worker that exited, broke its pipe, or has work and no heartbeat for ``daemon_timeout_s``
   is killed and restarted (``check()``, first in a boundary); its unfinished jobs are sent
@@ -73,6 +80,7 @@ class Job:
     results: list[ArenaPage | SealedPage | None] = field(default_factory=list)
     error: str | None = None
     cancelled: bool = False
+    holds_slots: bool = False  # ready with results read in place: slots freed once installed
 
     @property
     def ready(self) -> bool:
@@ -111,8 +119,10 @@ class _Worker:
 class DaemonClient:
     def __init__(self, cfg: MosaicConfig, layers: int, heads: int, head_dim: int,
                  dtype: torch.dtype, device, dense_spec: str, result_bytes: int,
-                 slot_copy: SlotCopy):
-        """slot_copy: what fills a slot with a logical page (and bases) from the device."""
+                 slot_copy: SlotCopy, reads_host: Callable[[torch.Tensor], bool] | None = None):
+        """slot_copy: what fills a slot with a logical page (and bases) from the device;
+        reads_host: on CUDA, whether the store's install reads (pinned) host memory in place,
+        given a scratch of it (`SegmentStore.reads_host`); None: it does not."""
         self.cfg = cfg
         self.device = _indexed(torch.device(device))
         self.slot_copy = slot_copy
@@ -122,6 +132,10 @@ class DaemonClient:
         self.channel = Channel.create(spec)
         if self.device.type == "cuda":
             self.channel.pin()
+        # slot 0's result region is free now: a scratch for the check
+        self.in_place = self.device.type == "cpu" or (
+            self.channel.pinned and reads_host is not None
+            and reads_host(self.channel.result(0)))
         self.free_slots = deque(range(spec.slots))
         self.open: dict[int, Job] = {}  # submitted, not yet adopted/sealed/cancelled (id order)
         # the open jobs with every result in (or an error), kept as they complete so a boundary
@@ -131,6 +145,7 @@ class DaemonClient:
         self.copying: deque[Job] = deque()  # in slots, device copy not finished
         self.inflight: dict[int, Job] = {}  # sent to a worker (cancelled ones too)
         self.releasing: deque[tuple[object, list[int]]] = deque()  # (event, slots)
+        self._retiring: list[int] = []  # slots of installed/dropped in-place jobs (next pump)
         self.counters = DaemonCounters()
         self.latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.budget = BoundaryBudget(cfg.daemon_boundary_share)
@@ -152,8 +167,14 @@ class DaemonClient:
         logger.info("MosaicKV daemon: froze %d start-up objects out of the garbage collector",
                     gc.get_freeze_count())
         logger.info("MosaicKV daemon: %d worker processes x %d threads, %d slots (%.1f MB shared "
-                    "memory%s)", cfg.daemon_workers, cfg.daemon_threads, spec.slots,
-                    spec.total_bytes() / 1e6, ", pinned" if self.channel.pinned else "")
+                    "memory%s), results %s", cfg.daemon_workers, cfg.daemon_threads, spec.slots,
+                    spec.total_bytes() / 1e6, ", pinned" if self.channel.pinned else "",
+                    "read in place" if self.in_place else "copied onto the device when read")
+        if not self.in_place:
+            logger.warning("MosaicKV daemon: the install cannot read the shared-memory slots in "
+                           "place (%s): each result is copied onto the device when read, one "
+                           "more CUDA call a page on the scheduler thread", "slots not pinned"
+                           if not self.channel.pinned else "the check read failed")
 
     # ---- workers --------------------------------------------------------------------------
     def _spawn(self, index: int) -> _Worker:
@@ -231,6 +252,9 @@ class DaemonClient:
     def pump(self) -> None:
         """Copy waiting jobs into free slots (FIFO) while the boundary's budget allows, then send
         those whose copies are done."""
+        if self._retiring:  # after this boundary's installs, which read them (one event)
+            self.releasing.append((_record(self.device), self._retiring))
+            self._retiring = []
         while self.releasing and _done(self.releasing[0][0]):
             self.free_slots.extend(self.releasing.popleft()[1])
         while (self.waiting and len(self.free_slots) >= len(self.waiting[0].pages)
@@ -238,9 +262,7 @@ class DaemonClient:
             t = time.perf_counter()
             job = self.waiting.popleft()
             job.slots = [self.free_slots.popleft() for _ in job.pages]
-            if job.written is not None:
-                torch.cuda.current_stream(self.device).wait_event(job.written)
-            fill_slots(self.channel, self.slot_copy, job.pages, job.slots, job.bases)
+            fill_slots(self.channel, self.slot_copy, job.pages, job.slots, job.bases, job.written)
             job.event = self.slot_copy.done()
             self.copying.append(job)
             self.budget.spent("pump", time.perf_counter() - t, len(job.pages))
@@ -272,11 +294,19 @@ class DaemonClient:
         job.cancelled = True
         if job in self.waiting:
             self.waiting.remove(job)
+        self._let_go(job)
 
     def retire(self, job: Job) -> None:
-        """The pool installed (or discarded) this ready job."""
+        """The pool is installing (or discarding) this ready job now: its slots are freed after
+        the next boundary's event, which follows the install's reads of them."""
         self.open.pop(job.id, None)
         self.ready.pop(job.id, None)
+        self._let_go(job)
+
+    def _let_go(self, job: Job) -> None:
+        if job.holds_slots:
+            job.holds_slots = False
+            self._retiring.extend(job.slots)
 
     def open_jobs(self) -> list[Job]:
         return list(self.open.values())
@@ -349,8 +379,14 @@ class DaemonClient:
         else:
             i = msg["index"]
             refs = {"bases": job.bases} if job.bases is not None else {}
-            page = load(self.channel.result(job.slots[i]), msg["offset"], msg["length"], refs,
-                        self.device)
+            region = self.channel.result(job.slots[i])
+            page = load(region, msg["offset"], msg["length"], refs,
+                        None if self.in_place else self.device)
+            if self.in_place and not isinstance(page, ArenaPage):
+                # stored per tensor as it is (rare: a dense fallback): onto the device now
+                page = load(region, msg["offset"], msg["length"], refs, self.device)
+            elif self.in_place and job.bases is None:
+                page.bases = page.bases.copy_to(self.device)  # kept by the pool: off the slot
             if job.bases is None:
                 job.bases = page.bases  # fitted by the worker, sent with the first page
             if isinstance(page, ArenaPage):
@@ -368,7 +404,11 @@ class DaemonClient:
         if job.ready:
             self.inflight.pop(job.id)
             w.inflight.remove(job.id)
-            self._release(job.slots, _record(self.device))
+            keep = self.in_place and not job.cancelled and job.id in self.open
+            if keep:
+                job.holds_slots = True
+            else:  # after the copies out of them queued above
+                self._release(job.slots, _record(self.device))
             if job.cancelled:
                 self.counters.discarded_pages += len(job.pages)
             elif job.id in self.open:
@@ -409,6 +449,8 @@ class DaemonClient:
                                   list(self.inflight.values())),
             "ready_pages": sum(len(j.pages) for j in self.ready.values()),
             "free_slots": len(self.free_slots), "slots": self.channel.spec.slots,
+            "results_in_place": self.in_place,
+            "held_slots": sum(len(j.slots) for j in self.ready.values() if j.holds_slots),
             "page_seconds_p50": q(0.5), "page_seconds_p99": q(0.99),
             "boundary": self.budget.stats(),
             **self.counters.__dict__,
@@ -422,12 +464,16 @@ class SlotCopy:
     bases. The page is read by one `page_gather` launch with `kernel`, else by `page_kv`'s torch
     stack of every layer's slice (~0.5 ms of H200 host time a page).
 
-    On CUDA the copies leave the forward's stream: the page is read on a read stream, whose
-    event the current stream then waits for (a freed hot page is rewritten only after it was
-    read: tens of microseconds), and goes to the pinned slot on a copy stream (~25 MB with its
-    bases, ~0.5 ms of PCIe a Llama-8B page) that only the job's event (`done`) waits for. On
-    the current stream those copies delayed the next step when a boundary filled several slots
-    (H200: step p99 1.09-1.14x of idle with the kernels, session 12)."""
+    On CUDA the copies leave the forward's stream: on a side stream that waits for the event
+    recorded where the pages were written (`after`), the page is read, an event lets the
+    current stream go on once it was read (a freed hot page is rewritten only after that: tens
+    of microseconds), and the page and the bases go on to the pinned slot (~25 MB a Llama-8B
+    page with its bases, ~0.5 ms of PCIe) on the same stream, which only the job's event
+    (`done`) waits for. On the current stream those copies delayed the next step when a
+    boundary filled several slots (H200: step p99 1.09-1.14x of idle, session 12). Each CUDA
+    call costs the scheduler thread up to ~0.1 ms behind a busy stream (session 14), so a page
+    takes six or seven: the wait, the launch, the read event and the current stream's wait on
+    it, one or two copies, the done event."""
 
     def __init__(self, k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],
                  page_size: int, kernel: bool, hot_page_of: Callable[[int], int],
@@ -437,8 +483,8 @@ class SlotCopy:
         self.hot_page_of = hot_page_of
         self.gather = PageGather(k_buffer, v_buffer, page_size) if kernel else None
         self.device = device = k_buffer[0].device  # a tensor's: with its index
-        self.streams = ((torch.cuda.Stream(device), torch.cuda.Stream(device))
-                        if device.type == "cuda" and side_streams else None)
+        self.stream = (torch.cuda.Stream(device)
+                       if device.type == "cuda" and side_streams else None)
 
     def warm(self) -> None:
         """Compile the page gather before serving (one gather of hot page 0, dropped): at the
@@ -446,37 +492,44 @@ class SlotCopy:
         if self.gather is not None:
             self.gather(0)
 
+    def start(self, after=None) -> None:
+        """Order the copies that follow after `after` (a CUDA event recorded where the pages
+        and bases were made), or after the current stream's work so far."""
+        if self.stream is None:  # every copy on the current stream
+            if after is not None:
+                torch.cuda.current_stream(self.device).wait_event(after)
+        elif after is None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            self.stream.wait_event(after)
+
     def page(self, page: int, dst: torch.Tensor) -> None:
         hot = self.hot_page_of(page)
         if hot < 0:
             dst.zero_()  # host memory, and no copy into this free slot is pending
             return
-        if self.streams is None:
+        if self.stream is None:
             dst.copy_(self._read(hot), non_blocking=True)
             return
-        read, copy = self.streams
-        read.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(read):
-            kv = self._read(hot)
-        was_read = read.record_event()
-        # one event for both waits (was two stream waits: ~4 CUDA calls fewer a page); the copy
-        # stream is after the current stream's earlier work through it too
-        torch.cuda.current_stream(self.device).wait_event(was_read)
-        copy.wait_event(was_read)
-        _copy_on(copy, kv, dst)
+        current = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            kv = self._read(hot)  # made on this stream: used only here, no record_stream
+            # the current stream goes on once the hot page was read, not after the PCIe copy
+            current.wait_event(self.stream.record_event())
+            dst.copy_(kv, non_blocking=True)
 
     def tensor(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """A device tensor made on the current stream into slot memory."""
-        if self.streams is None:
+        """A device tensor made before `start`'s event into slot memory."""
+        if self.stream is None:
             dst.copy_(src, non_blocking=True)
             return
-        _, copy = self.streams
-        copy.wait_stream(torch.cuda.current_stream(self.device))  # after `src` was made there
-        _copy_on(copy, src, dst)
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(self.stream)  # its memory is reused only after this copy
 
     def done(self):
         """A CUDA event after every copy queued so far (None on a CPU: copies are done)."""
-        return _record(self.device, None if self.streams is None else self.streams[1])
+        return _record(self.device, self.stream)
 
     def _read(self, hot: int) -> torch.Tensor:
         if self.gather is not None:
@@ -490,9 +543,11 @@ class SlotCopy:
 
 
 def fill_slots(channel: Channel, slot_copy: SlotCopy, pages: list[int], slots: list[int],
-               bases: BasisPair | None) -> None:
+               bases: BasisPair | None, after=None) -> None:
     """A job's pages, and its bases when it has them, into its slots (asynchronous on CUDA: the
-    slots are pinned): the copy a step boundary pays per job."""
+    slots are pinned), after `after` (the event recorded when the job's pages were written;
+    its bases were made before): the copy a step boundary pays per job."""
+    slot_copy.start(after)
     for page, slot in zip(pages, slots):
         slot_copy.page(page, channel.kv(slot))
     if bases is not None:  # all layers' K and V bases in one copy
@@ -514,13 +569,6 @@ def _shutdown(workers: list[_Worker], channel: Channel) -> None:
         w.jobs_conn.close()
         w.results_conn.close()
     channel.close(unlink=True)
-
-
-def _copy_on(stream, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """`src` into `dst` on `stream` (ordered after `src` was made by the caller)."""
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-    src.record_stream(stream)  # its memory is reused only after this copy
 
 
 def _indexed(device: torch.device) -> torch.device:
