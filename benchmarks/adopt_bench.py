@@ -118,7 +118,8 @@ def main() -> None:
         out[name] = (statistics.median(loads), statistics.median(installs))
         print(f"{name}: {off / 1e6:.2f} MB of tensors + {n / 1e3:.1f} KB pickled; per page, "
               f"median of {args.reps} ms: load {out[name][0]:.2f}, install {out[name][1]:.2f}, "
-              f"total {sum(out[name]):.2f}")
+              f"total {sum(out[name]):.2f}" + (f" (row table read from pinned host memory: "
+                                               f"{store.host_rows})" if in_place else ""))
     slot.close(unlink=True)
     a = stores["per_tensor"]
     for name, b in stores.items():

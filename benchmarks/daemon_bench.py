@@ -453,7 +453,7 @@ def main() -> None:
     out = {
         "machine": platform.node(), "cpu_count": os.cpu_count(), "device": str(device),
         "torch": torch.__version__, "args": vars(args), "worker_cores": worker_cores,
-        "results_in_place": client.in_place,
+        "results_in_place": client.in_place, "row_table_in_host_memory": store.host_rows,
         "shape": {"layers": layers, "kv_heads": heads, "head_dim": head_dim, "tokens": tokens,
                   "page_bytes_bf16": page_bytes},
         "worker_startup_s": startup_s, "inline_seal_ms_with_fit": inline_fit_ms,

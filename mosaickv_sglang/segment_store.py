@@ -109,6 +109,9 @@ class SegmentStore:
         # adopted pages may sit in host memory (CPU tensors): on a CPU always; on CUDA once
         # `reads_host` found the copy kernel reads registered host memory in place
         self.host_sources = self.device_type == "cpu"
+        # the adoption's row table read by the kernel from its pinned staging buffer (CUDA, once
+        # `reads_host` found that works too): no copy of it up to the device per page
+        self.host_rows = False
         self.packed = torch.zeros(layers, pages + 1, dtype=torch.bool)  # host: kernel-readable
         self._packed_np = self.packed.numpy()  # the same memory: a page's flags in ~1 us, not ~15
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
@@ -309,12 +312,18 @@ class SegmentStore:
         """Can the adoption kernel read registered host memory (`scratch`: uint8, >= 16 bytes of
         it) in place? On CUDA with the pack kernel: when the driver maps it at its host address
         (asked first: a kernel reading an unmapped address would break the context) and a copy
-        of 16 bytes out of it comes back equal. Sets `host_sources` on success."""
+        of 16 bytes out of it comes back equal. Sets `host_sources` on success, and `host_rows`
+        when the kernel also reads its row table from pinned host memory (checked the same way;
+        a launch Triton refuses is caught and logged)."""
         if self.device_type != "cuda" or not self.pack_kernel:
             return self.host_sources
         self.prepare_adoption()
         addr = scratch.data_ptr()
-        if _device_address(addr) != addr:
+        mapped = _device_address(addr)
+        if mapped != addr:
+            logger.warning("SegmentStore: the driver maps host address %#x at %s, not at itself: "
+                           "no in-place reads of host memory", addr,
+                           "nothing" if mapped is None else hex(mapped))
             return False
         pattern = torch.arange(1, 17, dtype=torch.uint8)
         scratch[:16].copy_(pattern)
@@ -322,7 +331,21 @@ class SegmentStore:
         copy_rows(torch.tensor([[out.data_ptr(), addr, 8, COPY]], dtype=torch.int64,
                                device=self.device), 8)
         self.host_sources = torch.equal(out.cpu(), pattern)
-        return self.host_sources
+        if not self.host_sources:
+            logger.warning("SegmentStore: a copy out of mapped host memory came back different: "
+                           "no in-place reads of host memory")
+            return False
+        out.zero_()
+        table = torch.tensor([[out.data_ptr(), addr, 8, COPY]], dtype=torch.int64).pin_memory()
+        try:
+            copy_rows(table, 8)
+            self.host_rows = torch.equal(out.cpu(), pattern)
+        except Exception as exc:  # noqa: BLE001 - e.g. Triton refusing a host pointer
+            logger.warning("SegmentStore: the copy kernel cannot take its row table from pinned "
+                           "host memory (%s): it goes up to the device per page", exc)
+        if self.host_rows:
+            self._adopt_rows = AdoptRows(self)  # its staging buffers without a device copy
+        return True
 
     def prepare_adoption(self) -> None:
         """Make the adoption's staging buffers and compile its copy kernel with one harmless
@@ -394,9 +417,10 @@ class AdoptRows:
     """The `copy_rows` table that adopts an arena-ready page: per layer its block, its header row
     and a row per page-metadata table. Everything that does not depend on the page (table base
     pointers, row sizes, the header rows' source) is written once into a ring of staging
-    buffers (pinned host + device on CUDA); an adoption fills in the page's addresses with a
-    dozen numpy writes (the metadata tables' rows all at once), sends the buffer up in one copy
-    and launches once. A staging buffer whose last launch has not finished (many adoptions in
+    buffers (pinned host, + device on CUDA unless the kernel reads the pinned one: `host_rows`);
+    an adoption fills in the page's addresses with a dozen numpy writes (the metadata tables'
+    rows all at once), sends the buffer up in one copy (none with `host_rows`) and launches
+    once. A staging buffer whose last launch has not finished (many adoptions in
     one boundary) is replaced by a new one, never waited for: the current stream may still be
     running a forward."""
     RING = 4
@@ -420,6 +444,8 @@ class AdoptRows:
         self.kinds = 2 + len(tables)
         self.n_rows = layers * self.kinds
         self.cuda = store.device_type == "cuda"
+        self.host_rows = self.cuda and store.host_rows
+        self.stream_device = store.data[0].device  # with its index (a fast stream lookup)
         self.ring = [self._staging() for _ in range(self.RING)]
         self.turn = 0
 
@@ -430,7 +456,8 @@ class AdoptRows:
         layers = len(self.layers)
         host = torch.empty(self.n_rows * 4 + layers * width // 2, dtype=torch.int64,
                            pin_memory=self.cuda)
-        up = torch.empty_like(host, device=self.store.device) if self.cuda else host
+        up = torch.empty_like(host, device=self.store.device) if self.cuda and not \
+            self.host_rows else host
         rows = host[:self.n_rows * 4].numpy().reshape(self.kinds, layers, 4)
         headers = host[self.n_rows * 4:].view(torch.int32).numpy().reshape(layers, width)
         rows[:, :, 3] = COPY
@@ -488,12 +515,12 @@ class AdoptRows:
             rows[2:, :, 0] = self.table_dst + page * self.page_stride[:, None]
             rows[2:, :, 1] = np.array([p.data_ptr() for p in parts], dtype=np.int64)[:, None] \
                 + self.part_offsets
-        if self.cuda:
+        if up is not host:
             up.copy_(host, non_blocking=True)
         copy_rows(table, int(size.max()) // 2)
         if self.cuda:  # after the launch: reusable once the kernel read `up`, on any stream
             stage[4] = torch.cuda.Event()
-            stage[4].record(torch.cuda.current_stream(up.device))
+            stage[4].record(torch.cuda.current_stream(self.stream_device))
 
     def _on_device(self, what: str, t: torch.Tensor) -> None:
         """A result's tensor must be contiguous where the kernel can read it by address: on the
@@ -515,8 +542,8 @@ class StoredSegments(Sequence):
     def __init__(self, store: SegmentStore, page: int, ap: ArenaPage):
         # everything but the page's bytes, which now live in the store
         self.store, self.page = store, page
-        self.ap = replace(ap, blocks=None, pages=None,  # headers: off a slot they may be in
-                          headers=ap.headers.to(store.device, non_blocking=True, copy=True))
+        # headers (byte accounting only) copied: off a daemon slot they may be views of
+        self.ap = replace(ap, blocks=None, headers=ap.headers.clone(), pages=None)
         self.made: list[Segment | None] = [None] * len(ap.specs)
 
     def __len__(self) -> int:
@@ -543,6 +570,6 @@ def _device_address(addr: int) -> int | None:
     except OSError:
         return None
     out = ctypes.c_uint64()
-    rc = cuda.cuPointerGetAttribute(ctypes.byref(out), ctypes.c_int(2),  # DEVICE_POINTER
+    rc = cuda.cuPointerGetAttribute(ctypes.byref(out), ctypes.c_int(3),  # DEVICE_POINTER
                                     ctypes.c_uint64(addr))
     return int(out.value) if rc == 0 else None

@@ -7,6 +7,8 @@
 # between equal runs shows), then the new tree at 30 ms overlapped and 60 ms strict. Prints a
 # table last (summarize_daemon_runs.py); under $OUT a JSON per daemon run and two logs (the
 # device returns at most 8 files).
+# With .device/pytest_site.tar.xz carried, GPU_TESTS (the daemon's copy kernels' and in-place
+# adoption's tests by default) run on CUDA first, in this tree, into $OUT/gpu_tests.log.
 # Env: DAEMON_STEPS (400), DAEMON_LIMIT_S (150), EXTRA (more daemon_bench args, both trees),
 # RUNS (";"-separated "tree mode step-ms [daemon_bench args...]" runs, at most 6: the files
 # that come back; the args of one run, e.g. "--share 0.03", name its JSON too), ADOPT=0 (no
@@ -19,6 +21,13 @@ base=/tmp/base_tree
 rm -rf "$base" && mkdir -p "$base" && tar -xf "${BASE_ARCHIVE:-.device/base.tar}" -C "$base" \
   || { echo "no base archive"; exit 1; }
 ln -sfn "$base/triton_kernels" "$base/mosaickv_kernels"
+if [ -f .device/pytest_site.tar.xz ]; then  # carried: pytest for the image that lacks it
+  mkdir -p /tmp/pytest_site && tar -xJf .device/pytest_site.tar.xz -C /tmp/pytest_site
+  PYTHONPATH="/tmp/pytest_site:$PYTHONPATH" timeout "${TESTS_LIMIT_S:-150}" python3 -m pytest -q \
+    -p no:cacheprovider -W ignore ${GPU_TESTS:-tests/test_adopt_in_place.py \
+    tests/test_page_gather_kernel.py tests/test_row_copy_kernel.py} > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc $? ($(tail -1 "$OUT/gpu_tests.log"))"
+fi
 in_tree() {  # in_tree old|new CMD...: the old tree's package first on the path, from its root
   if [ "$1" = old ]; then shift; (cd "$base" && PYTHONPATH="$base:$PYTHONPATH" "$@")
   else shift; "$@"; fi

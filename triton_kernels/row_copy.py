@@ -40,8 +40,9 @@ def _copy_rows_kernel(rows, BLOCK: tl.constexpr):
 
 
 def copy_rows(rows: torch.Tensor, max_count: int) -> None:
-    """Run every row of `rows` (int64 [R, 4] on the device the addresses belong to, or on the
-    CPU under TRITON_INTERPRET=1); `max_count`: the largest count (sizes the grid). The caller
+    """Run every row of `rows` (int64 [R, 4] on the device the addresses belong to, in pinned
+    host memory that device maps (`SegmentStore.reads_host` checks it can), or on the CPU under
+    TRITON_INTERPRET=1); `max_count`: the largest count (sizes the grid). The caller
     keeps every addressed tensor alive and each piece inside its tensor (`rows_for` checks)."""
     if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[1] != 4 or \
             not rows.is_contiguous():
