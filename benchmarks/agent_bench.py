@@ -162,10 +162,13 @@ def summarize(recs: list[dict], wall_s: float, prefix_tokens: int) -> dict:
 
 class PeakLoad:
     """Polls /v1/loads while a workload runs: the most tokens running requests held at once
-    (SGLang counts a shared prefix once; idle cached tokens are evictable, not counted)."""
+    (SGLang counts a shared prefix once; idle cached tokens are evictable, not counted). None
+    when no poll saw a running request: on an idle CPU a short workload's requests can all fall
+    between polls (CI once read 0 for dense's native run with 0.5 s polls), and 0 would read as
+    a measurement. Polls every 0.1 s: each one is a request the scheduler answers."""
 
-    def __init__(self, url: str, every_s: float = 0.5):
-        self.url, self.every_s, self.peak = url, every_s, 0
+    def __init__(self, url: str, every_s: float = 0.1):
+        self.url, self.every_s, self.peak = url, every_s, None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -173,7 +176,9 @@ class PeakLoad:
         while not self._stop.is_set():
             _, loads = request(f"{self.url}/v1/loads", timeout=60)
             rows = loads["loads"] if isinstance(loads, dict) else loads
-            self.peak = max(self.peak, sum(r["num_used_tokens"] for r in rows))
+            used = sum(r["num_used_tokens"] for r in rows)
+            if used:
+                self.peak = max(self.peak or 0, used)
             self._stop.wait(self.every_s)
 
     def __enter__(self):
@@ -236,7 +241,8 @@ def run_workload(url: str, system: str, kind: str, w: Workload, tokenizer_dir: P
                      "token_capacity": after["memory"].get("token_capacity"),
                      "kv_cache_gb": after["memory"].get("kvcache"),
                      "dense_bytes_per_token": dense_bytes_per_token,
-                     "dense_bytes_at_peak": load.peak * dense_bytes_per_token}
+                     "dense_bytes_at_peak": None if load.peak is None
+                     else load.peak * dense_bytes_per_token}
     if mk is not None:  # everything the tree still holds at the end, as stored
         row["memory"].update(packed_bytes=mk["arena_bytes"], sealed_tokens=mk["sealed_tokens"],
                              hot_tokens_in_use=mk["hot_tokens_in_use"],
@@ -267,7 +273,7 @@ def print_table(results: list[dict]) -> None:
         print(f"{r['system']:<10}{r['workload']:<9}{r['wall_s']:>7.1f}{r['output_tok_s']:>10.1f}"
               f"{r['cached_ratio']:>7.3f}{r.get('ttft_s_p50', float('nan')):>9.2f}"
               f"{r.get('itl_ms_p50', float('nan')):>8.1f}{r.get('itl_ms_p99', float('nan')):>8.1f}"
-              f"{mem['peak_used_tokens']:>9}{packed:>10}{mk.get('prefix_pages', '-'):>10}"
+              f"{mem['peak_used_tokens'] or '-':>9}{packed:>10}{mk.get('prefix_pages', '-'):>10}"
               f"{mk.get('prefix_seals', '-'):>6}{mk.get('prefix_reuse_min', '-'):>10}")
 
 

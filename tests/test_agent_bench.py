@@ -42,7 +42,11 @@ def test_agent_bench_prefix_sealed_once_and_reused(tmp_path):
         assert r["requests"] == SESSIONS * TURNS and r["output_tokens"] == SESSIONS * TURNS * 4
         # every request of every session got the whole prefix from the cache
         assert r["requests_with_prefix_cached"] == SESSIONS * TURNS, (system, workload, r)
-        assert r["cached_ratio"] > 0.8 and r["memory"]["peak_used_tokens"] >= PREFIX
+        assert r["cached_ratio"] > 0.8
+        # the peak is polled: None when every request fell between polls, never a wrong 0
+        assert r["memory"]["peak_used_tokens"] is None or \
+            r["memory"]["peak_used_tokens"] >= PREFIX, (system, workload, r["memory"])
+    assert any(r["memory"]["peak_used_tokens"] for r in rows.values()), rows  # the poller works
     for workload in ("native", "dsl"):
         mk = rows["mosaickv", workload]["mosaickv"]
         pages = PREFIX // 128
