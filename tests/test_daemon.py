@@ -21,6 +21,7 @@ from mosaickv_sglang.daemon import adopt as adopt_mod
 from mosaickv_sglang.daemon.adopt import agree, agree_state
 from mosaickv_sglang.daemon.channel import ResultTooLarge, dump, load
 from mosaickv_sglang.pool import MosaicKVPool
+from mosaickv_sglang.segment_store import SegmentStore
 
 PS, H, D, LAYERS = 128, 2, 64, 2
 BLOCK = 4 * PS  # 4 pages per basis block: a request of 6 pages spans two blocks
@@ -149,8 +150,14 @@ def test_a_result_read_in_place_is_views_of_its_slot_wherever_the_slot_is(seed):
 
 # --------------------------------------------------------------------------- swap
 
-def test_daemon_seals_equal_sync_seals_and_reads_switch_atomically(pools):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_daemon_seals_equal_sync_seals_and_reads_switch_atomically(pools, monkeypatch, in_place):
+    """in_place False: the store cannot read the slots (a CUDA host where the check fails):
+    results are copied when read and their slots freed at once; the same pages either way."""
+    if not in_place:
+        monkeypatch.setattr(SegmentStore, "reads_host", lambda self, scratch: False)
     a, b = pools("process"), pools("off")
+    assert a.daemon.in_place is in_place
     slots = torch.arange(PS, 8 * PS + 40)  # pages 1..7 full: two basis blocks; a partial page 8
     for p in (a, b):
         write(p, slots, seed=0)
@@ -222,7 +229,6 @@ def test_an_arena_ready_page_without_room_leaves_the_store_as_it_was(pools, seed
     every layer as arena_full; once the first page is released, the second adopts with the
     same bytes."""
     from mosaickv_sglang.codec.arena import pack_page
-    from mosaickv_sglang.segment_store import SegmentStore
 
     b = pools("off", k_error_budget=1.0, v_error_budget=1.0)
     slots = torch.arange(PS, 3 * PS)

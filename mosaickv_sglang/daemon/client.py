@@ -121,8 +121,9 @@ class DaemonClient:
                  dtype: torch.dtype, device, dense_spec: str, result_bytes: int,
                  slot_copy: SlotCopy, reads_host: Callable[[torch.Tensor], bool] | None = None):
         """slot_copy: what fills a slot with a logical page (and bases) from the device;
-        reads_host: on CUDA, whether the store's install reads (pinned) host memory in place,
-        given a scratch of it (`SegmentStore.reads_host`); None: it does not."""
+        reads_host: whether the store's install reads (on CUDA: pinned) host memory in place,
+        given a scratch of it (`SegmentStore.reads_host`); None: results are copied when read,
+        on a CPU too (daemon_bench's A/B, the copy path's tests)."""
         self.cfg = cfg
         self.device = _indexed(torch.device(device))
         self.slot_copy = slot_copy
@@ -132,10 +133,12 @@ class DaemonClient:
         self.channel = Channel.create(spec)
         if self.device.type == "cuda":
             self.channel.pin()
-        # slot 0's result region is free now: a scratch for the check
-        self.in_place = self.device.type == "cpu" or (
-            self.channel.pinned and reads_host is not None
-            and reads_host(self.channel.result(0)))
+        if reads_host is None:
+            self.in_place, why = False, "not asked for"
+        elif self.device.type == "cuda" and not self.channel.pinned:
+            self.in_place, why = False, "slots not pinned"
+        else:  # slot 0's result region is free now: a scratch for the check
+            self.in_place, why = reads_host(self.channel.result(0)), "the check read failed"
         self.free_slots = deque(range(spec.slots))
         self.open: dict[int, Job] = {}  # submitted, not yet adopted/sealed/cancelled (id order)
         # the open jobs with every result in (or an error), kept as they complete so a boundary
@@ -171,10 +174,9 @@ class DaemonClient:
                     spec.total_bytes() / 1e6, ", pinned" if self.channel.pinned else "",
                     "read in place" if self.in_place else "copied onto the device when read")
         if not self.in_place:
-            logger.warning("MosaicKV daemon: the install cannot read the shared-memory slots in "
-                           "place (%s): each result is copied onto the device when read, one "
-                           "more CUDA call a page on the scheduler thread", "slots not pinned"
-                           if not self.channel.pinned else "the check read failed")
+            logger.warning("MosaicKV daemon: results are not read in place (%s): each one is "
+                           "copied when read (on CUDA one more CUDA call a page on the "
+                           "scheduler thread)", why)
 
     # ---- workers --------------------------------------------------------------------------
     def _spawn(self, index: int) -> _Worker:
