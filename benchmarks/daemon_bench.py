@@ -231,8 +231,9 @@ def main() -> None:
                     help="CUDA: fill slots on side streams (the pool's way) or on the current "
                          "stream, as before session 12 (an A/B of what that costs a step)")
     ap.add_argument("--read-results", choices=["in-place", "device"], default="in-place",
-                    help="CUDA: install results from their pinned slots in place (the pool's way "
-                         "where the store can) or copy each onto the device when read (the A/B)")
+                    help="install results from their slots in place (the pool's way where the "
+                         "store can: a CPU, or CUDA with the slots pinned and mapped) or copy each "
+                         "when read (the A/B; on a CPU too)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 

@@ -10,7 +10,7 @@
 # With .device/pytest_site.tar.xz carried, GPU_TESTS (the daemon's copy kernels' and in-place
 # adoption's tests by default) run on CUDA first, in this tree, into $OUT/gpu_tests.log.
 # Env: DAEMON_STEPS (400), DAEMON_LIMIT_S (150), EXTRA (more daemon_bench args, both trees),
-# RUNS (";"-separated "tree mode step-ms [daemon_bench args...]" runs, at most 6: the files
+# RUNS (";"-separated "tree mode step-ms [daemon_bench args...]" runs, at most 6 (5 with the GPU tests' log): the files
 # that come back; the args of one run, e.g. "--share 0.03", name its JSON too), ADOPT=0 (no
 # adopt_bench).
 set -uo pipefail
