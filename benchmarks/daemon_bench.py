@@ -60,7 +60,6 @@ from mosaickv_sglang.codec.seal import gather_pages, seal_group, worst_page_byte
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 import mosaickv_sglang.daemon.channel as channel_mod
-import mosaickv_sglang.daemon.client as client_mod
 import mosaickv_sglang.segment_store as store_mod
 from mosaickv_sglang.daemon.adopt import adopt
 from mosaickv_sglang.daemon.client import DaemonClient, SlotCopy
@@ -104,9 +103,10 @@ class BoundaryBreakdown:
 
     def __init__(self, client, pool):
         self.now = dict.fromkeys(self.PARTS + self.INSTALL_PARTS, 0.0)
+        self.calls = dict.fromkeys(self.now, 0)  # per part: calls in the current boundary
         for part, owner, name in (("alive", client, "_alive"), ("handle", client, "_handle"),
                                   ("pump", client, "pump"), ("install", pool, "_finish"),
-                                  ("load", client_mod, "load"),
+                                  ("load", client, "_load"),
                                   ("unpickle", channel_mod._Loader, "load"),
                                   ("store", SegmentStore, "adopt"),
                                   ("launch", store_mod, "copy_rows"),
@@ -117,6 +117,7 @@ class BoundaryBreakdown:
 
     def _timed(self, part, fn):
         def wrapper(*a, **kw):
+            self.calls[part] += 1
             t = time.perf_counter()
             try:
                 return fn(*a, **kw)
@@ -131,8 +132,11 @@ class BoundaryBreakdown:
             self.now["gc"] += time.perf_counter() - self._gc_t0
 
     def take(self) -> dict:
+        """The current boundary's ms per part, and its page loads (`loads`)."""
         out = {k: v * 1e3 for k, v in self.now.items()}
+        out["loads"] = self.calls["load"]
         self.now = dict.fromkeys(self.now, 0.0)
+        self.calls = dict.fromkeys(self.calls, 0)
         return out
 
 
@@ -290,14 +294,15 @@ def main() -> None:
     seal_group(read, [tokens * 5], None, cfg, cands, dense)
     inline_fit_ms = (time.perf_counter() - t0) * 1e3
 
-    def install(job) -> int:
-        """What the pool does with a ready job's pages: into the arena, store pages taken in a
-        ring (the oldest released when it comes round again). Returns pages installed."""
+    def install(job, results) -> int:
+        """What the pool does with a ready job's pages (`results`, as adopt() took them): into
+        the arena, store pages taken in a ring (the oldest released when it comes round again).
+        Returns pages installed."""
         nonlocal bases
         client.retire(job)
         if job.error is not None:
             return 0
-        for sealed in job.results:
+        for sealed in results:
             if sealed is False:
                 continue
             page = 1 + state["installed"] % args.store_pages
@@ -329,7 +334,7 @@ def main() -> None:
             return range(max(0, args.hot_pages - len(client.open)))  # one page a job
 
         def _finish(self, job, results):
-            return install(job)
+            return install(job, results)
 
     pool = BenchPool()
     work = Work(device, args.step_ms)
@@ -371,7 +376,7 @@ def main() -> None:
             if not args.overlap:
                 work.wait()
             breakdown.take()
-            read0, installed0 = client.counters.worker_pages, state["installed"]
+            installed0 = state["installed"]
             if produce and profiler is not None:
                 profiler.enable()
             bound, sub = boundary(produce)
@@ -382,7 +387,7 @@ def main() -> None:
             part = breakdown.take()
             parts.append(part)
             ops.append(client.budget.ops)
-            if client.counters.worker_pages - read0 == 1:
+            if part["loads"] == 1:  # at a read, or inside the install (read in place)
                 page_loads.append(part["load"])
             if state["installed"] > installed0:
                 page_installs.append(part["install"] / (state["installed"] - installed0))

@@ -263,8 +263,9 @@ def test_an_arena_ready_page_without_room_leaves_the_store_as_it_was(pools, seed
 
 def test_a_step_boundary_spreads_daemon_work_over_steps(pools):
     """With no share of the step to spend (daemon_boundary_share 0) every boundary runs one
-    operation: a job's copy into slots, a finished page's read or a job's install, never two,
-    even with finished pages of two workers waiting; everything still arrives."""
+    budgeted operation: a job's copy into slots or a job's install, never two; reading where
+    finished pages lie (results read in place, as on a CPU) is not one, so the finished pages
+    of both workers are read in one boundary; everything still arrives."""
     a = pools("process", daemon_workers=2, daemon_boundary_share=0.0)
     client = a.daemon
     for r in range(2):  # two requests, one 3-page job each (their own basis blocks)
@@ -286,7 +287,7 @@ def test_a_step_boundary_spreads_daemon_work_over_steps(pools):
         a.adopt()
         ops.append((client.counters.worker_pages - read, client.counters.adopted_pages - installed))
         assert client.budget.ops <= 1, ops
-    assert ops[0] == (1, 0), ops  # two finished pages were waiting: one read
+    assert ops[0][0] >= 2 and ops[0][1] == 0, ops  # two finished pages waiting: both read
     assert client.counters.worker_pages == 6 and client.counters.adopted_pages == 6
     assert client.stats()["boundary"]["deferred_ops"] > 0
 

@@ -121,7 +121,7 @@ def adopt(pool, group=None) -> int:
             client.counters.sync_seals_fallback += len(job.pages)
             installed += pool._finish(job, None)
         else:
-            n = pool._finish(job, job.results)
+            n = pool._finish(job, client.take_results(job))
             client.counters.adopted_pages += n
             installed += n
         budget.spent("install", time.perf_counter() - t, len(job.pages))

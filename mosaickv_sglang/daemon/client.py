@@ -9,11 +9,13 @@ a zero timeout. Both the reads and the copies run only while the boundary's time
 (adopt.py); the client only moves data and keeps workers alive.
 
 Results are read in place where the store can (`in_place`: on a CPU, and on CUDA when the
-adoption kernel reads the pinned, mapped slots by address, checked once at start): a read
-unpickles the page as views of its slot, with no device copy, and the install copies the bytes
-from the slot straight into the arena; the job then holds its slots until it is installed or
-dropped, and they are freed after an event recorded at the next boundary (after its installs).
-Otherwise a read copies the result onto the device and frees the slots at once. Either way:
+adoption kernel reads the pinned, mapped slots by address, checked once at start): a read only
+notes where the page lies, the install unpickles it as views of its slot (`take_results`, no
+device copy) and copies the bytes from the slot straight into the arena, so a page costs the
+boundary two operations (copy into a slot, install), not three; the job holds its slots until
+it is installed or dropped, and they are freed after an event recorded at the next boundary
+(after its installs). Otherwise a read unpickles the result and copies it onto the device (a
+third operation, budgeted) and frees the slots at once. Either way:
 
 * a worker that exited, broke its pipe, or has work and no heartbeat for ``daemon_timeout_s``
   is killed and restarted (``check()``, first in a boundary); its unfinished jobs are sent
@@ -77,7 +79,9 @@ class Job:
     # early read-done event), and after the copies into the slots
     written: object = None
     event: object = None
-    results: list[ArenaPage | SealedPage | None] = field(default_factory=list)
+    # per page: None (not in yet), False (dropped), (offset, length) in its slot (read in place,
+    # unpickled by take_results), or the page itself
+    results: list = field(default_factory=list)
     error: str | None = None
     cancelled: bool = False
     holds_slots: bool = False  # ready with results read in place: slots freed once installed
@@ -354,14 +358,17 @@ class DaemonClient:
         self.pump()
 
     def _drain(self, w: _Worker) -> str | None:
-        """Read a worker's results (one is waiting) while the budget allows -> why it is
-        broken, or None."""
+        """Read a worker's results (one is waiting) while the budget allows (unbudgeted when
+        read in place: a note of where each page lies) -> why it is broken, or None."""
         try:
             waiting = True
-            while waiting and self.budget.allows("load"):
+            while waiting and (self.in_place or self.budget.allows("load")):
                 t = time.perf_counter()
                 self._handle(w, w.results_conn.recv())
-                self.budget.spent("load", time.perf_counter() - t)
+                if self.in_place:
+                    self.budget.note("read", time.perf_counter() - t)
+                else:
+                    self.budget.spent("load", time.perf_counter() - t)
                 waiting = w.results_conn.poll(0)
         except (EOFError, OSError) as exc:
             return f"result pipe closed ({type(exc).__name__})"
@@ -380,26 +387,8 @@ class DaemonClient:
             job.results[msg["index"]] = False
         else:
             i = msg["index"]
-            refs = {"bases": job.bases} if job.bases is not None else {}
-            region = self.channel.result(job.slots[i])
-            page = load(region, msg["offset"], msg["length"], refs,
-                        None if self.in_place else self.device)
-            if self.in_place and not isinstance(page, ArenaPage):
-                # stored per tensor as it is (rare: a dense fallback): onto the device now
-                page = load(region, msg["offset"], msg["length"], refs, self.device)
-            elif self.in_place and job.bases is None:
-                page.bases = page.bases.copy_to(self.device)  # kept by the pool: off the slot
-            if job.bases is None:
-                job.bases = page.bases  # fitted by the worker, sent with the first page
-            if isinstance(page, ArenaPage):
-                self.counters.arena_ready_pages += 1
-            else:
-                if not self.counters.per_tensor_pages:
-                    logger.warning("MosaicKV daemon: a result holds segments the arena cannot "
-                                   "(e.g. a dense fallback) and is read per tensor, slower on "
-                                   "the scheduler thread; counted in stats (per_tensor_pages)")
-                self.counters.per_tensor_pages += 1
-            job.results[i] = page
+            where = (msg["offset"], msg["length"])
+            job.results[i] = where if self.in_place else self._load(job, i, *where)
             self.latencies.append(msg["seconds"])
             self.counters.worker_pages += 1
             self.counters.worker_seconds += msg["seconds"]
@@ -415,6 +404,34 @@ class DaemonClient:
                 self.counters.discarded_pages += len(job.pages)
             elif job.id in self.open:
                 self.ready[job.id] = job
+
+    def take_results(self, job: Job) -> list:
+        """A ready job's pages for the install, unpickled now where they were read in place (in
+        page order: the first page of a fit job brings the bases the others refer to)."""
+        return [self._load(job, i, *r) if isinstance(r, tuple) else r
+                for i, r in enumerate(job.results)]
+
+    def _load(self, job: Job, i: int, offset: int, length: int):
+        """Page `i` of `job` out of its slot: views of it (in place) or a device copy."""
+        refs = {"bases": job.bases} if job.bases is not None else {}
+        region = self.channel.result(job.slots[i])
+        page = load(region, offset, length, refs, None if self.in_place else self.device)
+        if self.in_place and not isinstance(page, ArenaPage):
+            # stored per tensor as it is (rare: a dense fallback): onto the device now
+            page = load(region, offset, length, refs, self.device)
+        elif self.in_place and job.bases is None:
+            page.bases = page.bases.copy_to(self.device)  # kept by the pool: off the slot
+        if job.bases is None:
+            job.bases = page.bases  # fitted by the worker, sent with the first page
+        if isinstance(page, ArenaPage):
+            self.counters.arena_ready_pages += 1
+        else:
+            if not self.counters.per_tensor_pages:
+                logger.warning("MosaicKV daemon: a result holds segments the arena cannot "
+                               "(e.g. a dense fallback) and is read per tensor, slower on "
+                               "the scheduler thread; counted in stats (per_tensor_pages)")
+            self.counters.per_tensor_pages += 1
+        return page
 
     def _release(self, slots: list[int], event=None) -> None:
         if event is None:
