@@ -12,7 +12,10 @@ and installed into a SegmentStore on --device, timed over --reps:
   `pack_kernel` auto on CUDA);
 * in_place_kernels: the same launch reading the result where it lies, in a real shared-memory
   slot (pinned and mapped on CUDA, `SegmentStore.reads_host`): `load` unpickles views of the
-  slot, no device copy (what the pool does where the store can read the slots in place).
+  slot, no device copy (what the pool does where the store can read the slots in place);
+* in_place_kernels_xN (--batch N > 1): N such pages, each in its own slot, installed by one
+  `SegmentStore.adopt_pages` call (one launch), as a boundary installs a batch of pages
+  (`daemon_install_batch`); per page times are the batch's divided by N.
 
 Then the third operation a daemon page costs the scheduler thread: the boundary's copy of a hot
 page (every layer's K/V, from a pool-like hot buffer, by the pool's `SlotCopy`: torch
@@ -56,6 +59,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=4,
+                    help="pages of the batched in-place path (1: no batched path)")
     ap.add_argument("--json", type=Path, help="also write the medians here")
     ap.add_argument("--profile", action="store_true",
                     help="print the torch ops with the most host time in each timed operation")
@@ -71,50 +76,55 @@ def main() -> None:
     page = seal_group(lambda idx: (kv[None, :, 0], kv[None, :, 1]), [tokens * 5], None, cfg,
                       Candidates.from_config(cfg), dense)[0]
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    capacity = 2 * (worst_page_bytes(cfg, heads, head_dim, dense) + heads * 4096)
+    batch = max(args.batch, 1)
+    capacity = (batch + 1) * (worst_page_bytes(cfg, heads, head_dim, dense) + heads * 4096)
     region = torch.zeros(64 << 20, dtype=torch.uint8)
     packed = pack_page(page, cfg.page_tokens)
     stores, out = {}, {}
     kernels = args.device.startswith("cuda") or interpreting()
-    paths = [("per_tensor", page, "torch"), ("arena_ready", packed, "torch")] + (
-        [("arena_ready_kernels", packed, "triton"), ("in_place_kernels", packed, "triton")]
+    paths = [("per_tensor", page, "torch", 1), ("arena_ready", packed, "torch", 1)] + (
+        [("arena_ready_kernels", packed, "triton", 1), ("in_place_kernels", packed, "triton", 1)]
+        + [(f"in_place_kernels_x{batch}", packed, "triton", batch)] * (batch > 1)
         if kernels else [])
-    slot = Channel.create(ChannelSpec(layers, heads, head_dim, tokens, "bfloat16", 1, 1,
+    slot = Channel.create(ChannelSpec(layers, heads, head_dim, tokens, "bfloat16", batch, 1,
                                       region.numel()))
     if args.device.startswith("cuda"):
         slot.pin()
-    for name, obj, copies in paths:
+    for name, obj, copies, k in paths:
         in_place = name.startswith("in_place")
-        where = slot.result(0) if in_place else region
-        off, n = dump(obj, where, {id(page.bases): "bases"})
-        store = stores[name] = SegmentStore(layers, 2, heads, head_dim, tokens, cfg.page_tokens,
-                                            args.device, cfg.select.meta_channels, capacity,
-                                            pack_kernel=copies)
+        wheres = [slot.result(j) for j in range(k)] if in_place else [region]
+        for where in wheres:
+            off, n = dump(obj, where, {id(page.bases): "bases"})
+        store = stores[name] = SegmentStore(layers, batch, heads, head_dim, tokens,
+                                            cfg.page_tokens, args.device,
+                                            cfg.select.meta_channels, capacity, pack_kernel=copies)
         if in_place and not store.reads_host(slot.result(0)[off + n:]):  # past the result
             print(f"{name}: skipped, the store cannot read the slot in place "
                   f"(pinned: {slot.pinned})")
             del stores[name]
             continue
         loads, installs = [], []
+        pages = list(range(1, k + 1))
         with profiled(args.profile, f"{name} load + install"):
             for rep in range(args.reps + 1):  # rep 0: warm-up
                 sync()
                 t0 = time.perf_counter()
-                got = load(where, off, n, {"bases": page.bases},
-                           None if in_place else args.device)
+                got = [load(where, off, n, {"bases": page.bases},
+                            None if in_place else args.device) for where in wheres]
                 sync()
                 t1 = time.perf_counter()
                 if name == "per_tensor":
-                    store.install_pages([1], [got.segments])
-                elif store.adopt(1, got) is None:
-                    raise RuntimeError("adopt_bench: the store has no room for one page")
+                    store.install_pages(pages, [g.segments for g in got])
+                elif None in store.adopt_pages(pages, got):
+                    raise RuntimeError(f"adopt_bench: the store has no room for {k} pages")
                 sync()
                 t2 = time.perf_counter()
                 if rep:
-                    loads.append((t1 - t0) * 1e3)
-                    installs.append((t2 - t1) * 1e3)
+                    loads.append((t1 - t0) * 1e3 / k)
+                    installs.append((t2 - t1) * 1e3 / k)
                 if rep < args.reps:
-                    store.release(1)
+                    for p in pages:
+                        store.release(p)
         out[name] = (statistics.median(loads), statistics.median(installs))
         print(f"{name}: {off / 1e6:.2f} MB of tensors + {n / 1e3:.1f} KB pickled; per page, "
               f"median of {args.reps} ms: load {out[name][0]:.2f}, install {out[name][1]:.2f}, "
@@ -122,15 +132,16 @@ def main() -> None:
                                                f"{store.host_rows})" if in_place else ""))
     slot.close(unlink=True)
     a = stores["per_tensor"]
-    for name, b in stores.items():
-        for layer in range(layers):
-            (ba, size), (bb, _) = a.blocks[(layer, 1)], b.blocks[(layer, 1)]
+    for name, b in stores.items():  # every page a path stored against per_tensor's page 1
+        for layer, p in ((layer, p) for layer in range(layers) for p in range(1, batch + 1)
+                         if (layer, p) in b.blocks):
+            (ba, size), (bb, _) = a.blocks[(layer, 1)], b.blocks[(layer, p)]
             assert torch.equal(a.data[layer][ba:ba + size], b.data[layer][bb:bb + size]), name
-            ha, hb = a.headers[layer][1].clone(), b.headers[layer][1].clone()
+            ha, hb = a.headers[layer][1].clone(), b.headers[layer][p].clone()
             ha[HDR["base16"]] = hb[HDR["base16"]] = 0
-            assert torch.equal(ha, hb), (name, layer)
+            assert torch.equal(ha, hb), (name, layer, p)
             for f in META_FIELDS:
-                assert torch.equal(getattr(a.meta[layer], f)[1], getattr(b.meta[layer], f)[1]), f
+                assert torch.equal(getattr(a.meta[layer], f)[1], getattr(b.meta[layer], f)[p]), f
     print(f"device {args.device}, shape {args.shape}: all paths stored the same bytes; "
           f"arena_ready/per_tensor total {sum(out['arena_ready']) / sum(out['per_tensor']):.3f}"
           + (f", kernels/torch install {out['arena_ready_kernels'][1] / out['arena_ready'][1]:.2f}"

@@ -96,7 +96,7 @@ class BoundaryBreakdown:
     """Where a step boundary's time goes: the client's and the stand-in pool's steps timed by
     wrapping them (bench-only instrumentation; the client is unchanged) plus Python GC pauses.
     `take()` returns and resets the current boundary's totals in ms. Inside install: the store's
-    adoption (`store`: SegmentStore.adopt, of which `launch` is the copy_rows kernel's launch)
+    adoption (`store`: SegmentStore.adopt_pages, of which `launch` is the copy_rows launch)
     and the release of the page it replaces (`release`)."""
     PARTS = ("alive", "install", "handle", "load", "unpickle", "pump", "gc")
     INSTALL_PARTS = ("store", "launch", "release")
@@ -108,7 +108,7 @@ class BoundaryBreakdown:
                                   ("pump", client, "pump"), ("install", pool, "_finish"),
                                   ("load", client, "_load"),
                                   ("unpickle", channel_mod._Loader, "load"),
-                                  ("store", SegmentStore, "adopt"),
+                                  ("store", SegmentStore, "adopt_pages"),
                                   ("launch", store_mod, "copy_rows"),
                                   ("release", SegmentStore, "release")):
             setattr(owner, name, self._timed(part, getattr(owner, name)))
@@ -228,6 +228,9 @@ def main() -> None:
     ap.add_argument("--share", type=float, default=MosaicConfig.daemon_boundary_share,
                     help="daemon_boundary_share: the share of a step the boundary's reads and "
                          "copies may take (0: one operation per boundary)")
+    ap.add_argument("--install-batch", type=int, default=MosaicConfig.daemon_install_batch,
+                    help="daemon_install_batch: pages installed together at one boundary (1: one "
+                         "job a boundary)")
     ap.add_argument("--copies", choices=["auto", "torch"], default="auto",
                     help="pack_kernel: who moves a page's bytes on the scheduler thread (auto: "
                          "the page_gather / row_copy kernels on CUDA, torch on a CPU)")
@@ -246,7 +249,8 @@ def main() -> None:
     layers, heads, head_dim = SHAPES[args.shape]
     cfg = MosaicConfig(daemon="process", daemon_workers=args.workers,
                        daemon_threads=args.threads, daemon_queue_segments=args.slots,
-                       daemon_nice=args.nice, daemon_boundary_share=args.share)
+                       daemon_nice=args.nice, daemon_boundary_share=args.share,
+                       daemon_install_batch=args.install_batch)
     tokens = cfg.segment_tokens
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(0)
@@ -294,26 +298,29 @@ def main() -> None:
     seal_group(read, [tokens * 5], None, cfg, cands, dense)
     inline_fit_ms = (time.perf_counter() - t0) * 1e3
 
-    def install(job, results) -> int:
-        """What the pool does with a ready job's pages (`results`, as adopt() took them): into
-        the arena, store pages taken in a ring (the oldest released when it comes round again).
-        Returns pages installed."""
+    def install(jobs, results) -> int:
+        """What the pool does with ready jobs' pages (`results`, as adopt() took them): into
+        the arena in one batch, store pages taken in a ring (the oldest released when it comes
+        round again). Returns pages installed."""
         nonlocal bases
-        client.retire(job)
-        if job.error is not None:
-            return 0
-        for sealed in results:
-            if sealed is False:
-                continue
-            page = 1 + state["installed"] % args.store_pages
-            if state["installed"] >= args.store_pages:
-                store.release(page)
-            store.store_pages([page], [sealed])  # as pool._install
-            state["installed"] += 1
-        state["done"] += len(job.pages)
-        if not job.bases_given:
-            bases = job.bases  # later pages of the block reuse them
-        return len(job.pages)
+        pages, sealed = [], []
+        for job, got in zip(jobs, results):
+            client.retire(job)
+            for sp in got:
+                if sp is False:
+                    continue
+                page = 1 + state["installed"] % args.store_pages
+                if state["installed"] >= args.store_pages:
+                    store.release(page)
+                pages.append(page)
+                sealed.append(sp)
+                state["installed"] += 1
+            state["done"] += len(job.pages)
+            if not job.bases_given:
+                bases = job.bases  # later pages of the block reuse them
+        if pages:
+            store.store_pages(pages, sealed)  # as pool._install
+        return sum(len(job.pages) for job in jobs)
 
     class BenchPool:
         """What adopt() uses of MosaicKVPool: installs into the store above, every job
@@ -323,7 +330,7 @@ def main() -> None:
         budget stays on; within twice the watermark adopt() lifts it, as in the server)."""
         daemon, num_hot_pages = client, args.hot_pages
         swaps = SimpleNamespace(flush=lambda rank: None)
-        installable = staticmethod(lambda job: True)
+        installable = staticmethod(lambda job, with_pages=(): True)
         _relieve = staticmethod(lambda want_free: 0)
 
         def __init__(self):
@@ -333,8 +340,12 @@ def main() -> None:
         def free_hot_pages(self):
             return range(max(0, args.hot_pages - len(client.open)))  # one page a job
 
-        def _finish(self, job, results):
-            return install(job, results)
+        def _finish(self, jobs, results=None):
+            if results is None:  # a worker failed on them: the bench seals nothing here
+                for job in jobs:
+                    client.retire(job)
+                return 0
+            return install(jobs, results)
 
     pool = BenchPool()
     work = Work(device, args.step_ms)
@@ -366,7 +377,7 @@ def main() -> None:
     def phase(produce: bool) -> dict:
         steps, bounds, submits, parts, ops = [], [], [], [], []
         page_loads, page_installs = [], []  # ms per adopted page: read + unpickle, install
-        install_parts = {k: [] for k in BoundaryBreakdown.INSTALL_PARTS}  # boundaries of 1 install
+        install_parts = {k: [] for k in BoundaryBreakdown.INSTALL_PARTS}  # per page installed
         done0, busy0 = state["done"], client.counters.worker_seconds
         deferred0, unbounded0 = client.budget.deferred, client.budget.unbounded_boundaries
         t_start = time.perf_counter()
@@ -387,13 +398,12 @@ def main() -> None:
             part = breakdown.take()
             parts.append(part)
             ops.append(client.budget.ops)
-            if part["loads"] == 1:  # at a read, or inside the install (read in place)
-                page_loads.append(part["load"])
-            if state["installed"] > installed0:
-                page_installs.append(part["install"] / (state["installed"] - installed0))
-            if state["installed"] - installed0 == 1:
+            if part["loads"]:  # at a read, or inside the install (read in place)
+                page_loads.append(part["load"] / part["loads"])
+            if n_installed := state["installed"] - installed0:  # per page of the batch
+                page_installs.append(part["install"] / n_installed)
                 for k, xs in install_parts.items():
-                    xs.append(part[k])
+                    xs.append(part[k] / n_installed)
             steps.append(time.perf_counter() - t)
             bounds.append(bound)
             submits.append(sub)
@@ -495,7 +505,8 @@ def main() -> None:
     print(f"shape {args.shape} {layers}x{heads}x{head_dim}, {tokens}-token pages "
           f"({page_bytes / 1e6:.1f} MB bf16), device {device}, {args.workers} workers x "
           f"{args.threads} threads, step work {args.step_ms} ms{mode}, "
-          f"{args.pages_per_step} pages/step, boundary share {args.share}, copies by "
+          f"{args.pages_per_step} pages/step, boundary share {args.share}, install batch "
+          f"{args.install_batch}, copies by "
           f"{'kernels' if slot_copy.gather is not None else 'torch'} on the "
           f"{args.copy_stream} stream{'s' if args.copy_stream == 'side' else ''}, results "
           f"{'read in place' if client.in_place else 'copied onto the device when read'}")

@@ -95,6 +95,9 @@ class MosaicConfig:
     # slots, after at most one install) may take on the scheduler thread; the first operation of
     # a boundary always runs. Lower: flatter step times, fewer pages adopted per second.
     daemon_boundary_share: float = 0.04
+    # Pages installed together at one boundary (one adoption launch): ready pages wait until
+    # this many are installable or the oldest waited this many boundaries. 1: one job a boundary.
+    daemon_install_batch: int = 2
     # Niceness of the worker processes (0-19): they should only take cores the scheduler, the
     # tokenizer and the CUDA driver leave idle, never delay a decode step's host work.
     daemon_nice: int = 19
@@ -175,7 +178,8 @@ class MosaicConfig:
         if not isinstance(self.decode_profile_every, int) or self.decode_profile_every < 0:
             raise ValueError(f"mosaickv config: decode_profile_every={self.decode_profile_every!r} "
                              "must be an int >= 0")
-        for key in ("daemon_workers", "daemon_threads", "daemon_queue_segments"):
+        for key in ("daemon_workers", "daemon_threads", "daemon_queue_segments",
+                    "daemon_install_batch"):
             if getattr(self, key) < 1:
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 1")
         block_pages = self.basis_block_tokens // self.segment_tokens

@@ -289,7 +289,7 @@ class MosaicKVPool(MHATokenToKVPool):
                 if job is None:
                     raise RuntimeError(f"MosaicKV: page {page} is pending without a job")
                 self.daemon.cancel(job)
-                self._finish(job, None)
+                self._finish([job])
         done = self.counters.sealed_pages - before
         self.counters.prefix_repairs += 1
         self.counters.prefix_repair_pages += done
@@ -468,45 +468,54 @@ class MosaicKVPool(MHATokenToKVPool):
 
         return adopt(self, tp_group)
 
-    def _finish(self, job, sealed: list[SealedPage | ArenaPage] | None) -> int:
-        """A job leaves the daemon: install its live pages (sealing them here if `sealed` is
-        None), then submit the pages that waited for its bases. Returns pages installed."""
-        self.daemon.retire(job)
-        adopting = sealed is not None  # a daemon result (else sealed here: timed by the caller)
-        live = [i for i, (p, g) in enumerate(zip(job.pages, job.gens))
-                if self.page_gen[p] == g and p not in self.sealed]
-        for p in job.pages:
-            if self.pending.get(p) is job:
-                del self.pending[p]
-        if sealed is None and live:
-            pages = [job.pages[i] for i in live]
-            sealed = [None] * len(job.pages)
-            done = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
-                              [job.positions[i] for i in live],
-                              job.bases if job.bases_given else None, self.cfg, self.cands,
-                              self.dense, keep_rotated=self.store.pack_kernel)
-            for i, sp in zip(live, done):
-                sealed[i] = sp
-        if live:
+    def _finish(self, jobs: list, results: list[list] | None = None) -> int:
+        """Jobs leave the daemon: install their live pages in one batch (`results`: each job's
+        daemon results, in job order; None: sealed here from the hot buffer), then submit the
+        pages that waited for their bases. Returns pages installed."""
+        pages, sealed, taken = [], [], set()
+        for k, job in enumerate(jobs):
+            self.daemon.retire(job)
+            live = [i for i, (p, g) in enumerate(zip(job.pages, job.gens))
+                    if self.page_gen[p] == g and p not in self.sealed and p not in taken]
+            for p in job.pages:
+                if self.pending.get(p) is job:
+                    del self.pending[p]
+            self.daemon.counters.discarded_pages += len(job.pages) - len(live)
+            if not live:
+                continue
+            if results is not None:
+                sealed += [results[k][i] for i in live]
+            else:
+                live_pages = [job.pages[i] for i in live]
+                sealed += seal_group(lambda idx: self._read_pages([live_pages[i] for i in idx]),
+                                     [job.positions[i] for i in live],
+                                     job.bases if job.bases_given else None, self.cfg,
+                                     self.cands, self.dense, keep_rotated=self.store.pack_kernel)
+            pages += [job.pages[i] for i in live]
+            taken.update(job.pages[i] for i in live)
+        if pages:
             t = time.perf_counter()
-            self._install([job.pages[i] for i in live], [sealed[i] for i in live])
-            if adopting:
-                self.daemon.budget.note("install_store", time.perf_counter() - t, len(live))
-        self.daemon.counters.discarded_pages += len(job.pages) - len(live)
-        waiting = [(pos, p, g) for pos, p, g in self.deferred.pop(job.first, ())
-                   if self.page_gen[p] == g]
-        for _, p, _ in waiting:
-            self.pending.pop(p, None)
-        if waiting:
-            first = job.first if job.first in self.sealed else waiting[0][1]
-            self._seal(waiting, self.sealed[first].bases if first in self.sealed else None, first)
-        return len(live)
+            self._install(pages, sealed)
+            if results is not None:  # a daemon result (else sealed here: timed by the caller)
+                self.daemon.budget.note("install_store", time.perf_counter() - t, len(pages))
+        for job in jobs:
+            waiting = [(pos, p, g) for pos, p, g in self.deferred.pop(job.first, ())
+                       if self.page_gen[p] == g]
+            for _, p, _ in waiting:
+                self.pending.pop(p, None)
+            if waiting:
+                first = job.first if job.first in self.sealed else waiting[0][1]
+                self._seal(waiting, self.sealed[first].bases if first in self.sealed else None,
+                           first)
+        return len(pages)
 
-    def installable(self, job) -> bool:
+    def installable(self, job, with_pages=()) -> bool:
         """A job's pages may enter `sealed` once every page before them is sealed (or no longer
-        on its way: freed), which keeps each request's sealed pages a prefix whatever order the
-        workers finish in. Deterministic in the pool's state: every TP rank decides alike."""
-        return all(p in self.sealed or p not in self.pending for p in job.needs)
+        on its way: freed, or among `with_pages`, installed in the same batch), which keeps each
+        request's sealed pages a prefix whatever order the workers finish in. Deterministic in
+        the pool's state: every TP rank decides alike."""
+        return all(p in self.sealed or p not in self.pending or p in with_pages
+                   for p in job.needs)
 
     def next_to_seal(self, jobs: list):
         """Of open `jobs` (oldest first), the one to seal on this thread next (backpressure, a
@@ -535,7 +544,7 @@ class MosaicKVPool(MHATokenToKVPool):
                 break
             job = self.next_to_seal(jobs)
             self.daemon.cancel(job)  # a result still on its way is dropped when it comes
-            n = self._finish(job, None)
+            n = self._finish([job])
             self.daemon.counters.sync_seals_backpressure += n
             done += n
         if done:

@@ -141,22 +141,19 @@ class SegmentStore:
 
     # ---- install / release ----------------------------------------------------------------
     def store_pages(self, pages: list[int], sealed: list) -> list[Sequence[Segment]]:
-        """Sealed pages in, whatever form they came in: an arena-ready daemon result
-        (`ArenaPage`) by `adopt` (one copy), the rest (SealedPages, or an ArenaPage the arena has
-        no room for, as views of its own bytes) in one `install_pages` batch. Returns each page's
-        per-layer Segments."""
-        segments: list = [None] * len(pages)
-        rest = []  # indices for the per-segment install
-        for i, (page, sp) in enumerate(zip(pages, sealed)):
-            if isinstance(sp, ArenaPage):
-                segments[i] = self.adopt(page, sp)
-                if segments[i] is not None:
-                    continue
-                # no room: its segments keep their bytes, which must not be a daemon slot's
-                segments[i] = sp.copy_to(self.device).segments()
-            else:
-                segments[i] = sp.segments
-            rest.append(i)
+        """Sealed pages in, whatever form they came in: the arena-ready daemon results
+        (`ArenaPage`) by `adopt_pages` (one launch for all of them), the rest (SealedPages, or an
+        ArenaPage the arena has no room for, as views of its own bytes) in one `install_pages`
+        batch. Returns each page's per-layer Segments."""
+        segments = [None if isinstance(sp, ArenaPage) else sp.segments for sp in sealed]
+        ready = [i for i, sp in enumerate(sealed) if isinstance(sp, ArenaPage)]
+        rest = [i for i in range(len(pages)) if i not in ready]
+        for i, got in zip(ready, self.adopt_pages([pages[i] for i in ready],
+                                                  [sealed[i] for i in ready])):
+            if got is None:  # no room: its segments keep their bytes, never a daemon slot's
+                got = sealed[i].copy_to(self.device).segments()
+                rest.append(i)
+            segments[i] = got
         if rest:
             self.install_pages([pages[i] for i in rest], [segments[i] for i in rest])
         return segments
@@ -267,18 +264,51 @@ class SegmentStore:
         return self.layouts[lay.key()]
 
     def adopt(self, page: int, ap: ArenaPage) -> "StoredSegments | None":
-        """An arena-ready page (a daemon result, all layers) in: a block per layer, one copy of
-        each layer's bytes into the arena, one header write and one write per page-metadata field
-        for all layers. Returns its lazily made Segments, or None when some layer's arena has no
-        room (nothing stored: `store_pages` then installs `ap.segments()` per segment)."""
-        if self.meta is not None and ap.pages is None:
+        """One arena-ready page in (`adopt_pages`)."""
+        return self.adopt_pages([page], [ap])[0]
+
+    def adopt_pages(self, pages: list[int], aps: list[ArenaPage]) -> list["StoredSegments | None"]:
+        """Arena-ready pages (daemon results, all layers each) in: a block per layer, and with
+        the pack kernel one `copy_rows` launch for every page's blocks, headers and page-metadata
+        rows (a launch's fixed host cost paid once a batch, not once a page). Returns each page's
+        lazily made Segments, or None for a page some layer's arena has no room for (nothing of
+        it stored: `store_pages` then installs `ap.segments()` per segment)."""
+        bad = [p for p in pages if not 0 <= p < self._headers.shape[1]]
+        if bad:  # the kernel writes rows by address: nothing may land outside the tables
+            raise IndexError(f"SegmentStore: pages {bad} outside the store's "
+                             f"{self._headers.shape[1]} page rows")
+        if self.meta is not None and any(ap.pages is None for ap in aps):
             raise ValueError("SegmentStore: selection is on but an arena-ready page came without "
                              "page metadata")
-        sizes, layout_ids = self._layouts_of(ap)
+        placed = []  # (index, page, ap, layout ids, bases, sizes)
+        for i, (page, ap) in enumerate(zip(pages, aps)):
+            sizes, layout_ids = self._layouts_of(ap)
+            bases = self._alloc_page(sizes)
+            if bases is not None:
+                placed.append((i, page, ap, layout_ids, bases, sizes))
+        if self.pack_kernel and placed:  # every write as a row of one `copy_rows` launch
+            if self._adopt_rows is None:
+                self.prepare_adoption()
+            self._adopt_rows.launch([p[1:] for p in placed])
+        elif placed:
+            for _, page, ap, layout_ids, bases, sizes in placed:
+                self._adopt_by_torch(page, ap, layout_ids, bases, sizes)
+        out: list[StoredSegments | None] = [None] * len(pages)
+        for i, page, ap, _, bases, sizes in placed:
+            self._packed_np[:, page] = True
+            self.blocks.update(zip([(layer, page) for layer in range(len(sizes))],
+                                   zip(bases, sizes)))
+            self.live_bytes += sum(sizes)
+            out[i] = StoredSegments(self, page, ap)
+        return out
+
+    def _alloc_page(self, sizes: list[int]) -> list[int] | None:
+        """A block of `sizes[layer]` bytes in every layer's arena, or None (the allocator as it
+        was) when one has no room."""
         bases = []
         for layer, size in enumerate(sizes):
             base = self._alloc(layer, size)
-            if base is None:  # undo this page's blocks: the allocator is as it was
+            if base is None:  # undo this page's blocks
                 for lyr, (b, n) in enumerate(zip(bases, sizes)):
                     if self.top[lyr] == b + n:
                         self.top[lyr] = b
@@ -286,27 +316,23 @@ class SegmentStore:
                         self.free[lyr].setdefault(n, []).append(b)
                 return None
             bases.append(base)
-        if self.pack_kernel:  # every write as a row of one `copy_rows` launch
-            if self._adopt_rows is None:
-                self.prepare_adoption()
-            self._adopt_rows.launch(page, ap, layout_ids, bases, sizes)
-        else:
-            rows = torch.stack([self._header_rows[i] for i in layout_ids])
-            rows[:, HDR["base16"]] = torch.tensor([b // ALIGN for b in bases], dtype=torch.int32)
-            self._headers[:, page].copy_(_to_device_async(rows, self.device), non_blocking=True)
-            # One contiguous slice per layer (an index_copy_ over ALIGN-byte rows took 4.5 ms a
-            # Llama-8B page on a CPU, plain slice copies 0.4 ms).
-            src = ap.blocks.to(self.device, non_blocking=True)[:sum(sizes)].split(sizes)
-            torch._foreach_copy_([data.narrow(0, base, size) for data, base, size
-                                  in zip(self.data, bases, sizes)], src)
-            if self._meta is not None:
-                tables = [getattr(self._meta, f)[:, page] for f in META_FIELDS]
-                torch._foreach_copy_(tables, [getattr(ap.pages, f).to(
-                    self.device, t.dtype, non_blocking=True) for f, t in zip(META_FIELDS, tables)])
-        self._packed_np[:, page] = True
-        self.blocks.update(zip([(layer, page) for layer in range(len(sizes))], zip(bases, sizes)))
-        self.live_bytes += sum(sizes)
-        return StoredSegments(self, page, ap)
+        return bases
+
+    def _adopt_by_torch(self, page: int, ap: ArenaPage, layout_ids: list[int], bases: list[int],
+                        sizes: list[int]) -> None:
+        """`adopt_pages`'s writes for one page without the pack kernel."""
+        rows = torch.stack([self._header_rows[i] for i in layout_ids])
+        rows[:, HDR["base16"]] = torch.tensor([b // ALIGN for b in bases], dtype=torch.int32)
+        self._headers[:, page].copy_(_to_device_async(rows, self.device), non_blocking=True)
+        # One contiguous slice per layer (an index_copy_ over ALIGN-byte rows took 4.5 ms a
+        # Llama-8B page on a CPU, plain slice copies 0.4 ms).
+        src = ap.blocks.to(self.device, non_blocking=True)[:sum(sizes)].split(sizes)
+        torch._foreach_copy_([data.narrow(0, base, size) for data, base, size
+                              in zip(self.data, bases, sizes)], src)
+        if self._meta is not None:
+            tables = [getattr(self._meta, f)[:, page] for f in META_FIELDS]
+            torch._foreach_copy_(tables, [getattr(ap.pages, f).to(
+                self.device, t.dtype, non_blocking=True) for f, t in zip(META_FIELDS, tables)])
 
     def reads_host(self, scratch: torch.Tensor) -> bool:
         """Can the adoption kernel read registered host memory (`scratch`: uint8, >= 16 bytes of
@@ -414,16 +440,17 @@ class SegmentStore:
 
 
 class AdoptRows:
-    """The `copy_rows` table that adopts an arena-ready page: per layer its block, its header row
-    and a row per page-metadata table. Everything that does not depend on the page (table base
-    pointers, row sizes, the header rows' source) is written once into a ring of staging
-    buffers (pinned host, + device on CUDA unless the kernel reads the pinned one: `host_rows`);
-    an adoption fills in the page's addresses with a dozen numpy writes (the metadata tables'
-    rows all at once), sends the buffer up in one copy (none with `host_rows`) and launches
-    once. A staging buffer whose last launch has not finished (many adoptions in
-    one boundary) is replaced by a new one, never waited for: the current stream may still be
-    running a forward."""
+    """The `copy_rows` table that adopts arena-ready pages: per page and layer its block, its
+    header row and a row per page-metadata table. Everything that does not depend on the page
+    (table base pointers, row sizes, the header rows' source) is written once into a ring of
+    staging buffers of up to PAGES pages each (pinned host, + device on CUDA unless the kernel
+    reads the pinned one: `host_rows`); an adoption fills in its pages' addresses with a dozen
+    numpy writes a page (the metadata tables' rows all at once), sends the buffer up in one copy
+    (none with `host_rows`) and launches once for all its pages. A staging buffer whose last
+    launch has not finished (many adoptions in one boundary) is replaced by a new one, never
+    waited for: the current stream may still be running a forward."""
     RING = 4
+    PAGES = 8  # pages one launch adopts (a larger batch takes several launches)
 
     def __init__(self, store: SegmentStore):
         self.store = store
@@ -442,7 +469,7 @@ class AdoptRows:
             at[None, :] * self.page_stride[:, None]
         self.parts_seen = None  # the (dtype, shape) of the parts the staging buffers were set for
         self.kinds = 2 + len(tables)
-        self.n_rows = layers * self.kinds
+        self.n_rows = layers * self.kinds  # a page's rows
         self.cuda = store.device_type == "cuda"
         self.host_rows = self.cuda and store.host_rows
         self.stream_device = store.data[0].device  # with its index (a fast stream lookup)
@@ -450,22 +477,24 @@ class AdoptRows:
         self.turn = 0
 
     def _staging(self):
-        """(host int64 tensor, its device copy, rows [kinds, L, 4] and headers [L, W] as numpy
-        views of the host tensor, the event after its last launch, the device rows [R, 4])."""
-        width = HEADER_WIDTH
-        layers = len(self.layers)
-        host = torch.empty(self.n_rows * 4 + layers * width // 2, dtype=torch.int64,
+        """(host int64 tensor, its device copy, rows [PAGES, kinds, L, 4] and headers
+        [PAGES, L, W] as numpy views of the host tensor, the event after its last launch, the
+        device rows [PAGES * R, 4])."""
+        width, layers, n = HEADER_WIDTH, len(self.layers), self.PAGES
+        host = torch.empty(n * (self.n_rows * 4 + layers * width // 2), dtype=torch.int64,
                            pin_memory=self.cuda)
         up = torch.empty_like(host, device=self.store.device) if self.cuda and not \
             self.host_rows else host
-        rows = host[:self.n_rows * 4].numpy().reshape(self.kinds, layers, 4)
-        headers = host[self.n_rows * 4:].view(torch.int32).numpy().reshape(layers, width)
-        rows[:, :, 3] = COPY
-        rows[1, :, 1] = up.data_ptr() + self.n_rows * 32 + self.layers * width * 4
-        rows[1, :, 2] = width * 2
+        rows = host[:n * self.n_rows * 4].numpy().reshape(n, self.kinds, layers, 4)
+        headers = host[n * self.n_rows * 4:].view(torch.int32).numpy().reshape(n, layers, width)
+        rows[..., 3] = COPY
+        header_src = up.data_ptr() + n * self.n_rows * 32 + \
+            (np.arange(n)[:, None] * layers + self.layers[None, :]) * width * 4
+        rows[:, 1, :, 1] = header_src
+        rows[:, 1, :, 2] = width * 2
         if self.parts_seen is not None:
-            rows[2:, :, 2:] = self.part_counts
-        return [host, up, rows, headers, None, up[:self.n_rows * 4].view(-1, 4)]
+            rows[:, 2:, :, 2:] = self.part_counts
+        return [host, up, rows, headers, None, up[:n * self.n_rows * 4].view(-1, 4)]
 
     def _set_parts(self, parts: list[torch.Tensor]) -> None:
         """Check the metadata parts against the tables (on a new dtype/shape only: a daemon's
@@ -487,37 +516,44 @@ class AdoptRows:
         self.part_offsets = np.array(src_offsets, dtype=np.int64)  # [T, L]
         self.parts_seen = seen
         for stage in self.ring:
-            stage[2][2:, :, 2:] = self.part_counts
+            stage[2][:, 2:, :, 2:] = self.part_counts
 
-    def launch(self, page: int, ap: ArenaPage, layout_ids: list[int], bases: list[int],
-               sizes: list[int]) -> None:
-        store = self.store
+    def launch(self, placed: list[tuple[int, ArenaPage, list[int], list[int], list[int]]]) -> None:
+        """Adopt `placed` pages, each (page, its ArenaPage, layout ids, block bases, block
+        sizes), PAGES a launch."""
+        for at in range(0, len(placed), self.PAGES):
+            self._launch(placed[at:at + self.PAGES])
+
+    def _launch(self, placed) -> None:
         self.turn = (self.turn + 1) % self.RING
         stage = self.ring[self.turn]
         if stage[4] is not None and not stage[4].query():
             stage = self.ring[self.turn] = self._staging()
         host, up, rows, headers, _, table = stage
-        base = np.array(bases, dtype=np.int64)
-        size = np.array(sizes, dtype=np.int64)
-        np.take(store._header_table, layout_ids, axis=0, out=headers)
-        headers[:, HDR["base16"]] = base // ALIGN
-        src = ap.blocks  # alive until the launch below; freed memory is reused in stream order
-        self._on_device("blocks", src)
-        rows[0, :, 0] = self.arena_ptrs + base
-        rows[0, :, 1] = src.data_ptr() + np.cumsum(size) - size
-        rows[0, :, 2] = size // 2
-        rows[1, :, 0] = self.header_dst + page * HEADER_WIDTH * 4
-        if self.table_rows:
-            parts = [getattr(ap.pages, f) for f in META_FIELDS]
-            for f, part in zip(META_FIELDS, parts):
-                self._on_device(f, part)
-            self._set_parts(parts)
-            rows[2:, :, 0] = self.table_dst + page * self.page_stride[:, None]
-            rows[2:, :, 1] = np.array([p.data_ptr() for p in parts], dtype=np.int64)[:, None] \
-                + self.part_offsets
+        longest = 0
+        for b, (page, ap, layout_ids, bases, sizes) in enumerate(placed):
+            base = np.array(bases, dtype=np.int64)
+            size = np.array(sizes, dtype=np.int64)
+            longest = max(longest, int(size.max()))
+            np.take(self.store._header_table, layout_ids, axis=0, out=headers[b])
+            headers[b, :, HDR["base16"]] = base // ALIGN
+            src = ap.blocks  # alive until the launch below; freed memory is reused in stream order
+            self._on_device("blocks", src)
+            rows[b, 0, :, 0] = self.arena_ptrs + base
+            rows[b, 0, :, 1] = src.data_ptr() + np.cumsum(size) - size
+            rows[b, 0, :, 2] = size // 2
+            rows[b, 1, :, 0] = self.header_dst + page * HEADER_WIDTH * 4
+            if self.table_rows:
+                parts = [getattr(ap.pages, f) for f in META_FIELDS]
+                for f, part in zip(META_FIELDS, parts):
+                    self._on_device(f, part)
+                self._set_parts(parts)
+                rows[b, 2:, :, 0] = self.table_dst + page * self.page_stride[:, None]
+                rows[b, 2:, :, 1] = np.array([p.data_ptr() for p in parts],
+                                             dtype=np.int64)[:, None] + self.part_offsets
         if up is not host:
             up.copy_(host, non_blocking=True)
-        copy_rows(table, int(size.max()) // 2)
+        copy_rows(table[:len(placed) * self.n_rows], longest // 2)
         if self.cuda:  # after the launch: reusable once the kernel read `up`, on any stream
             stage[4] = torch.cuda.Event()
             stage[4].record(torch.cuda.current_stream(self.stream_device))

@@ -507,7 +507,7 @@ def test_a_request_whose_prefix_pages_were_swapped_reads_a_sealed_prefix_again(p
             job = a.pending[5]
             assert a.installable(job)
             a.daemon.cancel(job)
-            a._finish(job, None)
+            a._finish([job])
         assert all(p in a.sealed for p in range(5, 9))
         assert not any(p in a.sealed for p in range(20, 24))
         swapped = torch.cat([tree, own[4 * PS:]])
@@ -560,15 +560,17 @@ def test_a_later_basis_block_is_not_adopted_before_an_earlier_one(pools):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_random_steps_keep_every_requests_sealed_pages_a_prefix(pools, seed):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_random_steps_keep_every_requests_sealed_pages_a_prefix(pools, seed, batch):
     """Decode-like steps over requests that grow, share prefixes (as the radix tree shares
     pages), end or are aborted, with a small hot buffer and one worker, so deferred pages,
-    one-install boundaries, backpressure seals and reused pages interleave: after every step
-    each live request reads a prefix of sealed pages (request_view raises otherwise), and once
-    everything is freed no byte or hot page is left."""
+    batched installs (`batch` pages a boundary; 1: one job), backpressure seals and reused
+    pages interleave: after every step each live request reads a prefix of sealed pages
+    (request_view raises otherwise), and once everything is freed no byte or hot page is
+    left."""
     rng = random.Random(seed)
     a = pools("process", pages=48, hot_buffer_fraction=0.6, daemon_hot_watermark=0.15,
-              daemon_boundary_share=0.0)
+              daemon_boundary_share=0.0, daemon_install_batch=batch)
     deadline = time.time() + 120
     while float(a.daemon.channel.heartbeats[0]) <= a.daemon.workers[0].spawned_at:
         assert time.time() < deadline  # the worker is up: results can come back between steps
@@ -630,6 +632,36 @@ def test_random_steps_keep_every_requests_sealed_pages_a_prefix(pools, seed):
     settle(a)
     assert a.arena_bytes == 0 and len(a.free_hot_pages) == a.num_hot_pages, repro(seed)
     assert not a.sealed and not a.pending, repro(seed)
+
+
+def test_install_batches_wait_for_pages_or_age_and_keep_request_order():
+    """`install_batch` (no daemon needed): nothing until the installable ready jobs hold
+    `pages` pages (or more than that is ready) or the oldest waited `pages` boundaries, then up
+    to `pages` pages (the first job always); a job whose earlier pages are in an earlier job of the batch goes with it, one
+    whose earlier pages are not ready stays; with the hot buffer low (None) all installable go."""
+    from mosaickv_sglang.daemon.adopt import install_batch
+
+    def job(i, pages, needs=(), agreed_at=0):
+        return SimpleNamespace(id=i, pages=pages, needs=list(needs), agreed_at=agreed_at)
+
+    pending = {1, 2, 3, 4, 5, 9}  # pages on their way; page 9's job is not ready
+
+    class Pool:
+        @staticmethod
+        def installable(j, with_pages=()):
+            return all(p not in pending or p in with_pages for p in j.needs)
+
+    a, b = job(0, [1]), job(1, [2], needs=[1])  # b's earlier page is a's
+    c, d = job(2, [3], needs=[9]), job(3, [4, 5], agreed_at=3)
+    names = lambda got: [j.id for j in got]  # noqa: E731
+    assert install_batch(Pool, [a], boundary=2, pages=3) == []  # 1 page, waited 2 < 3
+    assert names(install_batch(Pool, [a], boundary=3, pages=3)) == [0]  # waited 3: due
+    assert names(install_batch(Pool, [b, a], boundary=1, pages=2)) == [0, 1]  # order: a then b
+    assert names(install_batch(Pool, [a, b, c, d], boundary=1, pages=3)) == [0, 1]  # d over the cap: due
+    assert names(install_batch(Pool, [a, b, c, d], boundary=1, pages=4)) == [0, 1, 3]
+    assert names(install_batch(Pool, [d], boundary=3, pages=1)) == [3]  # the first job always
+    assert names(install_batch(Pool, [a, b, c, d], boundary=0, pages=None)) == [0, 1, 3]
+    assert install_batch(Pool, [c], boundary=99, pages=2) == []  # never ahead of page 9
 
 
 # --------------------------------------------------------------------------- TP agreement

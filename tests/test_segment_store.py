@@ -187,6 +187,60 @@ def test_adopting_by_kernel_refuses_what_it_cannot_read_by_address():
             assert torch.equal(getattr(a.meta[layer], f)[1], getattr(b.meta[layer], f)[1]), f
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_adopting_a_batch_by_kernel_equals_adopting_each_page_by_torch(seed, monkeypatch):
+    """`adopt_pages` with the pack kernel writes a batch of different pages (more than one
+    staging buffer holds) in ceil(n / PAGES) launches, and stores what the torch path stores
+    page by page: blocks, headers, page metadata. A page no arena has room for is left out
+    (None, its blocks given back) and the batch's other pages still land; a page outside the
+    store's tables is refused before anything is written (the kernel writes by address)."""
+    from mosaickv_sglang import segment_store as store_mod
+    from mosaickv_sglang.codec.arena import META_FIELDS, pack_page
+    from mosaickv_sglang.codec.seal import seal_group, worst_page_bytes
+    from mosaickv_sglang.codec.strategies import parse_strategy
+
+    launches = []
+    real = store_mod.copy_rows
+    monkeypatch.setattr(store_mod, "copy_rows", lambda rows, n: (launches.append(len(rows)),
+                                                                 real(rows, n)))
+    cfg, dense, layers, n = MosaicConfig(), parse_strategy("dense"), 2, AdoptRows.PAGES + 3
+    g = torch.Generator().manual_seed(seed)
+    kv = (torch.randn(n, layers, 2, H, cfg.segment_tokens, D, generator=g)
+          * torch.logspace(0.5, -1, D)).bfloat16()
+    sealed = seal_group(lambda idx: (kv[idx, :, 0], kv[idx, :, 1]),
+                        [cfg.segment_tokens * i for i in range(n)], None, cfg,
+                        Candidates.from_config(cfg), dense)
+    aps = [pack_page(sp, cfg.page_tokens) for sp in sealed]
+    room = sum(aps[i].blocks.numel() for i in range(n - 1))  # the last page does not fit
+    stores = {k: SegmentStore(layers, n, H, D, cfg.segment_tokens, cfg.page_tokens, "cpu",
+                              cfg.select.meta_channels, room // layers + 4096, pack_kernel=k)
+              for k in ("torch", "triton")}
+    ref, kern = stores["torch"], stores["triton"]
+    with pytest.raises(IndexError, match=r"pages \[%d\] outside" % (n + 1)):
+        kern.adopt_pages([1, n + 1], aps[:2])  # refused before anything is written
+    assert not kern.blocks and kern.live_bytes == 0
+    kern.prepare_adoption()
+    launches.clear()
+    pages = list(range(1, n + 1))
+    got = kern.adopt_pages(pages, aps)
+    want = [ref.adopt(p, ap) for p, ap in zip(pages, aps)]
+    assert launches and len(launches) == -(-sum(x is not None for x in got) // AdoptRows.PAGES)
+    assert [x is None for x in got] == [x is None for x in want], repro(seed)
+    assert got[0] is not None and any(x is None for x in got), "the test's arena is mis-sized"
+    assert kern.live_bytes == ref.live_bytes and kern.top == ref.top, repro(seed)
+    for page, x in zip(pages, got):
+        if x is None:
+            assert not any(key[1] == page for key in kern.blocks), repro(seed)
+            continue
+        for layer in range(layers):
+            (ba, size), (bb, _) = ref.blocks[(layer, page)], kern.blocks[(layer, page)]
+            assert torch.equal(ref.data[layer][ba:ba + size], kern.data[layer][bb:bb + size])
+            assert torch.equal(ref.headers[layer][page], kern.headers[layer][page]), repro(seed)
+            for f in META_FIELDS:
+                assert torch.equal(getattr(ref.meta[layer], f)[page],
+                                   getattr(kern.meta[layer], f)[page]), (f, repro(seed))
+
+
 def test_prepare_adoption_builds_the_staging_ring_and_runs_the_copy_kernel_once(monkeypatch):
     """The daemon's start prepares adoption (no Triton compile in the step of the first adopted
     page): with the pack kernel the staging ring exists afterwards and one real `copy_rows`

@@ -81,18 +81,18 @@ def agree_state(jobs: list, broken: bool, group=None) -> bool:
 
 
 def adopt(pool, group=None) -> int:
-    """One step boundary: install the first agreed ready job, apply backpressure (see
-    MosaicKVPool._relieve) if free hot pages fell under the watermark, then let the client read
-    results and fill slots within the boundary's budget (budget.py; without it while the hot
-    buffer is low). Returns pages installed.
+    """One step boundary: install a batch of agreed ready jobs (`install_batch`), apply
+    backpressure (see MosaicKVPool._relieve) if free hot pages fell under the watermark, then
+    let the client read results and fill slots within the boundary's budget (budget.py; without
+    it while the hot buffer is low). Returns pages installed.
 
-    One job per boundary (a decode job is one page), all of them while the hot buffer is low: how
-    many is decided without the clock, so every rank installs the same; their time counts
-    against the budget, so the loads and copies after them wait for a later boundary when they
-    took the step's share."""
+    How many pages are installed is decided without the clock, so every rank installs the same;
+    their time counts against the budget, so the copies after them wait for a later boundary
+    when they took the step's share."""
     client = pool.daemon
     budget = client.budget
     budget.open()
+    client.boundaries += 1
     t = time.perf_counter()
     client.check()
     budget.note("check", time.perf_counter() - t)
@@ -105,35 +105,42 @@ def adopt(pool, group=None) -> int:
                      "so every rank switches the same pages at the same step")
     installed = 0
     agreed = agree(client, jobs, group)
+    for job in agreed:
+        if job.agreed_at is None:
+            job.agreed_at = client.boundaries
     budget.note("agree", time.perf_counter() - t)
     # Hot buffer within twice the watermark (the same on every rank): install, read and copy all
     # there is, unbudgeted (counted): spreading the work would bring an inline seal (0.5-1 s)
-    # closer. Installs go in request order: a job whose earlier pages are still on their way
-    # waits (installable), and may become installable once the job before it is in.
+    # closer.
     watermark = math.ceil(pool.cfg.daemon_hot_watermark * pool.num_hot_pages)
     low = len(pool.free_hot_pages) < 2 * watermark
     if low:
         budget.lift()
-    while job := next((j for j in agreed if pool.installable(j)), None):
-        agreed.remove(job)
+    batch = install_batch(pool, agreed, client.boundaries, None if low else
+                          pool.cfg.daemon_install_batch)
+    if batch:
         t = time.perf_counter()
-        if job.error is not None:
-            client.counters.sync_seals_fallback += len(job.pages)
-            installed += pool._finish(job, None)
-        else:
-            n = pool._finish(job, client.take_results(job))
-            client.counters.adopted_pages += n
-            installed += n
-        budget.spent("install", time.perf_counter() - t, len(job.pages))
-        if not low:
-            break
+        adopted = []  # consecutive jobs with results: one install
+        for job in batch + [None]:
+            if job is not None and job.error is None:
+                adopted.append(job)
+                continue
+            if adopted:
+                n = pool._finish(adopted, [client.take_results(j) for j in adopted])
+                client.counters.adopted_pages += n
+                installed += n
+                adopted = []
+            if job is not None:  # a worker failed on it: sealed here
+                client.counters.sync_seals_fallback += len(job.pages)
+                installed += pool._finish([job])
+        budget.spent("install", time.perf_counter() - t, sum(len(j.pages) for j in batch))
     t = time.perf_counter()
     if client.broken:  # restarting did not help: seal what is left here (logged by the client)
         while open_jobs := client.open_jobs():
             job = pool.next_to_seal(open_jobs)
             client.cancel(job)
             client.counters.sync_seals_fallback += len(job.pages)
-            installed += pool._finish(job, None)
+            installed += pool._finish([job])
     relieved = pool._relieve(watermark)
     budget.note("relieve", time.perf_counter() - t, relieved)
     client.collect()
@@ -142,3 +149,33 @@ def adopt(pool, group=None) -> int:
     budget.note("swaplog", time.perf_counter() - t)
     budget.close()
     return installed
+
+
+def install_batch(pool, agreed: list, boundary: int, pages: int | None) -> list:
+    """The agreed ready jobs to install at this boundary, in request order (a job whose earlier
+    pages are still on their way waits; one whose earlier pages are in an earlier job of the
+    batch goes with it): with `pages` None (the hot buffer is low) every installable one;
+    otherwise none until they hold `pages` pages (or more than that is ready) or the oldest of
+    them was agreed `pages` boundaries ago, then up to `pages` pages (always the first job). Installing a few pages in
+    one boundary, one launch, spends the adoption's fixed cost once and leaves the other
+    boundaries' first operation to the copies into slots. Deterministic in the pool's state
+    and the boundary count: every rank takes the same."""
+    chosen, ids, with_pages, total, full = [], set(), set(), 0, False
+    while not full:  # passes until none is added: a job may become installable by a later one
+        before = len(chosen)
+        for job in agreed:
+            if job.id in ids or not pool.installable(job, with_pages):
+                continue
+            if pages is not None and chosen and total + len(job.pages) > pages:
+                full = True  # more is ready than one batch takes
+                break
+            chosen.append(job)
+            ids.add(job.id)
+            with_pages.update(job.pages)
+            total += len(job.pages)
+        if len(chosen) == before:
+            break
+    if pages is None or not chosen:
+        return chosen
+    due = full or total >= pages or boundary - min(j.agreed_at for j in chosen) >= pages
+    return chosen if due else []

@@ -85,6 +85,7 @@ class Job:
     error: str | None = None
     cancelled: bool = False
     holds_slots: bool = False  # ready with results read in place: slots freed once installed
+    agreed_at: int | None = None  # the boundary (DaemonClient.boundaries) it was first agreed ready
 
     @property
     def ready(self) -> bool:
@@ -157,6 +158,7 @@ class DaemonClient:
         self.latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.budget = BoundaryBudget(cfg.daemon_boundary_share)
         self._next_id = 0
+        self.boundaries = 0  # step boundaries so far (adopt.py): the same count on every rank
         self._first_worker = -1  # collect() starts one worker further each boundary
         self._dead: dict[int, str] = {}  # worker index -> why, restarted by the next check()
         self._checked = float("-inf")  # when check() last looked at a worker
