@@ -637,8 +637,8 @@ def test_random_steps_keep_every_requests_sealed_pages_a_prefix(pools, seed, bat
 def test_install_batches_wait_for_pages_or_age_and_keep_request_order():
     """`install_batch` (no daemon needed): nothing until the installable ready jobs hold
     `pages` pages (or more than that is ready) or the oldest waited `pages` boundaries, then up
-    to `pages` pages (the first job always); a job whose earlier pages are in an earlier job of the batch goes with it, one
-    whose earlier pages are not ready stays; with the hot buffer low (None) all installable go."""
+    to `pages` pages (the first job always); a job whose earlier pages are in an earlier job of
+    the batch goes with it, one whose earlier pages are not ready stays; with the hot buffer low (None) all installable go."""
     from mosaickv_sglang.daemon.adopt import install_batch
 
     def job(i, pages, needs=(), agreed_at=0):
@@ -657,7 +657,8 @@ def test_install_batches_wait_for_pages_or_age_and_keep_request_order():
     assert install_batch(Pool, [a], boundary=2, pages=3) == []  # 1 page, waited 2 < 3
     assert names(install_batch(Pool, [a], boundary=3, pages=3)) == [0]  # waited 3: due
     assert names(install_batch(Pool, [b, a], boundary=1, pages=2)) == [0, 1]  # order: a then b
-    assert names(install_batch(Pool, [a, b, c, d], boundary=1, pages=3)) == [0, 1]  # d over the cap: due
+    # d does not fit the cap of 3: due now
+    assert names(install_batch(Pool, [a, b, c, d], boundary=1, pages=3)) == [0, 1]
     assert names(install_batch(Pool, [a, b, c, d], boundary=1, pages=4)) == [0, 1, 3]
     assert names(install_batch(Pool, [d], boundary=3, pages=1)) == [3]  # the first job always
     assert names(install_batch(Pool, [a, b, c, d], boundary=0, pages=None)) == [0, 1, 3]
