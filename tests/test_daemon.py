@@ -638,7 +638,8 @@ def test_install_batches_wait_for_pages_or_age_and_keep_request_order():
     """`install_batch` (no daemon needed): nothing until the installable ready jobs hold
     `pages` pages (or more than that is ready) or the oldest waited `pages` boundaries, then up
     to `pages` pages (the first job always); a job whose earlier pages are in an earlier job of
-    the batch goes with it, one whose earlier pages are not ready stays; with the hot buffer low (None) all installable go."""
+    the batch goes with it, one whose earlier pages are not ready stays; with the hot buffer
+    low (None) all installable go."""
     from mosaickv_sglang.daemon.adopt import install_batch
 
     def job(i, pages, needs=(), agreed_at=0):

@@ -158,8 +158,8 @@ def install_batch(pool, agreed: list, boundary: int, pages: int | None) -> list:
     otherwise none until they hold `pages` pages (or more than that is ready) or the oldest of
     them was agreed `pages` boundaries ago, then up to `pages` pages (always the first job).
     Installing a few pages in one boundary, one launch, spends the adoption's fixed cost once
-    and leaves the other boundaries' first operation to the copies into slots. Deterministic in the pool's state
-    and the boundary count: every rank takes the same."""
+    and leaves the other boundaries' first operation to the copies into slots. Deterministic
+    in the pool's state and the boundary count: every rank takes the same."""
     chosen, ids, with_pages, total, full = [], set(), set(), 0, False
     while not full:  # passes until none is added: a job may become installable by a later one
         before = len(chosen)
