@@ -377,6 +377,7 @@ def main() -> None:
     def phase(produce: bool) -> dict:
         steps, bounds, submits, parts, ops = [], [], [], [], []
         page_loads, page_installs = [], []  # ms per adopted page: read + unpickle, install
+        done_pages = 0
         install_parts = {k: [] for k in BoundaryBreakdown.INSTALL_PARTS}  # per page installed
         done0, busy0 = state["done"], client.counters.worker_seconds
         deferred0, unbounded0 = client.budget.deferred, client.budget.unbounded_boundaries
@@ -401,6 +402,7 @@ def main() -> None:
             if part["loads"]:  # at a read, or inside the install (read in place)
                 page_loads.append(part["load"] / part["loads"])
             if n_installed := state["installed"] - installed0:  # per page of the batch
+                done_pages += n_installed
                 page_installs.append(part["install"] / n_installed)
                 for k, xs in install_parts.items():
                     xs.append(part[k] / n_installed)
@@ -419,7 +421,7 @@ def main() -> None:
                 # (copy + unpickle) and its install into the store (arena, headers, metadata)
                 "adopt_page_ms": {"load": quantiles(page_loads) if page_loads else None,
                                   "install": quantiles(page_installs) if page_installs else None,
-                                  "pages": len(page_installs),
+                                  "pages": done_pages, "install_boundaries": len(page_installs),
                                   # inside one install: SegmentStore.adopt (its kernel launch
                                   # apart) and the release of the page it replaces
                                   "install_parts": {k: quantiles(xs) if xs else None
@@ -527,7 +529,8 @@ def main() -> None:
         print("| " + " | ".join(row) + " |")
     a = saturated["adopt_page_ms"]
     if a["load"] and a["install"]:
-        print(f"adopting one page on the scheduler thread ({a['pages']} pages), ms p50/mean/max: "
+        print(f"adopting one page on the scheduler thread ({a['pages']} pages in "
+              f"{a['install_boundaries']} installs), ms p50/mean/max: "
               + ", ".join(f"{k} " + "/".join(f"{a[k][q]:.2f}" for q in ("p50", "mean", "max"))
                           for k in ("load", "install"))
               + "; inside an install, p50: " + ", ".join(

@@ -53,6 +53,7 @@ for run in "${runs[@]}"; do
   echo "daemon bench $name rc $?"
   { echo "===== $name"; cat /tmp/run.log; } >> "$OUT/daemon.log"
 done
-for tree in $([ "${ADOPT:-1}" = 1 ] && echo old new); do echo "adopt_bench $tree: $(grep -E '^arena_ready_kernels|^pump by kernel' \
-  /tmp/adopt_$tree.log | sed 's/.*median of 50 ms: //; s/.*pinned): //' | tr '\n' ' ')"; done
+for tree in $([ "${ADOPT:-1}" = 1 ] && echo old new); do echo "adopt_bench $tree: $(grep -E \
+  '^arena_ready_kernels|^in_place_kernels|^pump by kernel' /tmp/adopt_$tree.log \
+  | sed 's/: .*median of 50 ms:/:/; s/ (row table.*//; s/.*pinned): /pump: /' | tr '\n' ' ')"; done
 python3 scripts/summarize_daemon_runs.py "$OUT"/daemon_*.json

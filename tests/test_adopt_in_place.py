@@ -3,7 +3,8 @@ into the store exactly as its device copy is, and nothing the store or the page'
 points into the slot afterwards: overwriting the slot changes nothing. On CUDA the copy kernel
 reads the pinned, mapped slot over PCIe (`SegmentStore.reads_host`); on a CPU the torch copies
 and the kernel (Triton's interpreter) read it directly. The gpu-marked case is the same on the
-device machine."""
+device machine. Two pages from two slots in one batch (`adopt_pages`, one kernel launch) land
+as the one page does."""
 from __future__ import annotations
 
 import pytest
@@ -58,26 +59,31 @@ def _check(device, path, seed):
         want = _store(cfg, device, path)
         want_segs = want.store_pages([1], [load(region, off, n, refs, device)])[0]
         got = _store(cfg, device, path)
-        assert got.reads_host(channel.result(0)), "the store cannot read the slot in place"
-        got_segs = got.store_pages([1], [load(region, off, n, refs, None)])[0]
+        first = channel.result(0)
+        assert got.reads_host(first), "the store cannot read the slot in place"
+        off0, n0 = dump(packed, first, {id(page.bases): "bases"})
+        # two pages from two slots in one batch (one launch on the kernel path)
+        got_pages = got.store_pages([1, 2], [load(region, off, n, refs, None),
+                                             load(first, off0, n0, refs, None)])
         full = _store(cfg, device, path, capacity=16)  # no room: segments keep their own bytes
         full_segs = full.store_pages([1], [load(region, off, n, refs, None)])[0]
         if device == "cuda":
             torch.cuda.synchronize()
-        region.fill_(0xA5)  # the slot reused by the next result
-        for layer in range(LAYERS):
-            (wa, size), (ga, _) = want.blocks[(layer, 1)], got.blocks[(layer, 1)]
+        region.fill_(0xA5)  # the slots reused by the next results
+        first.fill_(0x5A)
+        for layer, p in ((layer, p) for layer in range(LAYERS) for p in (1, 2)):
+            (wa, size), (ga, _) = want.blocks[(layer, 1)], got.blocks[(layer, p)]
             assert torch.equal(want.data[layer][wa:wa + size], got.data[layer][ga:ga + size]), \
                 repro(seed)
-            hw, hg = want.headers[layer][1].clone(), got.headers[layer][1].clone()
+            hw, hg = want.headers[layer][1].clone(), got.headers[layer][p].clone()
             hw[HDR["base16"]] = hg[HDR["base16"]] = 0
             assert torch.equal(hw, hg), repro(seed)
             for f in META_FIELDS:
                 assert torch.equal(getattr(want.meta[layer], f)[1],
-                                   getattr(got.meta[layer], f)[1]), f"{f} {repro(seed)}"
+                                   getattr(got.meta[layer], f)[p]), f"{f} {repro(seed)}"
         assert not full.blocks and full.arena_full == LAYERS
         expect = _segment_tensors(want_segs)
-        for segs in (got_segs, full_segs):
+        for segs in (*got_pages, full_segs):
             for (hw, tw), (hg, tg) in zip(expect, _segment_tensors(segs)):
                 assert torch.equal(hw, hg) and tw.keys() == tg.keys(), repro(seed)
                 assert all(torch.equal(tw[k], tg[k]) for k in tw), repro(seed)
