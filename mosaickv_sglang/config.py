@@ -96,8 +96,10 @@ class MosaicConfig:
     # a boundary always runs. Lower: flatter step times, fewer pages adopted per second.
     daemon_boundary_share: float = 0.04
     # Pages installed together at one boundary (one adoption launch): ready pages wait until
-    # this many are installable or the oldest waited this many boundaries. 1: one job a boundary.
-    daemon_install_batch: int = 2
+    # this many are installable or the oldest waited this many boundaries. 1: one job a
+    # boundary. 4 doubled the daemon's pages/s on the H200 (to its workers' bound); a lower
+    # value trades pages/s for a shorter longest boundary (RESULTS.md, session 19).
+    daemon_install_batch: int = 4
     # Niceness of the worker processes (0-19): they should only take cores the scheduler, the
     # tokenizer and the CUDA driver leave idle, never delay a decode step's host work.
     daemon_nice: int = 19

@@ -8,7 +8,8 @@ seals per second of work.
 
 --plot (matplotlib) draws each run's daemon pages/s against its saturated/idle p99 step
 ratio, beside the 5% step target and batch-128 decode's production at 30 ms: where a setting
-sits between "keeps the step" and "keeps up".
+sits between "keeps the step" and "keeps up" ("batch N": `daemon_install_batch`; crosses,
+"1 job": runs of code from before batched installs, one job a boundary).
 """
 from __future__ import annotations
 
@@ -50,9 +51,14 @@ def plot(paths: list[Path], out: Path) -> None:
         production = r["production_pages_per_s_batch128"].get("30.0", production)
         mode = f"{'overlap' if r['args']['overlap'] else 'strict'} {r['args']['step_ms']:g} ms"
         x, y = r["daemon_pages_per_s"], r["step_p99_ratio"]
-        ax.scatter(x, y, color="tab:orange" if r["args"]["overlap"] else "tab:blue")
-        ax.annotate(f"{mode}, share {r['args']['share']:g}", (x, y), fontsize=7,
+        batch = r["args"].get("install_batch")  # absent: code from before batched installs
+        ax.scatter(x, y, color="tab:orange" if r["args"]["overlap"] else "tab:blue",
+                   marker="o" if batch else "x")
+        ax.annotate(f"{mode}, share {r['args']['share']:g}, "
+                    + (f"batch {batch}" if batch else "1 job"), (x, y), fontsize=6,
                     xytext=(4, 2), textcoords="offset points")
+    lo, hi = ax.get_xlim()
+    ax.set_xlim(lo, hi + 0.35 * (hi - lo))  # room for the labels of the rightmost runs
     ax.axhline(1.05, color="gray", ls="--", lw=1)
     if production is not None:
         ax.axvline(production, color="gray", ls=":", lw=1)
