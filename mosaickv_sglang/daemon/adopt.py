@@ -5,6 +5,9 @@ Every tensor-parallel rank runs its own daemon, so results arrive at different t
 different ranks. The open jobs are the same list on every rank (sealing decisions are
 deterministic), so the ranks agree on a ready bitmap over it (MIN all-reduce on the TP CPU
 group) and install exactly the agreed jobs: every rank switches the same pages at the same step.
+Which agreed jobs go at a boundary (`install_batch`: a few pages together, one launch) follows
+from the agreed set, the pool's state and the boundary count, all equal on every rank (each rank
+runs one adoption per scheduler iteration, and its collectives keep the ranks in step).
 Before that, one fixed-size all-reduce checks that the open-job lists really are equal (a clear
 error instead of a mismatched collective) and spreads a broken daemon: if any rank's daemon is
 broken, every rank seals inline from then on, so the ranks keep sealing the same pages at the

@@ -1,8 +1,9 @@
 """How much scheduler-thread time one step boundary may spend on the daemon.
 
-Adopting a page costs the scheduler thread three separate operations (on the H200 host, ~0.3-1
-ms each): reading the worker's result out of its slot (`load`), installing it into the arena
-(`install`), and copying a new hot page into a slot (`pump`). Done together in one boundary
+Adopting a page costs the scheduler thread separate operations (on the H200 host, ~0.2-1 ms
+each): copying a new hot page into a slot (`pump`), installing the result into the arena
+(`install`, in batches of pages, the unpickle of results read in place included) and, where
+results are not read in place, reading one out of its slot (`load`). Done together in one boundary
 they add ~2 ms to that step: at a 26 ms host-bound step the p99 step grew 1.07-1.14x with the
 daemon saturated (RESULTS.md, session 9). A boundary now runs operations only while they fit in
 `share` of the step period (the running mean of the time between boundaries), predicting each
@@ -20,8 +21,8 @@ While the hot buffer runs low (`lift()`, called by adopt.py) the budget steps as
 adopted soon enough is sealed inline by backpressure, which costs a step 0.5-1 s, not 1 ms.
 
 The budget only gates work local to this rank (loads and pumps). Installs change what every
-tensor-parallel rank reads, so how many happen is decided without the clock (adopt.py: one job
-per boundary, all ready ones while the hot buffer is low); their time is counted here so the
+tensor-parallel rank reads, so how many happen is decided without the clock (adopt.py:
+`install_batch`, all ready ones while the hot buffer is low); their time is counted here so the
 local work after them yields.
 """
 from __future__ import annotations
