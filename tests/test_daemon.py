@@ -316,7 +316,7 @@ def test_results_read_in_place_hold_their_slots_until_installed_or_dropped(pools
     """A result read in place stays in its slot until the install copied it out: the slots are
     held while the job is ready, and free again after the boundary that installed it; a ready
     job dropped instead (its page freed) lets its slots go too."""
-    a = pools("process")
+    a = pools("process", daemon_install_batch=3)  # a job's 3 pages go at the next boundary
     assert a.daemon.in_place  # on a CPU results are always read in place
     for r, drop in ((0, False), (1, True)):
         slots = torch.arange((1 + 3 * r) * PS, (4 + 3 * r) * PS)  # 3 pages: one fit job
