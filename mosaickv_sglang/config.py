@@ -93,7 +93,8 @@ class MosaicConfig:
     daemon_timeout_s: float = 120.0  # a busy worker silent this long is killed and restarted
     # Share of a step the daemon's work at a step boundary (copying pages into slots, reading
     # results not read in place, after the boundary's install batch) may take on the scheduler
-    # thread; the first operation of a boundary always runs. Lower: flatter step times, fewer pages adopted per second.
+    # thread; the first operation of a boundary always runs. Lower: flatter step times, fewer
+    # pages adopted per second.
     daemon_boundary_share: float = 0.04
     # Pages installed together at one boundary (one adoption launch): ready pages wait until
     # this many are installable or the oldest waited this many boundaries. 1: one job a
