@@ -147,7 +147,7 @@ class SegmentStore:
         batch. Returns each page's per-layer Segments."""
         segments = [None if isinstance(sp, ArenaPage) else sp.segments for sp in sealed]
         ready = [i for i, sp in enumerate(sealed) if isinstance(sp, ArenaPage)]
-        rest = [i for i in range(len(pages)) if i not in ready]
+        rest = [i for i, sp in enumerate(sealed) if not isinstance(sp, ArenaPage)]
         for i, got in zip(ready, self.adopt_pages([pages[i] for i in ready],
                                                   [sealed[i] for i in ready])):
             if got is None:  # no room: its segments keep their bytes, never a daemon slot's

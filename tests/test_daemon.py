@@ -340,6 +340,30 @@ def test_results_read_in_place_hold_their_slots_until_installed_or_dropped(pools
     assert len(a.sealed) == 3
 
 
+def test_a_job_a_worker_failed_on_is_sealed_here_beside_a_batch_of_results(pools):
+    """Two ready jobs installed at one boundary (one basis block each; the second's earlier
+    pages are the first's), the first one's worker reported an error: it is sealed on this
+    thread (counted as a fallback) and, after it, the second goes in from its result; the pages
+    are what synchronous sealing stores."""
+    a, b = pools("process", daemon_install_batch=8), pools("off")
+    slots = torch.arange(PS, 9 * PS)  # pages 1..8: two basis blocks of four
+    for p in (a, b):
+        write(p, slots, seed=4)
+        p.seal_request(slots[:4 * PS], 4 * PS)
+        p.seal_request(slots, len(slots))
+    deadline = time.time() + 120
+    while len(a.daemon.ready) < 2:  # boundaries that read only (nothing installed)
+        a.daemon.budget.open()
+        a.daemon.collect()
+        assert time.time() < deadline, a.daemon.stats()
+        time.sleep(0.02)
+    a.daemon.ready_jobs()[0].error = "injected"
+    assert a.adopt() == 8
+    st = a.stats()["daemon"]
+    assert st["sync_seals_fallback"] == 4 and st["adopted_pages"] == 4, st
+    same_pages(a, b)
+
+
 def test_freed_page_result_is_discarded_not_installed(pools):
     a = pools("process")
     slots = torch.arange(PS, 3 * PS)  # pages 1, 2

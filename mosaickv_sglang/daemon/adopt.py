@@ -18,6 +18,7 @@ them, and a freed hot page is only rewritten by a later forward on the same stre
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -123,17 +124,16 @@ def adopt(pool, group=None) -> int:
                           pool.cfg.daemon_install_batch)
     if batch:
         t = time.perf_counter()
-        adopted = []  # consecutive jobs with results: one install
-        for job in batch + [None]:
-            if job is not None and job.error is None:
-                adopted.append(job)
-                continue
-            if adopted:
-                n = pool._finish(adopted, [client.take_results(j) for j in adopted])
+        # in batch order: consecutive jobs with results in one install, a job a worker failed
+        # on sealed here
+        for has_results, run in itertools.groupby(batch, key=lambda j: j.error is None):
+            run = list(run)
+            if has_results:
+                n = pool._finish(run, [client.take_results(j) for j in run])
                 client.counters.adopted_pages += n
                 installed += n
-                adopted = []
-            if job is not None:  # a worker failed on it: sealed here
+                continue
+            for job in run:
                 client.counters.sync_seals_fallback += len(job.pages)
                 installed += pool._finish([job])
         budget.spent("install", time.perf_counter() - t, sum(len(j.pages) for j in batch))
