@@ -2,8 +2,9 @@
 closeness check that NaN/inf can never pass.
 
 Every test that draws random data takes the `seed` fixture: it seeds torch's global RNG with a
-fresh seed (or MOSAICKV_TEST_SEED, to reproduce a failure) and returns it, and every assertion
-message carries it.
+fresh seed (or MOSAICKV_TEST_SEED, to reproduce a failure) and returns it; a failing test's
+report carries a "random seed" section with the rerun line (`pytest_runtest_makereport`), and
+assertion messages may carry it too (`repro`).
 """
 from __future__ import annotations
 
@@ -31,13 +32,24 @@ def _fresh_seed() -> int:
 def seed(request):
     s = _fresh_seed()
     torch.manual_seed(s)
-    # shown by `pytest -rA` / on failure next to the test id
+    # in the failure report (pytest_runtest_makereport below) and in --junitxml
     request.node.user_properties.append(("seed", s))
     # the tensors here are tiny: one intra-op thread avoids OpenMP spin-waiting on a busy 2-core box
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield s
     torch.set_num_threads(threads)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that drew a seed shows it: a "random seed" section in its report."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for name, value in item.user_properties:
+            if name == "seed":
+                report.sections.append(("random seed", repro(value)))
 
 
 def repro(seed: int) -> str:

@@ -12,8 +12,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpr
 @pytest.mark.parametrize("layers,heads,head_dim,page_size,pages", [
     (2, 2, 64, 16, 3), (3, 1, 80, 8, 2), (1, 4, 32, 24, 4)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gather_matches_page_kv(layers, heads, head_dim, page_size, pages, dtype):
-    seed = int(torch.randint(0, 2**31, ()))
+def test_gather_matches_page_kv(layers, heads, head_dim, page_size, pages, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     k, v = ([torch.randn(pages * page_size, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
              for _ in range(layers)] for _ in range(2))

@@ -27,8 +27,7 @@ def _case(gen, rows_per_req, hq, d, empty_rows=()):
     ((3, 1, 2), 4, 64, ()), ((1,), 32, 128, ()), ((8, 8, 1, 5), 9, 64, (2, 9)),
     ((2, 4), 6, 80, (0,))])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_merge_rows_matches_reference(rows_per_req, hq, d, empty, out_dtype):
-    seed = int(torch.randint(0, 2**31, ()))
+def test_merge_rows_matches_reference(rows_per_req, hq, d, empty, out_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     o_rows, lse, table = _case(gen, rows_per_req, hq, d, empty)
     k = len(rows_per_req)
