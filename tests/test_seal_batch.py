@@ -25,8 +25,8 @@ def _segments(n, gen):
 
 
 @pytest.mark.parametrize("sink", [False, True])
-def test_batched_sealing_equals_one_by_one(sink):
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+def test_batched_sealing_equals_one_by_one(sink, seed):
+    gen = torch.Generator().manual_seed(seed)
     cfg = MosaicConfig(k_candidates=["band:b8=4,b4=44,b2=16,group=128", "lowbit:bits=4,group=32",
                                      "topr:r=16,val=fp8"], k_error_budget=0.1)
     cands = Candidates.from_config(cfg)
@@ -38,23 +38,35 @@ def test_batched_sealing_equals_one_by_one(sink):
     batched = seal_segments(k, v, kb, vb, 0, starts, cfg, cands, sink, True)
     single = [seal_segments(k[i:i + 1], v[i:i + 1], kb[i:i + 1], vb[i:i + 1], 0, [starts[i]], cfg,
                             cands, sink, True)[0] for i in range(n)]
-    reasons = set()
     for a, b in zip(batched, single):
         for ca, cb in ((a.k, b.k), (a.v, b.v)):
-            assert ca.strategy.spec == cb.strategy.spec and ca.reason == cb.reason
-            reasons.add(ca.reason)
-            assert ca.error == pytest.approx(cb.error, rel=1e-4)
+            assert ca.strategy.spec == cb.strategy.spec and ca.reason == cb.reason, repro(seed)
+            assert ca.error == pytest.approx(cb.error, rel=1e-4), repro(seed)
             assert ca.encoded.tensors.keys() == cb.encoded.tensors.keys()
             for name in ca.encoded.tensors:
-                assert torch.equal(ca.encoded.tensors[name], cb.encoded.tensors[name]), name
+                assert torch.equal(ca.encoded.tensors[name], cb.encoded.tensors[name]), \
+                    (name, repro(seed))
         assert torch.equal(a.header, b.header) and a.pages_rotated == b.pages_rotated
         for ta, tb in zip(a.pages.tensors().values(), b.pages.tensors().values()):
-            assert torch.equal(ta, tb)
-    assert reasons  # the data exercised at least one path; which ones depends on the seed
+            assert torch.equal(ta, tb), repro(seed)
+    # The equality above holds whichever paths ran; these are the paths the data was built to
+    # take (measured over 150 seeds): a sink segment takes the sink candidate; otherwise V and
+    # K's plain segments fit a candidate, and K's heavy-tailed segments (0, 3, 6) miss all three
+    # and take the rescue candidate (all three in 149 seeds, two in the other).
+    k_reasons, v_reasons = [s.k.reason for s in batched], [s.v.reason for s in batched]
+    if sink:
+        assert k_reasons == v_reasons == ["sink"] * n, (k_reasons, v_reasons, repro(seed))
+    else:
+        assert v_reasons == ["within-budget"] * n, (v_reasons, repro(seed))
+        assert [r for i, r in enumerate(k_reasons) if i % 3] == ["within-budget"] * 4, \
+            (k_reasons, repro(seed))
+        outliers = k_reasons[::3]
+        assert "rescued" in outliers and set(outliers) <= {"rescued", "within-budget"}, \
+            (k_reasons, repro(seed))
 
 
-def test_fallback_applies_only_to_segments_over_budget():
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+def test_fallback_applies_only_to_segments_over_budget(seed):
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(4, H, S, D, generator=gen)
     x[1] *= torch.randn(S, D, generator=gen).exp()  # one heavy-tailed segment
     cands = Candidates.from_config(MosaicConfig(k_candidates=["lowbit:bits=2,group=32"]))
@@ -63,17 +75,18 @@ def test_fallback_applies_only_to_segments_over_budget():
     worst = max(range(4), key=errs.__getitem__)
     budget = (max(errs) + sorted(errs)[-2]) / 2  # only the worst segment misses it
     choices, _ = _choose_batch(x, x, "k", cands.k, budget, "within-budget", DENSE)
-    assert [c.reason == "over-budget" for c in choices] == [i == worst for i in range(4)], errs
+    assert [c.reason == "over-budget" for c in choices] == [i == worst for i in range(4)], \
+        (errs, repro(seed))
     assert [c.strategy.name for c in choices] == ["dense" if i == worst else "lowbit"
                                                   for i in range(4)]
     assert choices[worst].error < 0.01  # the dense (bf16) fallback: rounding error only
 
 
 
-def test_rescue_candidate_comes_before_the_dense_fallback():
+def test_rescue_candidate_comes_before_the_dense_fallback(seed):
     """A segment no candidate fits takes the first rescue candidate that meets the budget
     (reason 'rescued'); only one no rescue fits either goes dense ('over-budget')."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(4, H, S, D, generator=gen)
     x[1] *= torch.randn(S, D, generator=gen).exp()  # heavy-tailed: 2-bit misses, 8-bit fits
     cands = Candidates.from_config(MosaicConfig(k_candidates=["lowbit:bits=2,group=32"],
@@ -82,7 +95,7 @@ def test_rescue_candidate_comes_before_the_dense_fallback():
     eight = [c.error for c in _choose_batch(x, x, "k", cands.rescue, float("inf"), "r", DENSE)[0]]
     worst = max(range(4), key=two.__getitem__)
     budget = (two[worst] + sorted(two)[-2]) / 2  # only the worst segment misses the 2-bit
-    assert eight[worst] < budget, (eight, budget)  # ... and 8 bits fit it
+    assert eight[worst] < budget, (eight, budget, repro(seed))  # ... and 8 bits fit it
     choices, _ = _choose_batch(x, x, "k", cands.k, budget, "within-budget", DENSE,
                                rescue=cands.rescue)
     assert [c.reason for c in choices] == ["rescued" if i == worst else "within-budget"
