@@ -31,17 +31,64 @@ def _env():
 
 # --------------------------------------------------------------------------- seams
 
-@pytest.mark.parametrize("target", sorted(plugin.HOOKS))
+_BCG = "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend." \
+    "BreakableCudaGraphBackend"
+# The seams MosaicKV hooks in SGLang 0.5.17, written out here rather than read from
+# plugin.HOOKS: target -> (hook type, the hook's dotted name). A hook added, dropped, retyped or
+# moved to another seam must be changed here too.
+EXPECTED_HOOKS = {
+    "sglang.srt.server_args.ServerArgs.add_cli_args":
+        ("AFTER", "mosaickv_sglang.plugin._add_cli_args"),
+    "sglang.srt.server_args.ServerArgs.from_cli_args":
+        ("AROUND", "mosaickv_sglang.plugin._from_cli_args"),
+    "sglang.srt.server_args.ServerArgs.check_server_args":
+        ("AFTER", "mosaickv_sglang.plugin._check_server_args"),
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size":
+        ("AFTER", "mosaickv_sglang.wiring._compute_cell_size"),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool":
+        ("AROUND", "mosaickv_sglang.wiring._build_token_to_kv_pool"),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure":
+        ("AFTER", "mosaickv_sglang.wiring._cap_running_requests"),
+    "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids":
+        ("AROUND", "mosaickv_sglang.wiring._release_page_ids"),
+    "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear":
+        ("AFTER", "mosaickv_sglang.wiring._allocator_clear"),
+    "sglang.srt.models.utils.enable_fused_set_kv_buffer":
+        ("AROUND", "mosaickv_sglang.wiring._fused_set_kv_buffer"),
+    "sglang.srt.utils.common.support_triton":
+        ("AROUND", "mosaickv_sglang.wiring._support_triton"),
+    "sglang.srt.managers.scheduler.Scheduler.get_internal_state":
+        ("AFTER", "mosaickv_sglang.wiring._internal_state"),
+    "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
+        ("BEFORE", "mosaickv_sglang.wiring._adopt_daemon_results"),
+    f"{_BCG}._alloc_full_buffer": ("AROUND", "mosaickv_sglang.wiring._graph_per_field"),
+    f"{_BCG}._slice_output": ("AROUND", "mosaickv_sglang.wiring._graph_per_field"),
+    f"{_BCG}._copy_output_to_buffer": ("AROUND", "mosaickv_sglang.wiring._graph_copy"),
+}
+
+
+def test_the_pinned_sglang_is_installed():
+    from importlib.metadata import version
+
+    assert version("sglang") == "0.5.17"  # the seams below are this release's
+
+
+@pytest.mark.parametrize("target", sorted(EXPECTED_HOOKS))
 def test_hook_target_resolves(target):
     assert callable(pkgutil.resolve_name(target)), target
 
 
-def test_register_registers_every_hook(monkeypatch):
+def test_register_registers_exactly_the_expected_hooks(monkeypatch):
     seen = []
     monkeypatch.setattr(plugin.HookRegistry, "register",
                         lambda target, hook, hook_type: seen.append((target, hook, hook_type)))
     plugin.register()
-    assert seen == [(t, h, k) for t, (h, k) in plugin.HOOKS.items()]
+    got = [(target, hook_type.name, f"{hook.__module__}.{hook.__qualname__}")
+           for target, hook, hook_type in seen]
+    assert len(got) == len(set(t for t, _, _ in got)), "a seam hooked twice"
+    assert sorted(got) == sorted((t, k, h) for t, (k, h) in EXPECTED_HOOKS.items())
+    for _, hook, _ in seen:
+        assert pkgutil.resolve_name(f"{hook.__module__}.{hook.__qualname__}") is hook
 
 
 def test_other_sglang_names_resolve():
