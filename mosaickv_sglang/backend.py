@@ -47,6 +47,39 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                         attn_mask=causal_lower_right(n, s), scale=scale)[0]
 
 
+def chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kd: torch.Tensor,
+                    vd: torch.Tensor, first: int, read: torch.Tensor, ja: int, page: int,
+                    scale: float) -> torch.Tensor:
+    """A prefill chunk's attention under the read rule: q [Hq, n, D] for positions first ..
+    first + n - 1; kc/vc [Hk, jc * page, D] the pages read compressed by the chunk's last token;
+    kd/vd [Hk, T, D] the dense tokens from position ja * page on; read [n] (int64) how many pages
+    each query reads compressed (>= ja). Query t reads kc's first read[t] pages and the dense
+    tokens from page read[t] up to itself -> [Hq, n, D]. When every query reads the same pages
+    compressed this is plain causal attention over (kc, kd); else a boolean mask over the two,
+    built for query blocks of bounded size."""
+    n, sc = q.shape[1], kc.shape[1]
+    if int(read[0]) == int(read[-1]) and int(read[0]) * page == sc:
+        return extend_attention(q, torch.cat([kc, kd], 1), torch.cat([vc, vd], 1), scale)
+    group = q.shape[0] // kc.shape[0]
+    keys = torch.cat([kc, kd], 1)
+    values = torch.cat([vc, vd], 1)
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    total = keys.shape[1]
+    idx = torch.arange(total, device=q.device)
+    pos = torch.arange(first, first + n, device=q.device)
+    read = read.to(q.device)
+    out = torch.empty_like(q)
+    rows = max(1, (1 << 24) // max(total, 1))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        j, t = read[r0:r1, None], pos[r0:r1, None]
+        mask = (idx < j * page) | ((idx >= sc + (j - ja) * page) & (idx <= sc + t - ja * page))
+        out[:, r0:r1] = scaled_dot_product_attention(q[None, :, r0:r1], keys[None], values[None],
+                                                     attn_mask=mask, scale=scale)[0]
+    return out
+
+
 class MosaicAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -66,6 +99,7 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         # Real rows of the batch under a breakable decode graph (None: an eager step); see
         # init_forward_metadata_out_graph.
         self.graph_rows: int | None = None
+        self.chunk_seal = None  # the prefill forward's layer-by-layer sealing (pool.ChunkSeal)
         logger.info("MosaicKV decode path: %s", kernel)
 
     # ---- extend -------------------------------------------------------------------------
@@ -77,24 +111,39 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         o = q.new_empty((q_.shape[0], hq * layer.v_head_dim))
         o_ = o.view(-1, hq, layer.v_head_dim)
         req_to_token = self.req_to_token_pool.req_to_token
-        timer = self.pool.prefill_timer
-        if layer.layer_id == self.pool.start_layer:
+        pool, timer, ps = self.pool, self.pool.prefill_timer, self.pool.page_size
+        local = layer.layer_id - pool.start_layer
+        reqs = [(int(forward_batch.req_pool_indices[i]), int(forward_batch.seq_lens[i]),
+                 int(forward_batch.extend_seq_lens[i])) for i in range(forward_batch.batch_size)]
+        if layer.layer_id == pool.start_layer:
             timer.step()
+            # The read rule (pool.compressed_pages): pages the chunk's own later tokens read
+            # compressed are sealed layer by layer in this forward, installed after its last.
+            self.chunk_seal = pool.plan_chunk_seal(
+                [((req_to_token[rid, :seq_len:ps] // ps).tolist(), seq_len - 1)
+                 for rid, seq_len, _ in reqs])
+            timer.lap("plan_chunk_seal")
         else:
             timer.lap("between_layers")
+        fresh = {} if self.chunk_seal is None else pool.seal_chunk_layer(self.chunk_seal, local)
+        timer.lap("chunk_seal")
         start = 0
-        for i in range(forward_batch.batch_size):
-            rid = int(forward_batch.req_pool_indices[i])
-            seq_len = int(forward_batch.seq_lens[i])
-            n_new = int(forward_batch.extend_seq_lens[i])
-            keys, values = self.pool.dense_kv(layer.layer_id, req_to_token[rid, :seq_len])
+        for rid, seq_len, n_new in reqs:
+            first = seq_len - n_new
+            kc, vc, kd, vd, _, ja = pool.chunk_kv(local, req_to_token[rid, :seq_len], first, fresh)
             timer.lap("read_prefix")
+            read = torch.tensor([max(pool.compressed_pages(t), ja)
+                                 for t in range(first, seq_len)], dtype=torch.long)
             qi = q_[start:start + n_new].transpose(0, 1)  # [Hq, n_new, D]
-            out = extend_attention(qi, keys.transpose(0, 1).to(q.dtype),
-                                   values.transpose(0, 1).to(q.dtype), layer.scaling)
+            out = chunk_attention(qi, *(x.transpose(0, 1).to(q.dtype) for x in (kc, vc, kd, vd)),
+                                  first, read, ja, ps, layer.scaling)
             o_[start:start + n_new] = out.transpose(0, 1)
             start += n_new
             timer.lap("attention")
+        if layer.layer_id == self.last_layer and self.chunk_seal is not None:
+            pool.finish_chunk_seal(self.chunk_seal)
+            self.chunk_seal = None
+            timer.lap("chunk_install")
         if self._maybe_seal(layer, forward_batch):
             timer.lap("seal")
             timer.end()

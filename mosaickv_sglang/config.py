@@ -67,7 +67,11 @@ class MosaicConfig:
     segment_tokens: int = 128  # sealing / strategy granularity
     page_tokens: int = 32  # selection granularity (divides segment_tokens)
     basis_block_tokens: int = 4096  # one SVD basis per (layer, KV head) per this many tokens
-    hot_tokens: int = 64  # most recent tokens always kept dense (the hot buffer)
+    # The read rule's dense window: a token reads dense its own page and every page ending less
+    # than this many tokens before it, compressed the rest (docs/determinism.md). 0 (the
+    # default) is the window under which outputs never depend on other traffic, radix reuse
+    # included; > 0 gives the daemon that many tokens of slack per page.
+    hot_tokens: int = 0
     hot_buffer_fraction: float = 0.25  # serving: dense hot-buffer rows / logical token slots
     sink_segments: int = 1  # first segments (attention sinks): own candidates and a tight budget
     sink_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_SINK_CANDIDATES))

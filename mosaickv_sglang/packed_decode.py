@@ -109,10 +109,12 @@ class PackedDecode:
         for i, seq_len in enumerate(seq_lens):
             page_ids = page_slots[i, :-(-seq_len // ps)] // ps
             pages = page_ids.tolist()
-            n, runs, run_bases = _sealed_runs(pool.sealed, pages)
+            # the read rule: the pages this token reads compressed (pool.read_split)
+            n, runs, run_bases = _sealed_runs(pool.sealed, pages[:pool.read_split(pages, seq_len - 1)])
             hot = pool.hot_page_of[page_ids[n:]]
             if bool((hot < 0).any()) and pool.seal_prefix_now(pages):  # not a prefix (pool.py)
-                n, runs, run_bases = _sealed_runs(pool.sealed, pages)
+                n, runs, run_bases = _sealed_runs(pool.sealed,
+                                                  pages[:pool.read_split(pages, seq_len - 1)])
                 hot = pool.hot_page_of[page_ids[n:]]
             if n and not bool(pool.store.packed[:, page_ids[:n]].all()):
                 rid = int(forward_batch.req_pool_indices[i])

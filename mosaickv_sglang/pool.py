@@ -36,7 +36,8 @@ from .codec.arena import ArenaPage
 from .codec.basis import unrotate
 from .codec.layer import Candidates, CompressedLayer, segment_bytes
 from .codec.pages import build_page_meta
-from .codec.seal import (BasisPair, SealedPage, gather_pages, seal_group,
+from .codec.seal import (BasisPair, SealedPage, fit_block_bases, gather_pages, seal_group,
+                         seal_pages,
                          worst_encoded_bytes, worst_page_bytes)
 from .codec.strategies import parse_strategy
 from .codec.timing import StepProfiler
@@ -51,6 +52,24 @@ __all__ = ["BasisPair", "MosaicKVPool", "SealedPage", "cell_fraction"]
 
 
 @dataclass
+class ChunkSeal:
+    """Pages one prefill forward seals layer by layer (`MosaicKVPool.plan_chunk_seal`): tokens
+    of the chunk read them compressed, so each layer's segments are made right after that
+    layer's K/V is written and before its attention; the pages are installed after the last
+    layer. Segments and fitted bases accumulate here, layer by layer."""
+    pages: list[int]  # logical pages, grouped by basis block, each group in position order
+    positions: list[int]  # first token position of each page in its request
+    groups: list[tuple[list[int], BasisPair | None]]  # (indices into pages, the block's bases
+    # when its first page is sealed already; None: fitted here on the group's first page)
+    segments: list[list] = field(default_factory=list)  # per page: one Segment per layer so far
+    fitted: list[tuple[list, list]] = field(default_factory=list)  # per group: K, V bases/layer
+
+    def __post_init__(self):
+        self.segments = [[] for _ in self.pages]
+        self.fitted = [([], []) for _ in self.groups]
+
+
+@dataclass
 class PoolCounters:
     sealed_pages: int = 0
     reused_pages: int = 0  # sealed pages handed to requests by a radix-tree prefix match
@@ -62,6 +81,12 @@ class PoolCounters:
     # inline (seal_prefix_now), and the pages that took
     prefix_repairs: int = 0
     prefix_repair_pages: int = 0
+    # pages sealed inside a prefill forward, layer by layer, because later tokens of the same
+    # chunk read them compressed (the read rule, docs/determinism.md)
+    chunk_sealed_pages: int = 0
+    # reads that found pages sealed that the read rule wants dense (only possible with
+    # hot_tokens > 0 and a prefix another request sealed): read compressed, counted
+    early_sealed_reads: int = 0
     strategies: dict = field(default_factory=dict)
     # Per page position in its request (index i: tokens [i*page, (i+1)*page)): pages sealed there
     # and sealed pages handed out there by prefix matches. A prefix shared by N requests shows one
@@ -192,6 +217,9 @@ class MosaicKVPool(MHATokenToKVPool):
         # page -> the page before it in its request: readers need a request's sealed pages to be
         # a prefix, so a daemon job installs only after the pages before its own (installable)
         self.prev_page: dict[int, int] = {}
+        # sealed pages whose hot copy is kept: installed from the daemon before the read rule
+        # reads them compressed (freed by _drop_kept_hot, release_pages, clear)
+        self.kept_hot: set[int] = set()
         self.daemon = self._start_daemon() if mosaic_config.daemon == "process" else None
         self.swaps = SwapLog() if self.daemon is not None else None  # flushed by adopt()
         logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense), "
@@ -246,7 +274,7 @@ class MosaicKVPool(MHATokenToKVPool):
         n_sealed = self._sealed_prefix(pages)
         if any(p in self.sealed for p in pages[n_sealed:]):
             self.seal_prefix_now(pages)
-            n_sealed = self._sealed_prefix(pages)
+        n_sealed = self.read_split(pages, slots.numel() - 1)
         local = layer_id - self.start_layer
         hot_slots = slots[n_sealed * ps:]
         phys = self.physical_loc(hot_slots) if hot_slots.numel() else hot_slots
@@ -347,13 +375,184 @@ class MosaicKVPool(MHATokenToKVPool):
         return (torch.cat(ks, 1).transpose(0, 1).to(dtype),
                 torch.cat(vs, 1).transpose(0, 1).to(dtype))
 
+    # ---- the read rule and prefill chunks ---------------------------------------------------
+    def compressed_pages(self, position: int) -> int:
+        """The read rule: a token at `position` reads compressed every page of its request that
+        ends at least `hot_tokens` before it, and the rest dense. A function of the position
+        alone, for prompt and generated tokens alike, so what a request reads does not depend
+        on how its prompt was chunked or batched (docs/determinism.md)."""
+        return max(position - self.cfg.hot_tokens, 0) // self.page_size
+
+    def sealed_prefix(self, pages: list[int]) -> int:
+        """How many leading `pages` are sealed."""
+        return self._sealed_prefix(pages)
+
+    def plan_chunk_seal(self, requests: list[tuple[list[int], int]]) -> ChunkSeal | None:
+        """Before a prefill forward's attention: the pages its tokens read compressed under the
+        read rule that are not sealed yet (pages of this very chunk, or hot pages of a cached
+        prefix), grouped by basis block; `requests` holds (page ids in position order, position
+        of the chunk's last token) per request. Pages still with the daemon are sealed now
+        (they are needed now). None when there is nothing to seal."""
+        ps, block = self.page_size, self.cfg.basis_block_tokens // self.page_size
+        todo: dict[int, tuple[int, int]] = {}  # page -> (position index, its block's first page)
+        for pages, last in requests:
+            for i in range(min(self.compressed_pages(last), len(pages))):
+                p = pages[i]
+                if p not in self.sealed and p not in todo:
+                    todo[p] = (i, pages[i // block * block])
+        if self.daemon is not None and any(p in self.pending for p in todo):
+            for pages, last in requests:
+                self._seal_pending(pages, min(self.compressed_pages(last), len(pages)))
+            todo = {p: x for p, x in todo.items() if p not in self.sealed}
+        if not todo:
+            return None
+        by_first: dict[int, list[int]] = {}
+        for p, (i, first) in sorted(todo.items(), key=lambda item: item[1][0]):
+            by_first.setdefault(first, []).append(p)
+        pages, positions, groups = [], [], []
+        for first, group in by_first.items():
+            bases = self.sealed[first].bases if first in self.sealed else None
+            if bases is None and group[0] != first:
+                raise RuntimeError(f"MosaicKV: page {group[0]} needs the bases of block page "
+                                   f"{first}, which is neither sealed nor being sealed")
+            groups.append((list(range(len(pages), len(pages) + len(group))), bases))
+            pages += group
+            positions += [todo[p][0] * ps for p in group]
+        return ChunkSeal(pages, positions, groups)
+
+    def seal_chunk_layer(self, cs: ChunkSeal, local: int) -> dict[int, tuple]:
+        """One layer of `cs`'s pages sealed from the hot buffer (the same codec calls and bases as
+        sealing the whole page at once: `fit_block_bases` on the block's first page, then
+        `seal_pages`). Returns page -> (K, V) [S, H, D] in the cache dtype as the sealed segment
+        reads back (raw basis), for this layer's attention."""
+        out = {}
+        for g, (idx, bases) in enumerate(cs.groups):
+            pages = [cs.pages[j] for j in idx]
+            k, v = self._read_layer_pages(local, pages)
+            if bases is None:
+                one = fit_block_bases(k, v, self.cfg.fit_solver)
+                cs.fitted[g][0].append(one.k[0])
+                cs.fitted[g][1].append(one.v[0])
+            else:
+                one = BasisPair([bases.k[local]], [bases.v[local]])
+            sealed = seal_pages(k, v, [cs.positions[j] for j in idx], one, self.cfg, self.cands,
+                                self.dense, keep_rotated=self.store.pack_kernel)
+            for j, sp in zip(idx, sealed):
+                seg = sp.segments[0]
+                cs.segments[j].append(seg)
+                out[cs.pages[j]] = tuple(
+                    (unrotate(x, b) if c.strategy.rot else x).transpose(0, 1).to(self.dtype)
+                    for c, x, b in ((seg.k, seg.k.strategy.decode(seg.k.encoded), one.k[0]),
+                                    (seg.v, seg.v.strategy.decode(seg.v.encoded), one.v[0])))
+        return out
+
+    def finish_chunk_seal(self, cs: ChunkSeal) -> int:
+        """After the forward's last layer: install `cs`'s pages (every layer sealed). Returns
+        pages installed."""
+        pages, sealed = [], []
+        for g, (idx, bases) in enumerate(cs.groups):
+            if bases is None:
+                bases = BasisPair.of(torch.stack(cs.fitted[g][0] + cs.fitted[g][1]))
+            for j in idx:
+                segs = cs.segments[j]
+                if len(segs) != self.layer_num:
+                    raise RuntimeError(f"MosaicKV: page {cs.pages[j]} sealed on {len(segs)} of "
+                                       f"{self.layer_num} layers in one forward")
+                pages.append(cs.pages[j])
+                sealed.append(SealedPage(cs.positions[j], segs, bases,
+                                         sum(sum(segment_bytes(x).values()) for x in segs)))
+        self._install(pages, sealed)
+        self.counters.chunk_sealed_pages += len(pages)
+        return len(pages)
+
+    def _read_layer_pages(self, local: int, pages: list[int]):
+        """Hot logical pages' K and V of one layer, [P, 1, H, S, D] (`seal_pages`' layout)."""
+        ps = self.page_size
+        hot = self.hot_page_of[pages]
+        if bool((hot < 0).any()):
+            raise RuntimeError(f"MosaicKV: sealing pages {pages} that are not all hot")
+        rows = (hot[:, None] * ps + torch.arange(ps)).flatten().to(self.k_buffer[local].device)
+        return tuple(buf[local][rows].view(len(pages), ps, *buf[local].shape[1:])
+                     .transpose(1, 2)[:, None] for buf in (self.k_buffer, self.v_buffer))
+
+    def chunk_kv(self, local: int, slots: torch.Tensor, first: int, fresh: dict):
+        """What a prefill chunk of one request reads at one layer: `slots` its slots [0, b) in
+        position order, `first` the chunk's first position, `fresh` this forward's
+        `seal_chunk_layer` output. Returns (Kc, Vc, Kd, Vd, jc, ja): Kc/Vc [jc * page, H, D] the
+        compressed pages as they read back (jc = pages the chunk's last token reads compressed),
+        Kd/Vd [b - ja * page, H, D] the dense tokens from page ja on (ja = pages its first token
+        reads compressed). Pages sealed before the read rule wants them (hot_tokens > 0 and a
+        prefix another request sealed) are read compressed by every token: counted."""
+        ps, b = self.page_size, slots.numel()
+        pages = (slots[::ps] // ps).tolist()
+        ja = self.read_split(pages, first)  # fresh pages install after the forward
+        jc = max(self.compressed_pages(b - 1), ja)
+        old = [p for p in pages[:jc] if p not in fresh]
+        if old != pages[:len(old)]:
+            raise RuntimeError("MosaicKV: a chunk's compressed pages are not a sealed prefix "
+                               "followed by pages sealed in this forward")
+        kc, vc = self.decompress(local, old)
+        if len(old) < jc:
+            new = [fresh[p] for p in pages[len(old):jc]]
+            kc = torch.cat([kc, *[x[0] for x in new]])
+            vc = torch.cat([vc, *[x[1] for x in new]])
+        dense_slots = slots[ja * ps:]
+        phys = self.physical_loc(dense_slots)
+        return kc, vc, self.k_buffer[local][phys], self.v_buffer[local][phys], jc, ja
+
+    def decompress(self, local: int, pages: list[int]):
+        """Sealed `pages`' K and V [len * page, H, D] in the cache dtype (raw basis): one
+        `band_unpack` launch when the kernel decode path reads them all packed, else the codec."""
+        h, d = self.head_num, self.head_dim
+        if not pages:
+            empty = torch.empty(0, h, d, dtype=self.dtype, device=self.device)
+            return empty, empty
+        if self.decode_path is not None and bool(self.store.packed[local, pages].all()):
+            return self.decode_path.unpack(local, pages)
+        ks, vs = [], []
+        for page in map(self.sealed.__getitem__, pages):
+            seg = page.segments[local]
+            k = seg.k.strategy.decode(seg.k.encoded)
+            v = seg.v.strategy.decode(seg.v.encoded)
+            if seg.k.strategy.rot:
+                k = unrotate(k, page.bases.k[local])
+            if seg.v.strategy.rot:
+                v = unrotate(v, page.bases.v[local])
+            ks.append(k)
+            vs.append(v)
+        return (torch.cat(ks, 1).transpose(0, 1).to(self.dtype),
+                torch.cat(vs, 1).transpose(0, 1).to(self.dtype))
+
+    def _seal_pending(self, pages: list[int], n: int) -> None:
+        """Seal on this thread the first `n` of one request's `pages` that the daemon still has
+        (they are needed now): its job is cancelled and sealed from the hot buffer."""
+        for i in range(n):
+            page = pages[i]
+            while page not in self.sealed and (page in self.pending):
+                job = self.pending[page]
+                if job is None:
+                    job = next((self.pending[first] for first, group in self.deferred.items()
+                                if any(p == page for _, p, _ in group)), None)
+                if job is None:
+                    raise RuntimeError(f"MosaicKV: page {page} is pending without a job")
+                self.daemon.cancel(job)
+                self.daemon.counters.sync_seals_needed += self._finish([job])
+
     # ---- sealing ------------------------------------------------------------------------
     def seal_request(self, slots: torch.Tensor, seq_len: int) -> int:
-        """Seal (or submit to the daemon) every full page of one request that is >= hot_tokens
-        behind its last token. Returns the number of pages newly sealed or submitted."""
+        """After a forward: make one request's pages ready for its next token (position
+        `seq_len`). The pages it reads compressed under the read rule are sealed now (inline;
+        ones the daemon still has are taken back and sealed here), and their hot copies kept for
+        the read rule are freed; with the daemon, full pages it does not read compressed yet are
+        submitted (that slack, `hot_tokens`, is the daemon's time). Returns pages newly sealed
+        or submitted."""
         ps = self.page_size
-        limit = max(seq_len - self.cfg.hot_tokens, 0) // ps
+        need = self.compressed_pages(seq_len)
+        limit = need if self.daemon is None else seq_len // ps
         pages = (slots[: limit * ps: ps] // ps).tolist()
+        self._drop_kept_hot(pages[:need])
+        if self.daemon is not None:
+            self._seal_pending(pages, need)
         todo = [(i, p) for i, p in enumerate(pages)
                 if p not in self.sealed and p not in self.pending]
         if not todo:
@@ -363,17 +562,46 @@ class MosaicKVPool(MHATokenToKVPool):
                 self.prev_page[p] = pages[i - 1]
         block = self.cfg.basis_block_tokens // ps
         for blk in sorted({i // block for i, _ in todo}):
-            group = [(i * ps, p, self.page_gen[p]) for i, p in todo if i // block == blk]
             first = pages[blk * block]
-            if first in self.sealed:
-                self._seal(group, self.sealed[first].bases, first)
-            elif first in self.pending:  # the daemon is fitting this block's bases: wait
-                self.deferred.setdefault(first, []).extend(group)
-                for _, p, _ in group:
-                    self.pending[p] = None
-            else:
-                self._seal(group, None, first)
+            for now in (True, False):  # pages needed next step: inline; the rest: the daemon
+                group = [(i * ps, p, self.page_gen[p]) for i, p in todo
+                         if i // block == blk and (i < need) == now]
+                if not group:
+                    continue
+                if first in self.sealed:
+                    bases = self.sealed[first].bases
+                    self._seal_now(group, bases) if now else self._seal(group, bases, first)
+                elif now:
+                    self._seal_now(group, None)  # the group starts with `first`
+                elif first in self.pending:  # the daemon is fitting this block's bases: wait
+                    self.deferred.setdefault(first, []).extend(group)
+                    for _, p, _ in group:
+                        self.pending[p] = None
+                else:
+                    self._seal(group, None, first)
         return len(todo)
+
+    def _drop_kept_hot(self, pages: list[int]) -> None:
+        """Free the hot copies kept for sealed `pages` (daemon results installed before the read
+        rule read them compressed) once their request reads them compressed."""
+        for p in pages:
+            if p in self.kept_hot:
+                self.kept_hot.discard(p)
+                self.free_hot_pages.append(int(self.hot_page_of[p]))
+                self.hot_page_of[p] = -1
+
+    def read_split(self, pages: list[int], position: int) -> int:
+        """How many leading `pages` (one request's, position order) a token at `position` reads
+        compressed: the read rule's count, or more where pages past it are sealed without a hot
+        copy (hot_tokens > 0 and a prefix another request sealed: counted)."""
+        rule = min(self.compressed_pages(position), len(pages))
+        n = self._sealed_prefix(pages)
+        if n <= rule:
+            return n
+        if all(p in self.kept_hot for p in pages[rule:n]):
+            return rule
+        self.counters.early_sealed_reads += 1
+        return n
 
     def _seal(self, group: list[tuple[int, int, int]], bases: BasisPair | None, first: int):
         """Pages (position, page, gen) of one basis block: inline, or submitted to the daemon."""
@@ -403,7 +631,8 @@ class MosaicKVPool(MHATokenToKVPool):
         """Hot logical pages' K and V, all layers, [P, L, H, S, D] (the `seal_group` reader)."""
         return gather_pages(self.k_buffer, self.v_buffer, self.hot_page_of[pages], self.page_size)
 
-    def _install(self, pages: list[int], sealed: list[SealedPage | ArenaPage]) -> None:
+    def _install(self, pages: list[int], sealed: list[SealedPage | ArenaPage],
+                 keep_hot: bool = False) -> None:
         """The one place sealed pages enter ``self.sealed`` (``release_pages``/``clear`` are the
         only exits): store each layer's segments of all `pages` in one batch (arena-ready daemon
         results with one copy each), account their bytes and give their hot pages back."""
@@ -423,8 +652,11 @@ class MosaicKVPool(MHATokenToKVPool):
         for page, sp in zip(pages, sealed):
             self.sealed[page] = sp
             self._account(sp, +1)
-            self.free_hot_pages.append(int(self.hot_page_of[page]))
-            self.hot_page_of[page] = -1
+            if keep_hot:  # read dense until the read rule says otherwise (_drop_kept_hot)
+                self.kept_hot.add(page)
+            else:
+                self.free_hot_pages.append(int(self.hot_page_of[page]))
+                self.hot_page_of[page] = -1
             self.counters.sealed_pages += 1
             _bump(self.counters.sealed_by_position, sp.position // self.page_size)
             if self.swaps is not None:
@@ -495,7 +727,8 @@ class MosaicKVPool(MHATokenToKVPool):
             taken.update(job.pages[i] for i in live)
         if pages:
             t = time.perf_counter()
-            self._install(pages, sealed)
+            # daemon results arrive before their request reads them compressed: hot kept
+            self._install(pages, sealed, keep_hot=results is not None)
             if results is not None:  # a daemon result (else sealed here: timed by the caller)
                 self.daemon.budget.note("install_store", time.perf_counter() - t, len(pages))
         for job in jobs:
@@ -560,6 +793,7 @@ class MosaicKVPool(MHATokenToKVPool):
             self.page_gen[page] += 1  # a result still in flight for it will be discarded
             self.pending.pop(page, None)
             self.prev_page.pop(page, None)
+            self.kept_hot.discard(page)
             sealed = self.sealed.pop(page, None)
             if sealed is not None:
                 self._account(sealed, -1)
@@ -577,6 +811,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.pending.clear()
         self.deferred.clear()
         self.prev_page.clear()
+        self.kept_hot.clear()
         if self.daemon is not None:
             for job in self.daemon.open_jobs():
                 self.daemon.cancel(job)

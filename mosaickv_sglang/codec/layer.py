@@ -310,8 +310,9 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
     solver = resolve_fit_solver(cfg.fit_solver, k.device)
     for block_start in range(0, sealed, cfg.basis_block_tokens):
         block_end = min(block_start + cfg.basis_block_tokens, sealed)
-        kb = fit_with(kf[:, block_start:block_end], solver)
-        vb = fit_with(vf[:, block_start:block_end], solver)
+        # fitted on the block's first segment, as the server does (codec/seal.fit_block_bases)
+        kb = fit_with(kf[:, block_start:block_start + seg], solver)
+        vb = fit_with(vf[:, block_start:block_start + seg], solver)
         layer.k_bases.append(kb)
         layer.v_bases.append(vb)
         basis_id = len(layer.k_bases) - 1

@@ -153,6 +153,18 @@ def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None
     return BasisPair.of(torch.stack(out[0] + out[1]))
 
 
+def fit_block_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host",
+                    timer=None) -> BasisPair:
+    """A basis block's bases, fitted on its first page alone: K and V [P, L, H, S, D] whose
+    page 0 is the block's first page. Fitting on that one page (not on whatever pages happen to
+    be sealed together) makes a sealed page a function of its own K/V and its block's first
+    page only: the same whatever the chunking, batching or timing that sealed it, so a greedy
+    request reads the same bytes alone or under load, and a prefix cached by another request
+    holds exactly the pages the request would have sealed itself (docs/determinism.md; on real
+    SmolLM2 KV the attention error was no worse than fitting on the whole block)."""
+    return fit_bases(k[:1], v[:1], solver, timer)
+
+
 def gather_pages(k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],
                  pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A `PageReader`'s read of a dense cache (one [rows, H, D] tensor per layer, pages of
@@ -181,11 +193,12 @@ def seal_group(read: PageReader, positions: list[int], bases: BasisPair | None,
                cfg: MosaicConfig, cands: Candidates, dense: Strategy,
                timer=None, keep_rotated: bool = False) -> list[SealedPage]:
     """Pages of one basis block (positions in request order) read in one gather; bases fitted
-    here if None. `keep_rotated`: see `seal_pages`."""
+    here if None, on the first page only (`fit_block_bases`: the group then starts with its
+    block's first page). `keep_rotated`: see `seal_pages`."""
     with phase(timer, "read"):
         k, v = read(list(range(len(positions))))
     if bases is None:
-        bases = fit_bases(k, v, cfg.fit_solver, timer)
+        bases = fit_block_bases(k, v, cfg.fit_solver, timer)
     return seal_pages(k, v, positions, bases, cfg, cands, dense, timer, keep_rotated)
 
 

@@ -1,0 +1,137 @@
+"""The read rule and its prefill path without a server (docs/determinism.md).
+
+* `chunk_attention` equals a per-query reference: query t reads the first read[t] pages
+  compressed and the dense tokens from page read[t] up to itself;
+* pages sealed layer by layer inside a prefill forward (`plan_chunk_seal` / `seal_chunk_layer` /
+  `finish_chunk_seal`) are the same bytes as the same pages sealed whole after it
+  (`seal_request`), whatever pages are sealed together: a block's bases come from its first page;
+* a chunked prefill reads the same K/V at every position whatever the chunk boundaries.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from mosaickv_sglang.backend import chunk_attention
+from mosaickv_sglang.config import MosaicConfig
+from mosaickv_sglang.pool import MosaicKVPool
+
+PS, H, D, LAYERS = 128, 2, 64, 2
+
+
+def _reference(q, kc, vc, kd, vd, first, read, ja, page, scale):
+    group = q.shape[0] // kc.shape[0]
+    out = torch.empty_like(q)
+    for i in range(q.shape[1]):
+        t, j = first + i, int(read[i])
+        keys = torch.cat([kc[:, :j * page], kd[:, (j - ja) * page:t + 1 - ja * page]], 1)
+        vals = torch.cat([vc[:, :j * page], vd[:, (j - ja) * page:t + 1 - ja * page]], 1)
+        keys, vals = keys.repeat_interleave(group, 0), vals.repeat_interleave(group, 0)
+        out[:, i] = scaled_dot_product_attention(q[None, :, i:i + 1], keys[None], vals[None],
+                                                 scale=scale)[0, :, 0]
+    return out
+
+
+@pytest.mark.parametrize("first,n,hot", [(0, 300, 0), (256, 200, 0), (384, 256, 64), (512, 40, 0)])
+def test_chunk_attention_matches_per_query_reference(first, n, hot, seed):
+    g = torch.Generator().manual_seed(seed)
+    page, hq, hk, d = 32, 4, 2, 16
+    last = first + n - 1
+    rule = lambda t: max(t - hot, 0) // page  # noqa: E731
+    ja, jc = rule(first), rule(last)
+    q = torch.randn(hq, n, d, generator=g)
+    kc, vc = (torch.randn(hk, jc * page, d, generator=g) for _ in range(2))
+    kd, vd = (torch.randn(hk, first + n - ja * page, d, generator=g) for _ in range(2))
+    read = torch.tensor([rule(t) for t in range(first, first + n)])
+    got = chunk_attention(q, kc, vc, kd, vd, first, read, ja, page, 0.25)
+    want = _reference(q, kc, vc, kd, vd, first, read, ja, page, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                               msg=f"seed {seed}, chunk [{first}, {first + n})")
+
+
+def make_pool(**cfg) -> MosaicKVPool:
+    return MosaicKVPool(40 * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
+                        mosaic_config=MosaicConfig(hot_buffer_fraction=0.5, **cfg))
+
+
+def _write(pool, slots, k, v, layer_id):
+    pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots, k, v)
+
+
+def _prefill(pool, slots, kv, chunks):
+    """Run a prefill of `slots` in `chunks` (end positions) the way the backend does: write each
+    layer, seal the chunk's pages layer by layer, read, install, then seal after the forward.
+    Returns per chunk and layer what each query read: (Kc, Kd, ja, read)."""
+    seen, start = [], 0
+    for end in chunks:
+        pages = (slots[:end:PS] // PS).tolist()
+        cs = None
+        for layer_id in range(LAYERS):
+            k, v = kv[layer_id]
+            _write(pool, slots[start:end], k[start:end], v[start:end], layer_id)
+            if layer_id == 0:
+                cs = pool.plan_chunk_seal([(pages, end - 1)])
+            fresh = {} if cs is None else pool.seal_chunk_layer(cs, layer_id)
+            kc, vc, kd, vd, jc, ja = pool.chunk_kv(layer_id, slots[:end], start, fresh)
+            seen.append((start, end, layer_id, kc.clone(), kd.clone(), ja))
+        if cs is not None:
+            pool.finish_chunk_seal(cs)
+        pool.seal_request(slots[:end], end)
+        start = end
+    return seen
+
+
+def _segments_bytes(pool, pages):
+    """Every tensor a sealed page keeps (each layer's K and V codes, scales, page metadata,
+    header, and the bases), with its strategy spec."""
+    out = []
+    for p in pages:
+        sp = pool.sealed[p]
+        for seg in sp.segments:
+            for c in (seg.k, seg.v):
+                out.append((c.strategy.spec, dict(c.encoded.tensors)))
+            out.append(seg.header)
+            if seg.pages is not None:
+                out.append({k: t for k, t in vars(seg.pages).items()
+                            if isinstance(t, torch.Tensor)})
+        out.append(torch.stack(sp.bases.k + sp.bases.v))
+    return out
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("chunks", [[1300], [512, 1024, 1300], [200, 700, 1300]])
+def test_prefill_reads_and_seals_the_same_whatever_the_chunks(chunks, seed):
+    """Default codec, hot_tokens 0: chunkings of one prompt seal identical pages and every query
+    reads identical K/V (compressed prefix as it reads back + its own page dense)."""
+    g = torch.Generator().manual_seed(seed)
+    n = chunks[-1]
+    kv = [(torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g))
+          for _ in range(LAYERS)]
+    results = {}
+    for name, ch in (("whole", [n]), ("chunked", chunks)):
+        pool = make_pool(hot_tokens=0)
+        slots = torch.arange(PS, PS + n)  # logical pages 1.. (0 is padding)
+        seen = _prefill(pool, slots, kv, ch)
+        full_pages = (slots[: n // PS * PS: PS] // PS).tolist()
+        assert pool.sealed_prefix(full_pages) == n // PS, "every full page sealed after the prompt"
+        # what the last token of each page would read compressed (Kc prefix) at layer 0..L-1
+        reads = {}
+        for start, end, layer_id, kc, kd, ja in seen:
+            for t in range(start, end):
+                j = max(t, 0) // PS
+                reads[(t, layer_id)] = kc[:j * PS]
+        results[name] = (_segments_bytes(pool, full_pages), reads)
+    assert _equal(results["whole"][0], results["chunked"][0]), f"sealed bytes differ (seed {seed})"
+    whole, chunked = results["whole"][1], results["chunked"][1]
+    for key in whole:
+        assert torch.equal(whole[key], chunked[key]), f"position/layer {key} reads differ (seed {seed})"
