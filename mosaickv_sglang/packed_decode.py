@@ -25,7 +25,7 @@ from mosaickv_kernels.page_select import RowSelection
 from mosaickv_kernels.row_merge import merge_rows
 
 from .codec.arena import PackedArena
-from .codec.attention import decode_attention
+from .codec.attention import PageReads, decode_attention
 from .codec.basis import BASIS_DTYPE, kernel_transform
 from .codec.timing import StepProfiler
 
@@ -248,7 +248,12 @@ class PackedDecode:
         return k, v
 
     def stats(self) -> dict:
+        """`selection`: (page, KV head) pairs of the compressed pages the kernels decoded over
+        (`pages_available`, summed over layers and steps) and those they read (`pages_read`: the
+        GPU selector's picks in steps where it ran, else all). Requests sent to the reference
+        path are not in it (`reference_decode_requests` counts them). One host sync, here."""
         return {"kernel_request_steps": self.kernel_requests,
                 "reference_decode_requests": self.reference_requests,
                 "prefill_unpacked_segments": self.prefill_unpacked_segments,
+                "selection": PageReads(*self.wrapper.page_reads()).stats(),
                 "profile": self.timer.report()}

@@ -222,6 +222,10 @@ def test_kernel_matches_reference(selection, exact, seed, monkeypatch):
     # exact: ~1e-5; fp16 products: ~2^-11 per product
     assert_rel_close(out.cpu(), expected, 1e-4 if exact else REL, f"band decode ({selection})",
                      seed)
+    # the running read count (server stats' selection): the kept pages, per KV head
+    pages = sum(sum(s.tokens for s in layer.segments) // PAGE for layer in layers) * h
+    assert wrapper.page_reads() == (pages, pages if keep is None else int(keep.sum())), \
+        (wrapper.page_reads(), pages, repro(seed))
 
     read = wrapper.bytes_read(arena, keep)
     if keep is not None:

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mosaickv_sglang.codec.attention import decode_attention
+from conftest import repro
+from mosaickv_sglang.codec.attention import PageReads, decode_attention
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.packed_decode import PackedDecode
 from mosaickv_sglang.pool import MosaicKVPool
@@ -43,8 +44,8 @@ def reference(pool, q, slots, layer):
 
 
 @pytest.mark.parametrize("lengths", [(700, 90, 300), (129,)])
-def test_packed_decode_matches_reference(lengths):
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+def test_packed_decode_matches_reference(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
     pool = make_pool()
     req_to_token = torch.zeros(len(lengths), 1024, dtype=torch.long, device=DEVICE)
     slots, page = [], 1
@@ -66,11 +67,63 @@ def test_packed_decode_matches_reference(lengths):
         for i, s in enumerate(slots):
             want = reference(pool, q[i], s, layer)
             err = float((out[i] - want).norm() / want.norm())
-            assert err < 2e-3, (i, err)  # NaN fails this comparison too
+            assert err < 2e-3, (i, err, repro(seed))  # NaN fails this comparison too
 
 
-def test_unpacked_segment_goes_to_reference_and_is_counted():
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+def test_stats_report_the_pages_selection_read(seed):
+    """stats()["selection"]: with a budget (8 pages of 32 tokens) under one request's 20 sealed
+    pages, the kernels read what the GPU selector's page_counts say, per layer and KV head;
+    the count is what the selection rule implies (sink + recent pages forced, within the
+    budget; a request under the budget read whole) and what the reference path counts."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = make_pool()
+    lengths = (700, 300)  # 5 and 2 sealed segments: 20 and 8 pages of 32 tokens
+    req_to_token = torch.zeros(len(lengths), 1024, dtype=torch.long, device=DEVICE)
+    slots = [fill(pool, req_to_token, 0, 1, 700, gen), fill(pool, req_to_token, 1, 7, 300, gen)]
+    batch = SimpleNamespace(batch_size=2, req_pool_indices=torch.arange(2, device=DEVICE),
+                            seq_lens=torch.tensor(lengths, device=DEVICE))
+    dec = PackedDecode(pool)
+    assert dec.stats()["selection"] == {"pages_available": 0, "pages_read": 0,
+                                        "read_fraction": None}
+    counts = []  # the selector's page_counts, as attend() passes them to the kernels
+    dec.wrapper.select = _recording(dec.wrapper.select, counts)
+    dec.begin(batch, req_to_token)
+    assert dec.step.rows is not None, "700 tokens > the 256-token budget: the selector runs"
+    reference_reads = PageReads()
+    for layer_id in range(LAYERS):
+        layer = SimpleNamespace(layer_id=layer_id, scaling=D ** -0.5)
+        q = torch.randn(len(lengths), HQ, D, generator=gen).bfloat16().to(DEVICE)
+        dec.attend(q, layer, torch.empty(len(lengths), HQ, D, device=DEVICE))
+        for i, s in enumerate(slots):
+            view = pool.layer_view(layer_id, s)
+            reference_reads.add(decode_attention(q[i:i + 1].float(), view,
+                                                 torch.tensor([len(s) - 1]), pool.cfg.select,
+                                                 pool.cfg.page_tokens)[1])
+    got = dec.stats()["selection"]
+    assert len(counts) == LAYERS, repro(seed)
+    read = sum(int(c.sum()) for c in counts)
+    sel, pt = pool.cfg.select, pool.cfg.page_tokens
+    budget = sel.budget_tokens // pt  # 8 >= sink (1) + recent (2) forced pages
+    sealed = [20, 8]
+    assert read == sum(min(n, budget) for n in sealed) * H * LAYERS, (read, repro(seed))
+    want = {"pages_available": sum(sealed) * H * LAYERS, "pages_read": read,
+            "read_fraction": read / (sum(sealed) * H * LAYERS)}
+    assert got == want, (got, want, repro(seed))
+    assert got["read_fraction"] == pytest.approx(16 / 28)
+    assert reference_reads.stats() == want, (reference_reads, want, repro(seed))
+
+
+def _recording(fn, out: list):
+    """fn, appending its result's page_counts to `out` (and returning the result)."""
+    def call(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        out.append(result[1])
+        return result
+    return call
+
+
+def test_unpacked_segment_goes_to_reference_and_is_counted(seed):
+    gen = torch.Generator().manual_seed(seed)
     pool = make_pool(sink_candidates=[])  # the sink page stays dense: not kernel-readable
     req_to_token = torch.zeros(2, 1024, dtype=torch.long, device=DEVICE)
     a = fill(pool, req_to_token, 0, 1, 300, gen)
@@ -87,15 +140,15 @@ def test_unpacked_segment_goes_to_reference_and_is_counted():
     dec.attend(q, layer, out)
     for i, s in enumerate((a, b)):
         want = reference(pool, q[i], s, layer)
-        assert float((out[i] - want).norm() / want.norm()) < 2e-3
+        assert float((out[i] - want).norm() / want.norm()) < 2e-3, repro(seed)
     assert (dec.reference_requests, dec.kernel_requests) == (1, 1)
 
 
-def test_a_request_whose_prefix_pages_were_swapped_is_repaired_before_the_kernels_read():
+def test_a_request_whose_prefix_pages_were_swapped_is_repaired_before_the_kernels_read(seed):
     """A request whose own prefix pages were swapped for hot copies (SGLang's radix tree dedup)
     while pages behind them are sealed: begin() seals the copies first (pool.seal_prefix_now,
     counted) and the kernels read a sealed prefix, as the reference does."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    gen = torch.Generator().manual_seed(seed)
     pool = make_pool()
     req_to_token = torch.zeros(1, 1024, dtype=torch.long, device=DEVICE)
     own = fill(pool, req_to_token, 0, 1, 600, gen)  # pages 1-4 sealed, the rest hot
@@ -117,12 +170,11 @@ def test_a_request_whose_prefix_pages_were_swapped_is_repaired_before_the_kernel
     out = torch.full((1, HQ, D), float("nan"), device=DEVICE)
     dec.attend(q, layer, out)
     want = reference(pool, q[0], swapped, layer)
-    assert float((out[0] - want).norm() / want.norm()) < 2e-3
+    assert float((out[0] - want).norm() / want.norm()) < 2e-3, repro(seed)
     assert pool.counters.prefix_repairs == 1  # the reference read a prefix: nothing to repair
 
 
-def test_store_blocks_are_views_and_freed_blocks_are_reused():
-    seed = int(torch.randint(0, 2**31, ()))
+def test_store_blocks_are_views_and_freed_blocks_are_reused(seed):
     pool = make_pool()
     req_to_token = torch.zeros(1, 1024, dtype=torch.long, device=DEVICE)
     fill(pool, req_to_token, 0, 1, 3 * PS, torch.Generator().manual_seed(seed))
@@ -139,8 +191,8 @@ def test_store_blocks_are_views_and_freed_blocks_are_reused():
     assert store.top == top and store.live_bytes == live
 
 
-def test_decode_profile_samples_every_nth_step():
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+def test_decode_profile_samples_every_nth_step(seed):
+    gen = torch.Generator().manual_seed(seed)
     pool = make_pool(decode_profile_every=2)
     req_to_token = torch.zeros(1, 1024, dtype=torch.long, device=DEVICE)
     fill(pool, req_to_token, 0, 1, 300, gen)
@@ -159,9 +211,9 @@ def test_decode_profile_samples_every_nth_step():
     assert all(v >= 0 for v in prof["ms_per_step"].values())
 
 
-def test_prefill_workspace_through_unpack_kernel_matches_codec():
+def test_prefill_workspace_through_unpack_kernel_matches_codec(seed):
     """pool.dense_kv (prefill over a compressed prefix) through band_unpack == the codec path."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    gen = torch.Generator().manual_seed(seed)
     pool = make_pool()
     req_to_token = torch.zeros(1, 1024, dtype=torch.long, device=DEVICE)
     slots = fill(pool, req_to_token, 0, 1, 700, gen)  # 5 sealed pages over 3 basis blocks
@@ -172,5 +224,6 @@ def test_prefill_workspace_through_unpack_kernel_matches_codec():
         for g, w in zip(got, want[layer_id]):
             assert g.shape == w.shape == (700, H, D) and g.dtype == w.dtype == torch.bfloat16
             err = float((g.float() - w.float()).norm() / w.float().norm())
-            assert err < 1e-2, err  # bf16 rounding of fp32 vs 3xTF32 products; NaN fails
+            # bf16 rounding of fp32 vs 3xTF32 products; NaN fails
+            assert err < 1e-2, (err, repro(seed))
     assert dec.stats()["prefill_unpacked_segments"] == 5 * LAYERS

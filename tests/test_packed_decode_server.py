@@ -70,6 +70,11 @@ def test_triton_decode_path_matches_reference_path(tmp_path, budget):
     _assert_same_greedy_decode(outputs["reference"], outputs["triton"], strict=budget > len(ids))
     assert stats["triton"]["decode"]["kernel_request_steps"] >= 11
     assert stats["triton"]["decode"]["reference_decode_requests"] == 0
+    # selection's read fraction: 8 of the 5 sealed segments' 20 pages of 32 tokens per decode
+    # step (budget 256 tokens, sink and recent pages within it), or all of them
+    selection = stats["triton"]["decode"]["selection"]
+    assert selection["pages_available"] > 0 and selection["read_fraction"] == \
+        pytest.approx(8 / 20 if budget < len(ids) else 1.0), selection
     assert stats["reference"]["decode"] == {}
     # the profiler on a real server (its syncs change timing only): the 700-token prompt's
     # prefill step by phase, its 5 pages sealed there; decode steps sampled every 4th

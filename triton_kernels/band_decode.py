@@ -351,6 +351,13 @@ class BandDecodeWrapper:
 
     def __init__(self):
         self._planned = False
+        # Pages over every `run` so far, counted as (32-token page, KV head) pairs of the arenas'
+        # compressed pages: all of them (host int, known at plan time), and those read (all of
+        # them in a run without selection; with selection the sum of `page_counts`, added on the
+        # device so that no run waits on the host). `page_reads()` reads both.
+        self.pages_available = 0
+        self._pages_read = 0
+        self._pages_selected: torch.Tensor | None = None  # int64 [] on the device
 
     def plan(self, arena: PackedArena, num_qo_heads: int, *, sm_scale: float | None = None,
              num_kv_splits: int | None = None, max_selected_pages: int | None = None,
@@ -394,6 +401,7 @@ class BandDecodeWrapper:
         self.batch, self.kv_heads, self.group, self.head_dim = bsz, h, g, d
         self.num_qo_heads, self.num_splits = num_qo_heads, splits
         self.max_pages = max(pages + [0])
+        self.arena_pages = sum(pages)  # compressed pages of the batch, per KV head
         self.valid_pages = (torch.arange(max(self.max_pages, 1))[None, :] <
                             torch.tensor(pages)[:, None]).to(dev)  # [B, P_max]
         self.pages_per_seg = arena.segment_tokens // arena.page_tokens
@@ -481,6 +489,7 @@ class BandDecodeWrapper:
                     bool((page_keep[:, :, :p] & ~self.valid_pages[:, None, :p]).any()):
                 raise ValueError("run: page_keep selects pages past a request's last compressed "
                                  f"page (pages per request: {self.valid_pages.sum(1).tolist()})")
+        self._count_reads(sel)
 
         qs, q_rot = queries if queries is not None else self.queries(q, arena)
         if hot_partial is None:
@@ -516,6 +525,28 @@ class BandDecodeWrapper:
         out = torch.baddbmm(self.o_hot.view(bsz * h, g, d), self.o_rot.view(bsz * h, g, d),
                             arena.v_basis.view(bsz * h, d, d).transpose(1, 2))
         return out.view(bsz, self.num_qo_heads, d).to(out_dtype or q.dtype)
+
+    def _count_reads(self, sel) -> None:
+        """Add one run's pages to the running counts (no host sync: with selection, two small
+        launches adding `page_counts`' sum into a device scalar)."""
+        pages = self.arena_pages * self.kv_heads
+        self.pages_available += pages
+        if sel is None:
+            self._pages_read += pages
+            return
+        counts = sel[1]
+        if self._pages_selected is None or self._pages_selected.device != counts.device:
+            if self._pages_selected is not None:  # another device than before (not in serving)
+                self._pages_read += int(self._pages_selected)
+            self._pages_selected = torch.zeros((), dtype=torch.int64, device=counts.device)
+        self._pages_selected += counts.sum(dtype=torch.int64)
+
+    def page_reads(self) -> tuple[int, int]:
+        """(pages available, pages read) over every `run` so far, as (32-token page, KV head)
+        pairs: the arenas' compressed pages, and those the kernels read (the selected ones when a
+        run had a selection). Reads the device counter: one host sync, for stats, not per step."""
+        selected = 0 if self._pages_selected is None else int(self._pages_selected)
+        return self.pages_available, self._pages_read + selected
 
     def select(self, q: torch.Tensor, arena: PackedArena, meta: PackedPageMeta, *,
                budget_pages: int, sink_pages: int, recent_pages: int,

@@ -25,6 +25,24 @@ class AttentionInfo:
     page_keep: torch.Tensor | None  # [Nq, H, P] bool, None when everything is read
 
 
+@dataclass
+class PageReads:
+    """Running count of compressed (page, KV head) pairs a decode path could read
+    (`available`) and read (`read`: the selected pages, or all of them without selection),
+    summed over queries, layers and steps: selection's read fraction in the server stats."""
+    available: int = 0
+    read: int = 0
+
+    def add(self, info: AttentionInfo) -> None:
+        """One `decode_attention` call's pages (host ints: the reference is the CPU path)."""
+        self.available += info.pages_total
+        self.read += info.pages_read
+
+    def stats(self) -> dict:
+        return {"pages_available": self.available, "pages_read": self.read,
+                "read_fraction": self.read / self.available if self.available else None}
+
+
 class _Merger:
     """Running (max, sum, acc) over partial softmaxes, in float32."""
 
