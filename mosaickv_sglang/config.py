@@ -84,10 +84,16 @@ class MosaicConfig:
     k_error_budget: float = 0.08  # max relative reconstruction error per segment
     v_error_budget: float = 0.12
     select: SelectionConfig = field(default_factory=SelectionConfig)
-    # "off": pages are compressed synchronously after the forward that made them sealable.
-    # "process": CPU worker processes compress them (mosaickv_sglang/daemon/); pages stay in the
-    # hot buffer until the result is adopted between scheduler steps.
+    # "off": pages are compressed on the scheduler thread when the read rule first reads them
+    # compressed. "process": CPU worker processes compress full pages ahead of that
+    # (mosaickv_sglang/daemon/); the read rule then adds daemon_lag_tokens to the dense window.
     daemon: str = "off"
+    # daemon "process" only: the workers' slack. Pages are read dense this many tokens longer
+    # (added to hot_tokens); a page still with the workers when its request reads it compressed
+    # is sealed on the scheduler thread (counted: sync_seals_needed). Outputs stay independent
+    # of the daemon's speed; a window > 0 means a prefix another request sealed may be read
+    # compressed inside it (counted: early_sealed_reads, docs/determinism.md).
+    daemon_lag_tokens: int = 128
     daemon_workers: int = 2  # worker processes per scheduler rank
     daemon_threads: int = 1  # torch intra-op threads per worker
     daemon_queue_segments: int = 64  # shared-memory page slots (pages in flight to the workers)
@@ -185,6 +191,9 @@ class MosaicConfig:
         if not isinstance(self.decode_profile_every, int) or self.decode_profile_every < 0:
             raise ValueError(f"mosaickv config: decode_profile_every={self.decode_profile_every!r} "
                              "must be an int >= 0")
+        if not isinstance(self.daemon_lag_tokens, int) or self.daemon_lag_tokens < 0:
+            raise ValueError(f"mosaickv config: daemon_lag_tokens={self.daemon_lag_tokens!r} must "
+                             "be an int >= 0")
         for key in ("daemon_workers", "daemon_threads", "daemon_queue_segments",
                     "daemon_install_batch"):
             if getattr(self, key) < 1:

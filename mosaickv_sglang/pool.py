@@ -117,18 +117,22 @@ def cell_fraction(cfg: MosaicConfig, head_num: int, head_dim: int) -> float:
 
 
 def hot_buffer_requests(hot_tokens: int, page_size: int, chunked_prefill_size: int | None,
-                        context_len: int, hot_buffer_fraction: float) -> int:
+                        context_len: int, hot_buffer_fraction: float,
+                        window_tokens: int = 0) -> int:
     """How many requests may run at once beside one prefill chunk in the hot buffer. A chunk's
     pages (at most context - 1 prompt tokens, whole pages: chunks and prefix matches are page
     aligned) are all hot until its forward ends (its full pages are sealed after it), and every
     other running request keeps its last, partial page hot: the buffer must hold one chunk plus
     one page per other request, or a forward stops the server with the buffer exhausted (seen
     on the H200 with SGLang's default 32768-token chunk and a 32768-token buffer at 3 requests).
-    Full pages waiting for the daemon do not count: the pool seals them inline when it must.
-    Refuses (ValueError) a buffer that cannot hold one chunk."""
+    The read rule's dense window (`window_tokens`: hot_tokens, + daemon_lag_tokens with the
+    daemon) keeps up to ceil(window / page) more full pages hot per request, the chunk's
+    included: the window is what a request reads, so it is sized here, never taken back under
+    pressure. Refuses (ValueError) a buffer that cannot hold one chunk."""
     chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 \
         else context_len
-    need = -(-min(chunk, context_len - 1) // page_size)
+    extra = -(-window_tokens // page_size)
+    need = -(-min(chunk, context_len - 1) // page_size) + extra
     if hot_tokens < need * page_size:
         raise ValueError(
             f"MosaicKV: the hot buffer holds {hot_tokens} tokens (hot_buffer_fraction="
@@ -137,7 +141,7 @@ def hot_buffer_requests(hot_tokens: int, page_size: int, chunked_prefill_size: i
             f"{context_len}): raise hot_buffer_fraction to >= "
             f"{hot_buffer_fraction * need * page_size / max(hot_tokens, 1):.3f} in "
             "--mosaickv-config or lower --chunked-prefill-size")
-    return hot_tokens // page_size - need + 1
+    return (hot_tokens // page_size - need) // (1 + extra) + 1
 
 
 def cap_running_requests(fit: int, derived: int, requested: int | None, page_size: int,
@@ -221,6 +225,9 @@ class MosaicKVPool(MHATokenToKVPool):
         # reads them compressed (freed by _drop_kept_hot, release_pages, clear)
         self.kept_hot: set[int] = set()
         self.daemon = self._start_daemon() if mosaic_config.daemon == "process" else None
+        # the read rule's window (compressed_pages): hot_tokens, plus the daemon's slack
+        self.dense_window = mosaic_config.hot_tokens + (
+            mosaic_config.daemon_lag_tokens if self.daemon is not None else 0)
         self.swaps = SwapLog() if self.daemon is not None else None  # flushed by adopt()
         logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense), "
                     "arena blocks written by %s", size, hot_pages * page_size,
@@ -378,10 +385,11 @@ class MosaicKVPool(MHATokenToKVPool):
     # ---- the read rule and prefill chunks ---------------------------------------------------
     def compressed_pages(self, position: int) -> int:
         """The read rule: a token at `position` reads compressed every page of its request that
-        ends at least `hot_tokens` before it, and the rest dense. A function of the position
+        ends at least `dense_window` tokens before it (hot_tokens, + daemon_lag_tokens with the
+        daemon), and the rest dense. A function of the position
         alone, for prompt and generated tokens alike, so what a request reads does not depend
         on how its prompt was chunked or batched (docs/determinism.md)."""
-        return max(position - self.cfg.hot_tokens, 0) // self.page_size
+        return max(position - self.dense_window, 0) // self.page_size
 
     def sealed_prefix(self, pages: list[int]) -> int:
         """How many leading `pages` are sealed."""

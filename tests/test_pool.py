@@ -106,6 +106,9 @@ def test_a_hot_buffer_smaller_than_one_prefill_chunk_is_refused_at_start_up():
     assert hot_buffer_requests(4096, 128, -1, 4097, 0.5) == 1
     # every page beyond the chunk carries one more running request's last page
     assert hot_buffer_requests(24960, 128, 8192, 131072, 0.05) == 195 - 64 + 1
+    # the read rule's window keeps ceil(window / page) more pages hot per request, chunk included
+    assert hot_buffer_requests(1024, 128, 512, 2048, 0.25, window_tokens=128) == 2
+    assert hot_buffer_requests(1024, 128, 512, 2048, 0.25, window_tokens=0) == 5
 
 
 def test_running_requests_are_capped_to_what_the_hot_buffer_carries(caplog):

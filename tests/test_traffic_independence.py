@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow,
                                  reason="SmolLM2 assets not built: run bash scripts/setup.sh")]
 
 SEED = 35
-N_REQ, NEW_TOKENS, SHARED = 12, 48, 1024
+N_REQ, NEW_TOKENS, SHARED = 12, 24, 1024
 COMMON = ("--dtype", "float32", "--max-total-tokens", "4096", "--chunked-prefill-size", "512")
 
 

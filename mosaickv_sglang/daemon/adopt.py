@@ -144,8 +144,10 @@ def adopt(pool, group=None) -> int:
             client.cancel(job)
             client.counters.sync_seals_fallback += len(job.pages)
             installed += pool._finish([job])
-    relieved = pool._relieve(watermark)
-    budget.note("relieve", time.perf_counter() - t, relieved)
+    # No relief here: pages in their requests' dense window stay hot whoever seals them (the
+    # read rule, docs/determinism.md); the window is sized at start-up (hot_buffer_requests),
+    # and only a write that finds no free hot page seals early (pool._relieve, counted).
+    budget.note("relieve", time.perf_counter() - t, 0)
     client.collect()
     t = time.perf_counter()
     pool.swaps.flush(_rank(group))
