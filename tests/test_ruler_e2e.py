@@ -26,6 +26,11 @@ def test_ruler_cli_dense_vs_mosaickv_with_dsl(tmp_path, monkeypatch):
     assert dense["status"] == mosaic["status"] == "ok"
     assert dense["scores"][cell]["n"] == mosaic["scores"][cell]["n"] == 2
     assert dense["scores"][cell]["score"] >= 50  # SmolLM2 finds a 2K needle (measured: 100)
+    # MosaicKV loses nothing here: these are ruler_cpu_2k's two niah_single_1@2048 prompts (same
+    # seed, length and sample count), where it scored 100 like dense, and it scored 100 on all
+    # 50 of the cell's samples on the H200 (benchmarks/RESULTS.md). With 2 samples any looser
+    # bound would let it lose half the needles.
+    assert mosaic["scores"][cell]["score"] >= dense["scores"][cell]["score"], (mosaic, dense)
     assert dense["prompt_token_mismatches"] == 0  # the server tokenized what was generated
     assert s["competent_cells"] == [cell]
     assert mosaic["loss"]["average"] == dense["scores"][cell]["score"] - mosaic["scores"][cell]["score"]
@@ -34,8 +39,13 @@ def test_ruler_cli_dense_vs_mosaickv_with_dsl(tmp_path, monkeypatch):
     dsl = s["dsl"]["systems"]
     assert set(dsl) == {"dense", "mosaickv"} and s["dsl"]["questions"] == 2
     assert dsl["dense"]["select"]["agreement_with_dense"] == 100.0
-    for program in ("select", "fork"):
-        assert dsl["mosaickv"][program]["agreement_with_dense"] is not None
+    # MosaicKV answers as dense does: `select` (option log-probs over one context) on both
+    # questions, `fork` (adds a free 16-token greedy branch, which a near tie can turn) on at
+    # least one. Measured on these two questions (ruler_cpu_2k's first two): select 2/2 in both
+    # CPU runs, fork 2/2 there and 1/2 in this test's run; over 20 questions on the H200 95% and
+    # 80% (benchmarks/RESULTS.md). Four options: a system answering at random passes ~1 in 37.
+    agree = {p: dsl["mosaickv"][p]["agreement_with_dense"] for p in ("select", "fork")}
+    assert agree["select"] == 100.0 and agree["fork"] >= 50.0, agree
     assert (tmp_path / "report" / "ruler.png").stat().st_size > 1000
     assert "| niah_single_1@2048 |" in (tmp_path / "report" / "ruler.md").read_text()
 
