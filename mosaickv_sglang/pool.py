@@ -589,6 +589,20 @@ class MosaicKVPool(MHATokenToKVPool):
                     self._seal(group, None, first)
         return len(todo)
 
+    def seal_finished(self, slots: torch.Tensor) -> int:
+        """A finished request's full pages (`slots` its KV slots in position order), sealed now
+        whatever the read rule's window, with their hot copies freed: nothing reads them dense
+        any more except a later request matching them in the radix tree within its own window,
+        which then reads them compressed (counted: early_sealed_reads). Returns pages sealed."""
+        if not self.dense_window:
+            return 0  # every full page is sealed already
+        full = slots.numel() // self.page_size * self.page_size
+        before = self.counters.sealed_pages
+        self.seal_request(slots[:full], full + self.dense_window)
+        pages = (slots[:full:self.page_size] // self.page_size).tolist()
+        self._drop_kept_hot(pages)
+        return self.counters.sealed_pages - before
+
     def _drop_kept_hot(self, pages: list[int]) -> None:
         """Free the hot copies kept for sealed `pages` (daemon results installed before the read
         rule read them compressed) once their request reads them compressed."""

@@ -34,6 +34,15 @@ class MosaicRadixCache(RadixCache):
             self.pool.count_reuse(result.device_indices[:: self.page_size].tolist())
         return result
 
+    def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
+        """SGLang's insert of a finished request, after its full pages are sealed: it reads
+        nothing more, so pages it kept dense for its read rule's window (hot_tokens, the daemon's
+        slack) are sealed now and give their hot page back instead of holding it in the tree."""
+        if not self.disable:
+            slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len_to_handle]
+            self.pool.seal_finished(slots)
+        return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
+
     def _split_node(self, key, child, split_len: int):
         if split_len % self.page_size:
             raise RuntimeError(f"MosaicKV: radix split at {split_len}, not a page boundary "
