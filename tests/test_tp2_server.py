@@ -36,20 +36,32 @@ def _greedy(url: str, ids: list[int], n: int) -> list[int]:
                                                       "ignore_eos": True}}
     status, body = request(f"{url}/generate", payload, timeout=900)
     assert status == 200, body
-    return body["output_ids"]
+    out = body["output_ids"]
+    assert isinstance(out, list) and len(out) == n, (url, len(ids), body)
+    return out
 
 
-def _concurrent(url: str, jobs: list[tuple[list[int], int]]) -> list:
-    out = [None] * len(jobs)
+def _concurrent(url: str, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
+    """The jobs' greedy ids, requested at once. A worker's exception is raised here, in the
+    test's thread (a thread's exception would only be a warning, and two failed servers would
+    compare [None, ...] == [None, ...])."""
+    out: list = [None] * len(jobs)
+    errors: list[BaseException] = []
 
     def go(i):
-        out[i] = _greedy(url, *jobs[i])
+        try:
+            out[i] = _greedy(url, *jobs[i])
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread below
+            errors.append(exc)
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
+    assert all(o is not None for o in out), out
     return out
 
 
