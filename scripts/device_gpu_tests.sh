@@ -25,6 +25,12 @@ if [ -f "$a" ]; then archives+=("$a")
 elif [ ! -f "$site/bundles/server-base.json" ]; then
   echo "no SGLang bundle ($a not carried, not unpacked earlier): SGLang's tests will not run"
 fi
+# SGLang's attention modules import flashinfer even for the torch/triton paths the tests use
+a=.device/server/server-flashinfer.tar.xz
+if [ -f "$a" ]; then archives+=("$a")
+elif [ ! -f "$site/bundles/server-flashinfer.json" ]; then
+  echo "no FlashInfer bundle ($a not carried, not unpacked earlier): 3 SGLang test files fail to import"
+fi
 # shellcheck source=scripts/device_env.sh
 source scripts/device_env.sh ${archives[@]+"${archives[@]}"} > "$OUT/env.log" 2>&1 || {
   tail -20 "$OUT/env.log"; exit 1; }
