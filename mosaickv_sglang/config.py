@@ -42,6 +42,8 @@ DEFAULT_RESCUE_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 DECODE_KERNELS = ("auto", "triton", "reference")
 PACK_KERNELS = ("auto", "triton", "torch")
 FIT_SOLVERS = ("auto", "host", "device", "jacobi", "identity")
+READ_RULES = ("position", "chunk")
+BASIS_FITS = ("first_page", "group")
 
 
 @dataclass
@@ -141,6 +143,16 @@ class MosaicConfig:
     # CPU with host and device alike. "identity" fits nothing: every basis is the identity, i.e.
     # no rotation (the no_rotation ablation; bands then take raw channels in index order).
     fit_solver: str = "auto"
+    # What a token reads compressed (docs/determinism.md). "position": every page ending >=
+    # hot_tokens before it, prompt and generated tokens alike (pages a prefill chunk's own later
+    # tokens read are sealed inside the forward): outputs independent of other traffic.
+    # "chunk": a prefill chunk reads the pages sealed before it compressed and itself dense,
+    # decode as "position": what a prompt token reads depends on where its chunk began.
+    read_rule: str = "position"
+    # Which pages a basis block's bases are fitted on: "first_page" (a sealed page is then a
+    # function of its own K/V and its block's first page) or "group" (the pages sealed with the
+    # block's first one: depends on chunking and timing).
+    basis_fit: str = "first_page"
     # CUDA graphs for decode: "off" (every step eager), or "breakable": SGLang's breakable decode
     # graph replays the model's own layers and runs each layer's MosaicKV attention eagerly
     # between the graph segments (docs/cuda_graphs.md). Off by default until measured on a GPU.
@@ -184,6 +196,7 @@ class MosaicConfig:
         self.select.validate(self.page_tokens)
         for key, choices in (("decode_kernel", DECODE_KERNELS), ("pack_kernel", PACK_KERNELS),
                              ("fit_solver", FIT_SOLVERS), ("daemon", DAEMON_MODES),
+                             ("read_rule", READ_RULES), ("basis_fit", BASIS_FITS),
                              ("decode_cuda_graph", DECODE_CUDA_GRAPHS)):
             if getattr(self, key) not in choices:
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)!r} must be one of "
@@ -191,6 +204,9 @@ class MosaicConfig:
         if not isinstance(self.decode_profile_every, int) or self.decode_profile_every < 0:
             raise ValueError(f"mosaickv config: decode_profile_every={self.decode_profile_every!r} "
                              "must be an int >= 0")
+        if self.read_rule == "position" and self.basis_fit != "first_page":
+            raise ValueError("mosaickv config: read_rule 'position' needs basis_fit 'first_page' "
+                             "(it seals pages inside a prefill forward, layer by layer)")
         if not isinstance(self.daemon_lag_tokens, int) or self.daemon_lag_tokens < 0:
             raise ValueError(f"mosaickv config: daemon_lag_tokens={self.daemon_lag_tokens!r} must "
                              "be an int >= 0")

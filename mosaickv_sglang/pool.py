@@ -402,6 +402,11 @@ class MosaicKVPool(MHATokenToKVPool):
         prefix), grouped by basis block; `requests` holds (page ids in position order, position
         of the chunk's last token) per request. Pages still with the daemon are sealed now
         (they are needed now). None when there is nothing to seal."""
+        if self.cfg.read_rule == "chunk":
+            return None  # a chunk reads what was sealed before it: nothing to seal inside it
+        if self.cfg.basis_fit != "first_page":
+            raise ValueError("mosaickv config: read_rule 'position' seals pages inside a prefill "
+                             "forward, layer by layer, which needs basis_fit 'first_page'")
         ps, block = self.page_size, self.cfg.basis_block_tokens // self.page_size
         todo: dict[int, tuple[int, int]] = {}  # page -> (position index, its block's first page)
         for pages, last in requests:
@@ -516,7 +521,7 @@ class MosaicKVPool(MHATokenToKVPool):
         ps, b = self.page_size, slots.numel()
         pages = (slots[::ps] // ps).tolist()
         ja = self.read_split(pages, first)  # fresh pages install after the forward
-        jc = max(self.compressed_pages(b - 1), ja)
+        jc = ja if self.cfg.read_rule == "chunk" else max(self.compressed_pages(b - 1), ja)
         old = [p for p in pages[:jc] if p not in fresh]
         if old != pages[:len(old)]:
             raise RuntimeError("MosaicKV: a chunk's compressed pages are not a sealed prefix "
@@ -638,8 +643,10 @@ class MosaicKVPool(MHATokenToKVPool):
         """How many leading `pages` (one request's, position order) a token at `position` reads
         compressed: the read rule's count, or more where pages past it are sealed without a hot
         copy (hot_tokens > 0 and a prefix another request sealed: counted)."""
-        rule = min(self.compressed_pages(position), len(pages))
         n = self._sealed_prefix(pages)
+        if self.cfg.read_rule == "chunk":
+            return n  # whatever is sealed (before this forward) is read compressed
+        rule = min(self.compressed_pages(position), len(pages))
         if n <= rule:
             return n
         if all(p in self.kept_hot for p in pages[rule:n]):

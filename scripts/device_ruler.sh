@@ -141,6 +141,10 @@ for set in ${RULER_SETS:-full ablate}; do
     # {} for the default, so a changed default would otherwise resume the old rows)
     default50) args=(--systems dense mosaickv fp8 --parallel 3 --cells "${COMPETENT[@]}"
                      --samples 50) ;;
+    # the read rule's parts on the cells where the position rule lost most
+    rule50) args=(--systems dense mosaickv mosaickv_chunk_rule mosaickv_chunk_first_page
+                  mosaickv_chunk_hot0 --parallel 5 --cells niah_single_1@8192 niah_single_2@8192
+                  niah_single_3@2048 niah_single_3@4096 --samples 50) ;;
     *) echo "unknown set $set"; exit 2 ;;
   esac
   left=$((deadline - SECONDS))

@@ -312,8 +312,9 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
     for block_start in range(0, sealed, cfg.basis_block_tokens):
         block_end = min(block_start + cfg.basis_block_tokens, sealed)
         # fitted on the block's first segment, as the server does (codec/seal.fit_block_bases)
-        kb = fit_with(kf[:, block_start:block_start + seg], solver)
-        vb = fit_with(vf[:, block_start:block_start + seg], solver)
+        fit_end = block_start + seg if cfg.basis_fit == "first_page" else block_end
+        kb = fit_with(kf[:, block_start:fit_end], solver)
+        vb = fit_with(vf[:, block_start:fit_end], solver)
         layer.k_bases.append(kb)
         layer.v_bases.append(vb)
         basis_id = len(layer.k_bases) - 1

@@ -198,7 +198,8 @@ def seal_group(read: PageReader, positions: list[int], bases: BasisPair | None,
     with phase(timer, "read"):
         k, v = read(list(range(len(positions))))
     if bases is None:
-        bases = fit_block_bases(k, v, cfg.fit_solver, timer)
+        bases = (fit_block_bases(k, v, cfg.fit_solver, timer) if cfg.basis_fit == "first_page"
+                 else fit_bases(k, v, cfg.fit_solver, timer))
     return seal_pages(k, v, positions, bases, cfg, cands, dense, timer, keep_rotated)
 
 

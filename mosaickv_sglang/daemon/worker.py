@@ -23,7 +23,7 @@ import torch
 
 from ..codec.arena import pack_page
 from ..codec.layer import Candidates
-from ..codec.seal import BasisPair, fit_block_bases, seal_pages, write_transforms
+from ..codec.seal import BasisPair, fit_bases, fit_block_bases, seal_pages, write_transforms
 from ..codec.strategies import parse_strategy
 from ..config import MosaicConfig
 from .channel import Channel, ChannelSpec, dump
@@ -69,8 +69,12 @@ class Worker:
 
         t0 = time.perf_counter()
         if job["fit"]:
-            kv = self.channel.kv(slots[0])[None]  # [1, L, 2, H, S, D]: the block's first page
-            bases = fit_block_bases(kv[:, :, 0], kv[:, :, 1], self.cfg.fit_solver)
+            if self.cfg.basis_fit == "first_page":  # [1, L, 2, H, S, D]: the block's first page
+                kv = self.channel.kv(slots[0])[None]
+                bases = fit_block_bases(kv[:, :, 0], kv[:, :, 1], self.cfg.fit_solver)
+            else:  # the job's pages, [P, L, 2, H, S, D]
+                kv = torch.stack([self.channel.kv(slot) for slot in slots])
+                bases = fit_bases(kv[:, :, 0], kv[:, :, 1], self.cfg.fit_solver)
             del kv
         else:
             b = self.channel.bases(slots[0])

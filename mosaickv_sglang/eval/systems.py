@@ -120,6 +120,16 @@ def build_systems() -> dict[str, System]:
         System("mosaickv_xlo", "fixed band b8=4,b4=8,b2=52 (2.9 bits/scalar)",
                config=_fixed("band:b8=4,b4=8,b2=52,group=128", "band:b8=4,b4=8,b2=52,group=128"),
                family="budget"),
+        # the read rule's parts (docs/determinism.md), each against the rule before it
+        System("mosaickv_chunk_rule", "the rule before the position read rule: a prefill chunk "
+               "reads itself dense, bases fitted on the block's first sealed group, a 64-token "
+               "hot window", config={"read_rule": "chunk", "basis_fit": "group", "hot_tokens": 64},
+               family="ablation"),
+        System("mosaickv_chunk_first_page", "chunk read rule, 64-token hot window, bases fitted "
+               "on the block's first page", config={"read_rule": "chunk", "hot_tokens": 64},
+               family="ablation"),
+        System("mosaickv_chunk_hot0", "chunk read rule, bases fitted on the block's first page, "
+               "no hot window", config={"read_rule": "chunk"}, family="ablation"),
     ]
     return {s.name: s for s in systems}
 
