@@ -69,11 +69,10 @@ class MosaicConfig:
     segment_tokens: int = 128  # sealing / strategy granularity
     page_tokens: int = 32  # selection granularity (divides segment_tokens)
     basis_block_tokens: int = 4096  # one SVD basis per (layer, KV head) per this many tokens
-    # The read rule's dense window: a token reads dense its own page and every page ending less
-    # than this many tokens before it, compressed the rest (docs/determinism.md). 0 (the
-    # default) is the window under which outputs never depend on other traffic, radix reuse
-    # included; > 0 gives the daemon that many tokens of slack per page.
-    hot_tokens: int = 0
+    # The dense window: a decode token (and, under read_rule "position", every token) reads
+    # dense every page ending less than this many tokens before it (docs/determinism.md). The
+    # position rule's traffic-independence, radix reuse included, needs 0.
+    hot_tokens: int = 64
     hot_buffer_fraction: float = 0.25  # serving: dense hot-buffer rows / logical token slots
     sink_segments: int = 1  # first segments (attention sinks): own candidates and a tight budget
     sink_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_SINK_CANDIDATES))
@@ -87,10 +86,12 @@ class MosaicConfig:
     v_error_budget: float = 0.12
     select: SelectionConfig = field(default_factory=SelectionConfig)
     # "off": pages are compressed on the scheduler thread when the read rule first reads them
-    # compressed. "process": CPU worker processes compress full pages ahead of that
-    # (mosaickv_sglang/daemon/); the read rule then adds daemon_lag_tokens to the dense window.
+    # compressed. "process": CPU worker processes compress them (mosaickv_sglang/daemon/); under
+    # the chunk rule pages are read hot until adopted between steps, under the position rule
+    # full pages go to the workers daemon_lag_tokens ahead of need.
     daemon: str = "off"
-    # daemon "process" only: the workers' slack. Pages are read dense this many tokens longer
+    # daemon "process", read_rule "position" only: the workers' slack. Pages are read dense
+    # this many tokens longer
     # (added to hot_tokens); a page still with the workers when its request reads it compressed
     # is sealed on the scheduler thread (counted: sync_seals_needed). Outputs stay independent
     # of the daemon's speed; a window > 0 means a prefix another request sealed may be read
@@ -148,11 +149,11 @@ class MosaicConfig:
     # tokens read are sealed inside the forward): outputs independent of other traffic.
     # "chunk": a prefill chunk reads the pages sealed before it compressed and itself dense,
     # decode as "position": what a prompt token reads depends on where its chunk began.
-    read_rule: str = "position"
+    read_rule: str = "chunk"
     # Which pages a basis block's bases are fitted on: "first_page" (a sealed page is then a
     # function of its own K/V and its block's first page) or "group" (the pages sealed with the
     # block's first one: depends on chunking and timing).
-    basis_fit: str = "first_page"
+    basis_fit: str = "group"
     # CUDA graphs for decode: "off" (every step eager), or "breakable": SGLang's breakable decode
     # graph replays the model's own layers and runs each layer's MosaicKV attention eagerly
     # between the graph segments (docs/cuda_graphs.md). Off by default until measured on a GPU.

@@ -226,9 +226,12 @@ class MosaicKVPool(MHATokenToKVPool):
         # reads them compressed (freed by _drop_kept_hot, release_pages, clear)
         self.kept_hot: set[int] = set()
         self.daemon = self._start_daemon() if mosaic_config.daemon == "process" else None
-        # the read rule's window (compressed_pages): hot_tokens, plus the daemon's slack
+        # the read rule (docs/determinism.md): "position" or "chunk"; its window
+        # (compressed_pages): hot_tokens, plus the daemon's slack under the position rule
+        self.position_rule = mosaic_config.read_rule == "position"
         self.dense_window = mosaic_config.hot_tokens + (
-            mosaic_config.daemon_lag_tokens if self.daemon is not None else 0)
+            mosaic_config.daemon_lag_tokens if self.daemon is not None and self.position_rule
+            else 0)
         self.swaps = SwapLog() if self.daemon is not None else None  # flushed by adopt()
         logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense), "
                     "arena blocks written by %s", size, hot_pages * page_size,
@@ -583,11 +586,13 @@ class MosaicKVPool(MHATokenToKVPool):
         or submitted."""
         ps = self.page_size
         need = self.compressed_pages(seq_len)
+        if not self.position_rule:
+            return self._seal_request_chunk_rule(slots, need)
         limit = need if self.daemon is None else seq_len // ps
         pages = (slots[: limit * ps: ps] // ps).tolist()
-        self._drop_kept_hot(pages[:need])
         if self.daemon is not None:
             self._seal_pending(pages, need)
+        self._drop_kept_hot(pages[:need])
         todo = [(i, p) for i, p in enumerate(pages)
                 if p not in self.sealed and p not in self.pending]
         if not todo:
@@ -616,13 +621,39 @@ class MosaicKVPool(MHATokenToKVPool):
                     self._seal(group, None, first)
         return len(todo)
 
+    def _seal_request_chunk_rule(self, slots: torch.Tensor, need: int) -> int:
+        """seal_request under the chunk rule: every full page >= hot_tokens behind the request's
+        last token sealed inline, or submitted to the daemon (read hot until adopted)."""
+        ps = self.page_size
+        pages = (slots[: need * ps: ps] // ps).tolist()
+        todo = [(i, p) for i, p in enumerate(pages)
+                if p not in self.sealed and p not in self.pending]
+        if not todo:
+            return 0
+        for i, p in todo:  # a page may enter `sealed` only after the page before it
+            if i:
+                self.prev_page[p] = pages[i - 1]
+        block = self.cfg.basis_block_tokens // ps
+        for blk in sorted({i // block for i, _ in todo}):
+            group = [(i * ps, p, self.page_gen[p]) for i, p in todo if i // block == blk]
+            first = pages[blk * block]
+            if first in self.sealed:
+                self._seal(group, self.sealed[first].bases, first)
+            elif first in self.pending:  # the daemon is fitting this block's bases: wait
+                self.deferred.setdefault(first, []).extend(group)
+                for _, p, _ in group:
+                    self.pending[p] = None
+            else:
+                self._seal(group, None, first)
+        return len(todo)
+
     def seal_finished(self, slots: torch.Tensor) -> int:
         """A finished request's full pages (`slots` its KV slots in position order), sealed now
         whatever the read rule's window, with their hot copies freed: nothing reads them dense
         any more except a later request matching them in the radix tree within its own window,
         which then reads them compressed (counted: early_sealed_reads). Returns pages sealed."""
-        if not self.dense_window:
-            return 0  # every full page is sealed already
+        if not self.dense_window or not self.position_rule:
+            return 0  # every full page is sealed already, or the chunk rule: as it always was
         full = slots.numel() // self.page_size * self.page_size
         before = self.counters.sealed_pages
         self.seal_request(slots[:full], full + self.dense_window)
@@ -661,7 +692,7 @@ class MosaicKVPool(MHATokenToKVPool):
             return
         if self.daemon.broken:
             self.daemon.counters.sync_seals_fallback += len(group)
-            self._seal_now(group, bases)
+            self._seal_now(group, bases, keep_hot=self.position_rule)
             return
         mine = {p for _, p, _ in group}
         needs = sorted({self.prev_page[p] for p in mine if p in self.prev_page} - mine)
@@ -670,14 +701,15 @@ class MosaicKVPool(MHATokenToKVPool):
         for _, p, _ in group:
             self.pending[p] = job
 
-    def _seal_now(self, group: list[tuple[int, int, int]], bases: BasisPair | None) -> None:
+    def _seal_now(self, group: list[tuple[int, int, int]], bases: BasisPair | None,
+                  keep_hot: bool = False) -> None:
         """Seal on this thread from the hot buffer (the codec code the worker runs too)."""
         pages = [p for _, p, _ in group]
         with self._worker_threads():
             sealed = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
                                 [pos for pos, _, _ in group], bases, self.cfg, self.cands,
                                 self.dense, keep_rotated=self.store.pack_kernel)
-        self._install(pages, sealed)
+        self._install(pages, sealed, keep_hot=keep_hot)
 
     def _read_pages(self, pages: list[int]):
         """Hot logical pages' K and V, all layers, [P, L, H, S, D] (the `seal_group` reader)."""
@@ -752,7 +784,8 @@ class MosaicKVPool(MHATokenToKVPool):
 
         return adopt(self, tp_group)
 
-    def _finish(self, jobs: list, results: list[list] | None = None) -> int:
+    def _finish(self, jobs: list, results: list[list] | None = None,
+                keep_hot: bool | None = None) -> int:
         """Jobs leave the daemon: install their live pages in one batch (`results`: each job's
         daemon results, in job order; None: sealed here from the hot buffer), then submit the
         pages that waited for their bases. Returns pages installed."""
@@ -780,8 +813,10 @@ class MosaicKVPool(MHATokenToKVPool):
             taken.update(job.pages[i] for i in live)
         if pages:
             t = time.perf_counter()
-            # daemon results arrive before their request reads them compressed: hot kept
-            self._install(pages, sealed, keep_hot=results is not None)
+            # position rule: pages sealed before their request reads them compressed keep their
+            # hot copy until then (_drop_kept_hot), whoever sealed them; not under backpressure
+            self._install(pages, sealed,
+                          keep_hot=self.position_rule if keep_hot is None else keep_hot)
             if results is not None:  # a daemon result (else sealed here: timed by the caller)
                 self.daemon.budget.note("install_store", time.perf_counter() - t, len(pages))
         for job in jobs:
@@ -830,7 +865,7 @@ class MosaicKVPool(MHATokenToKVPool):
                 break
             job = self.next_to_seal(jobs)
             self.daemon.cancel(job)  # a result still on its way is dropped when it comes
-            n = self._finish([job])
+            n = self._finish([job], keep_hot=False)  # frees hot pages: that is the point
             self.daemon.counters.sync_seals_backpressure += n
             done += n
         if done:

@@ -31,7 +31,9 @@ def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
 
     hot = MosaicKVPool.hot_pages_for(sizes.max_total_num_tokens, self.pool_page_size,
                                      cfg.hot_buffer_fraction) * self.pool_page_size
-    window = cfg.hot_tokens + (cfg.daemon_lag_tokens if cfg.daemon == "process" else 0)
+    # the position rule's window keeps pages hot (the chunk rule's pages leave when sealed)
+    window = cfg.hot_tokens + (cfg.daemon_lag_tokens if cfg.daemon == "process" else 0) \
+        if cfg.read_rule == "position" else 0
     fit = hot_buffer_requests(hot, self.pool_page_size, self.server_args.chunked_prefill_size,
                               self.model_config.context_len, cfg.hot_buffer_fraction, window)
     pool = MosaicKVPool(

@@ -52,7 +52,8 @@ def test_chunk_attention_matches_per_query_reference(first, n, hot, seed):
 
 def make_pool(**cfg) -> MosaicKVPool:
     return MosaicKVPool(40 * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
-                        mosaic_config=MosaicConfig(hot_buffer_fraction=0.5, **cfg))
+                        mosaic_config=MosaicConfig(hot_buffer_fraction=0.5, read_rule="position",
+                                                   basis_fit="first_page", **cfg))
 
 
 def _write(pool, slots, k, v, layer_id):

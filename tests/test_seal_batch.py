@@ -194,8 +194,8 @@ def test_sealing_a_group_equals_one_segment_at_a_time(seed, select):
     sb = store()
     for layer in range(L):
         kv = [_read_one(kbuf, vbuf, p, layer) for p in range(P)]
-        kb = fit_basis(kv[0][0])  # a block's bases: fitted on its first page (fit_block_bases)
-        vb = fit_basis(kv[0][1])
+        kb = fit_basis(torch.cat([a for a, _ in kv], 1))  # basis_fit "group" (the default)
+        vb = fit_basis(torch.cat([b for _, b in kv], 1))
         assert torch.equal(batched[0].bases.k[layer], kb), repro(seed)
         assert torch.equal(batched[0].bases.v[layer], vb), repro(seed)
         for p, (k, v) in enumerate(kv):

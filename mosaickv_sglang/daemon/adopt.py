@@ -144,10 +144,12 @@ def adopt(pool, group=None) -> int:
             client.cancel(job)
             client.counters.sync_seals_fallback += len(job.pages)
             installed += pool._finish([job])
-    # No relief here: pages in their requests' dense window stay hot whoever seals them (the
-    # read rule, docs/determinism.md); the window is sized at start-up (hot_buffer_requests),
-    # and only a write that finds no free hot page seals early (pool._relieve, counted).
-    budget.note("relieve", time.perf_counter() - t, 0)
+    # The position rule: no relief here (pages in their requests' dense window stay hot whoever
+    # seals them, docs/determinism.md; the window is sized at start-up, hot_buffer_requests, and
+    # only a write that finds no free hot page seals early: pool._relieve, counted). The chunk
+    # rule: the oldest pending pages are sealed here while free hot pages are under the mark.
+    relieved = 0 if pool.position_rule else pool._relieve(watermark)
+    budget.note("relieve", time.perf_counter() - t, relieved)
     client.collect()
     t = time.perf_counter()
     pool.swaps.flush(_rank(group))
