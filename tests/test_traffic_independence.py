@@ -8,7 +8,8 @@ retraction all depend on the neighbours. Then every prompt is sent again alone a
 `/flush_cache`. Each loaded output must equal its alone output, as with `--kv-backend default`
 (the control), under read_rule "position" with `daemon: off` and `daemon: process`. The default
 config (read_rule "chunk") gave 9 of 12 (2026-12-04): docs/determinism.md.
-"""import json
+"""
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
