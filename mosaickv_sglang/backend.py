@@ -197,9 +197,10 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             rid = int(forward_batch.req_pool_indices[i])
             seq_len = int(forward_batch.seq_lens[i])
             view = self.pool.layer_view(layer.layer_id, req_to_token[rid, :seq_len])
-            out, _ = decode_attention(q_[i:i + 1].float(), view,
-                                      torch.tensor([seq_len - 1]), self.cfg.select,
-                                      self.cfg.page_tokens, sm_scale=layer.scaling)
+            out, info = decode_attention(q_[i:i + 1].float(), view,
+                                         torch.tensor([seq_len - 1]), self.cfg.select,
+                                         self.cfg.page_tokens, sm_scale=layer.scaling)
+            self.pool.reference_reads.add(info)
             o_[i] = out[0].to(o_.dtype)
         self._maybe_seal(layer, forward_batch, rows)
         return o_.reshape(q_.shape[0], hq * layer.v_head_dim)

@@ -172,8 +172,10 @@ class PackedDecode:
         timer.lap("between_layers")  # since the previous layer's attention
         for i, slots in st.reference_slots.items():
             view = pool.layer_view(layer.layer_id, slots)
-            o, _ = decode_attention(q[i:i + 1].float(), view, torch.tensor([len(slots) - 1]),
-                                    self.cfg.select, self.cfg.page_tokens, sm_scale=layer.scaling)
+            o, info = decode_attention(q[i:i + 1].float(), view, torch.tensor([len(slots) - 1]),
+                                       self.cfg.select, self.cfg.page_tokens,
+                                       sm_scale=layer.scaling)
+            pool.reference_reads.add(info)
             out[i] = o[0].to(out.dtype)
         if st.reference_slots:
             timer.lap("reference")
@@ -251,7 +253,7 @@ class PackedDecode:
         """`selection`: (page, KV head) pairs of the compressed pages the kernels decoded over
         (`pages_available`, summed over layers and steps) and those they read (`pages_read`: the
         GPU selector's picks in steps where it ran, else all). Requests sent to the reference
-        path are not in it (`reference_decode_requests` counts them). One host sync, here."""
+        path are counted apart, in the pool's `selection_reference`. One host sync, here."""
         return {"kernel_request_steps": self.kernel_requests,
                 "reference_decode_requests": self.reference_requests,
                 "prefill_unpacked_segments": self.prefill_unpacked_segments,

@@ -34,6 +34,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from .codec.arena import ArenaPage
+from .codec.attention import PageReads
 from .codec.basis import unrotate
 from .codec.layer import Candidates, CompressedLayer, segment_bytes
 from .codec.pages import build_page_meta
@@ -203,6 +204,9 @@ class MosaicKVPool(MHATokenToKVPool):
         # Dense fallback in the cache's own precision, so "dense" is lossless for fp32 caches too.
         self.dense = parse_strategy("dense:val=fp32" if self.dtype == torch.float32 else "dense")
         self.decode_path = None  # the backend's PackedDecode when decode runs on the kernels
+        # pages the torch reference decode could read and read (every request on a CPU server,
+        # the kernel path's unreadable requests on a GPU): selection's read fraction there
+        self.reference_reads = PageReads()
         # Every prefill (extend) step timed by phase when decode steps are (decode_profile_every):
         # they are few and long, so the syncs cost little; stats()["prefill"]["profile"].
         self.prefill_timer = StepProfiler(1 if mosaic_config.decode_profile_every else 0,
@@ -982,7 +986,8 @@ class MosaicKVPool(MHATokenToKVPool):
                 "slot_copies": "torch" if self._slot_copy.gather is None else "kernel"},
             # The kernel-readable arena: reserved at start-up for the worst layout on every
             # logical page (what the GPU holds) vs the blocks live now (inside arena_bytes).
-            "decode": {} if self.decode_path is None else self.decode_path.stats(),
+            "decode": {**({} if self.decode_path is None else self.decode_path.stats()),
+                       "selection_reference": self.reference_reads.stats()},
             "prefill": {"profile": self.prefill_timer.report()},
             "segment_store": {"reserved_bytes": self.store.reserved_bytes(),
                               "live_block_bytes": self.store.live_bytes,

@@ -152,3 +152,24 @@ def test_the_configure_hook_hands_the_cap_to_the_scheduler():
     assert _cap_running_requests(other, configurator, pre_model_load_memory=0) is other
 
 
+
+
+def test_reference_decode_reads_are_counted_in_stats(seed):
+    """The torch reference's page reads (the CPU server's decode path) reach the server stats:
+    with a budget below the context, selection reads fewer pages than it could."""
+    from mosaickv_sglang.codec.attention import decode_attention
+
+    pool = make_pool(select={"enabled": True, "budget_tokens": 128, "sink_tokens": 32,
+                             "recent_tokens": 32}, hot_buffer_fraction=0.5)
+    slots = torch.arange(PS, 9 * PS)
+    write(pool, slots, seed)
+    pool.seal_request(slots, len(slots))
+    assert pool.stats()["decode"]["selection_reference"]["pages_available"] == 0
+    view = pool.layer_view(0, slots)
+    q = torch.randn(1, 2 * H, D)
+    _, info = decode_attention(q, view, torch.tensor([len(slots) - 1]), pool.cfg.select,
+                               pool.cfg.page_tokens)
+    pool.reference_reads.add(info)
+    st = pool.stats()["decode"]["selection_reference"]
+    assert st["pages_available"] == info.pages_total > st["pages_read"] == info.pages_read > 0
+    assert st["read_fraction"] == info.pages_read / info.pages_total < 1
