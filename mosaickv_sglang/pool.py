@@ -368,27 +368,9 @@ class MosaicKVPool(MHATokenToKVPool):
         """Decompress one request's K/V [T, H, D] into a workspace (prefill over a prefix): with
         the kernel decode path and every page packed, one `band_unpack` launch; else the codec."""
         pages, hot_k, hot_v, _ = self.request_view(layer_id, slots)
-        local = layer_id - self.start_layer
-        dtype = self.dtype
-        if pages and self.decode_path is not None and bool(self.store.packed[local, pages].all()):
-            k, v = self.decode_path.unpack(local, pages)
-            return (torch.cat([k, hot_k.transpose(0, 1).to(dtype)]),
-                    torch.cat([v, hot_v.transpose(0, 1).to(dtype)]))
-        ks, vs = [], []
-        for page in map(self.sealed.__getitem__, pages):
-            seg = page.segments[local]
-            k = seg.k.strategy.decode(seg.k.encoded)
-            v = seg.v.strategy.decode(seg.v.encoded)
-            if seg.k.strategy.rot:
-                k = unrotate(k, page.bases.k[local])
-            if seg.v.strategy.rot:
-                v = unrotate(v, page.bases.v[local])
-            ks.append(k)
-            vs.append(v)
-        ks.append(hot_k.float())
-        vs.append(hot_v.float())
-        return (torch.cat(ks, 1).transpose(0, 1).to(dtype),
-                torch.cat(vs, 1).transpose(0, 1).to(dtype))
+        k, v = self.decompress(layer_id - self.start_layer, pages)
+        return (torch.cat([k, hot_k.transpose(0, 1).to(self.dtype)]),
+                torch.cat([v, hot_v.transpose(0, 1).to(self.dtype)]))
 
     # ---- the read rule and prefill chunks ---------------------------------------------------
     def compressed_pages(self, position: int) -> int:

@@ -1,29 +1,25 @@
 """The recompression daemon under read_rule "position" (docs/determinism.md; test_daemon.py
-covers the default chunk rule) without a server: shared-memory results, worker seals identical to
-the synchronous path, the swap (read hot until the read rule reads a page compressed, adopted or
-not, then exactly the final segments), pages needed before their result, frees while in flight,
-a killed or hung worker, backpressure, and the TP agreement over gloo."""
+covers the default chunk rule, and the parts the rule does not touch: the shared-memory channel,
+restarts, health checks, TP agreement) without a server: worker seals identical to the
+synchronous path, the swap (read hot until the read rule reads a page compressed, adopted or not,
+then exactly the final segments), pages needed before their result, backpressure, prefix repair,
+install order, and random steps keeping requests' sealed pages prefixes."""
 import contextlib
-import gc
 import os
 import random
 import signal
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from mosaickv_sglang.codec.attention import decode_attention
 from conftest import repro
 from mosaickv_sglang.codec.arena import HDR
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.daemon import adopt as adopt_mod
-from mosaickv_sglang.daemon.adopt import agree, agree_state
-from mosaickv_sglang.daemon.channel import ResultTooLarge, dump, load
 from mosaickv_sglang.pool import MosaicKVPool
 from mosaickv_sglang.segment_store import SegmentStore
+from test_daemon import attend, one_thread, same_pages, settle, write  # noqa: F401 (fixture)
 
 PS, H, D, LAYERS = 128, 2, 64, 2
 BLOCK = 4 * PS  # 4 pages per basis block: a request of 6 pages spans two blocks
@@ -31,16 +27,6 @@ BLOCK = 4 * PS  # 4 pages per basis block: a request of 6 pages spans two blocks
 # full pages go to the workers instead of being needed at once (the default, 128 = one page,
 # leaves a request's last full page to the daemon and seals the rest inline)
 LAG = 8 * PS
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Workers run 1 intra-op thread; the same here makes sync and daemon seals bitwise equal
-    (GEMM reduction order depends on the thread count)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_pool(daemon="process", pages=24, **cfg) -> MosaicKVPool:
@@ -66,92 +52,7 @@ def pools():
             p.daemon.close()
 
 
-def write(pool, slots, seed):
-    g = torch.Generator().manual_seed(seed)
-    for layer_id in range(LAYERS):
-        k = torch.randn(len(slots), H, D, generator=g)
-        v = torch.randn(len(slots), H, D, generator=g)
-        pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots, k, v)
-
-
-def settle(pool, timeout=120.0):
-    """Adopt until nothing is pending (what the scheduler loop does every iteration)."""
-    deadline = time.time() + timeout
-    while pool.pending or pool.daemon.open_jobs():
-        pool.adopt()
-        assert time.time() < deadline, pool.daemon.stats()
-        time.sleep(0.02)
-
-
-def same_pages(a: MosaicKVPool, b: MosaicKVPool):
-    assert a.sealed.keys() == b.sealed.keys()
-    for page in a.sealed:
-        pa, pb = a.sealed[page], b.sealed[page]
-        assert pa.position == pb.position and pa.nbytes == pb.nbytes
-        for x, y in zip(pa.bases.k + pa.bases.v, pb.bases.k + pb.bases.v):
-            assert torch.equal(x, y), page
-        for sa, sb in zip(pa.segments, pb.segments):
-            for ca, cb in ((sa.k, sb.k), (sa.v, sb.v)):
-                assert ca.strategy.spec == cb.strategy.spec
-                assert ca.encoded.tensors.keys() == cb.encoded.tensors.keys()
-                for name in ca.encoded.tensors:
-                    assert torch.equal(ca.encoded.tensors[name], cb.encoded.tensors[name]), name
-            assert torch.equal(sa.header, sb.header)
-    assert a.arena_bytes == b.arena_bytes
-
-
-def attend(pool, slots, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 2 * H, D, generator=g)
-    cfg = pool.cfg
-    return [decode_attention(q, pool.layer_view(layer, slots), torch.tensor([len(slots) - 1]),
-                             cfg.select, cfg.page_tokens, sm_scale=D ** -0.5)[0]
-            for layer in range(LAYERS)]
-
-
 # --------------------------------------------------------------------------- channel
-
-def test_result_round_trip_through_shared_memory(seed):
-    from mosaickv_sglang.codec.seal import BasisPair, SealedPage
-
-    region = torch.zeros(1 << 16, dtype=torch.uint8)
-    bases = BasisPair([torch.randn(2, 4, 4).bfloat16()], [torch.randn(2, 4, 4).bfloat16()])
-    obj = {"page": SealedPage(128, [], bases, 7), "t": torch.randn(3, 5),
-           "b": torch.rand(7) > 0.5, "i": torch.arange(6, dtype=torch.int32).reshape(2, 3)[:, 1:]}
-    off, n = dump(obj, region, {id(bases): "bases"})
-    mine = BasisPair([], [])
-    back = load(region, off, n, {"bases": mine})
-    assert back["page"].bases is mine and back["page"].nbytes == 7
-    for key in ("t", "b", "i"):
-        assert back[key].dtype == obj[key].dtype and torch.equal(back[key], obj[key]), key
-    # bases the worker fitted travel as their one [2L, H, D, D] tensor, back as views of it
-    whole = BasisPair.of(torch.randn(6, 2, 4, 4).bfloat16())
-    off, n = dump({"bases": whole}, region)
-    back = load(region, off, n)["bases"]
-    assert back.whole is not None and len(back.k) == len(back.v) == 3
-    assert torch.equal(back.stacked(), whole.whole) and back.nbytes() == whole.nbytes()
-    assert all(t.data_ptr() == back.whole[i].data_ptr() for i, t in enumerate(back.k + back.v))
-    assert n < 1000  # one tensor reference pickled, not 6
-    with pytest.raises(ResultTooLarge):
-        dump(torch.zeros(1 << 15), torch.zeros(1 << 16, dtype=torch.uint8)[:1024])
-
-
-def test_a_result_read_in_place_is_views_of_its_slot_wherever_the_slot_is(seed):
-    """device=None: no copy; every tensor a view of the region (a slot deep in the shared
-    block, not at its start: views count from the storage's start)."""
-    block = torch.zeros(3 << 16, dtype=torch.uint8)
-    region = block[(1 << 16) + 4096:]  # a slot's result region, 4096-aligned in the block
-    obj = {"t": torch.randn(3, 5), "h": torch.randn(4, 2).half(),
-           "i": torch.arange(6, dtype=torch.int32).reshape(2, 3)}
-    off, n = dump(obj, region)
-    back = load(region, off, n, device=None)
-    lo, hi = region.data_ptr(), region.data_ptr() + off
-    for key, t in obj.items():
-        assert torch.equal(back[key], t), key
-        assert lo <= back[key].data_ptr() < hi, key  # inside this slot's tensor bytes
-    copied = load(region, off, n)  # the default: a copy, unaffected by the slot's reuse
-    region[:off].zero_()
-    assert torch.equal(copied["t"], obj["t"]) and not torch.equal(back["t"], obj["t"])
 
 
 # --------------------------------------------------------------------------- swap
@@ -266,44 +167,6 @@ def test_arena_ready_results_are_the_inline_seal_bytes_in_the_store(pools, seed,
     assert all(torch.equal(x, y) for x, y in zip(attend(a, slots, seed), attend(b, slots, seed)))
 
 
-def test_an_arena_ready_page_without_room_leaves_the_store_as_it_was(pools, seed):
-    """`SegmentStore.adopt` takes all layers or none: with room for one page, a second adopt
-    returns None and allocates nothing; `install_pages` of its own-byte Segments then counts
-    every layer as arena_full; once the first page is released, the second adopts with the
-    same bytes."""
-    from mosaickv_sglang.codec.arena import pack_page
-
-    b = pools("off", k_error_budget=1.0, v_error_budget=1.0)
-    slots = torch.arange(PS, 3 * PS)
-    write(b, slots, seed)
-    b.seal_request(slots, len(slots))
-    ap = pack_page(b.sealed[2], b.cfg.page_tokens)
-    assert ap is not None, repro(seed)
-    room = max(H * lay.head_bytes for lay in ap.layouts())
-    store = SegmentStore(LAYERS, 4, H, D, PS, b.cfg.page_tokens, "cpu", 8, room)
-    assert store.adopt(1, ap) is not None
-    state = (list(store.top), [dict(f) for f in store.free], dict(store.blocks))
-    assert store.adopt(2, ap) is None
-    assert state == (store.top, store.free, store.blocks) and not store.packed[:, 2].any()
-    segs = ap.segments()
-    store.install_pages([2], [segs])
-    assert store.arena_full == LAYERS and not store.packed[:, 2].any()
-    for x, y in zip(segs, b.sealed[2].segments):
-        for name, t in x.k.encoded.tensors.items():
-            assert torch.equal(t, y.k.encoded.tensors[name]), name
-    store.release(1)
-    store.release(2)
-    got = store.adopt(2, ap)
-    assert got is not None and len(got) == LAYERS
-    for layer in range(LAYERS):
-        base, size = store.blocks[(layer, 2)]
-        ref, _ = b.store.blocks[(layer, 2)]
-        assert torch.equal(store.data[layer][base:base + size],
-                           b.store.data[layer][ref:ref + size]), layer
-        assert torch.equal(got[layer].v.encoded.tensors["codes4"],
-                           b.sealed[2].segments[layer].v.encoded.tensors["codes4"])
-
-
 def test_a_step_boundary_spreads_daemon_work_over_steps(pools):
     """With no share of the step to spend (daemon_boundary_share 0) every boundary runs one
     budgeted operation: a job's copy into slots or a job's install, never two; reading where
@@ -412,90 +275,6 @@ def test_a_job_a_worker_failed_on_is_sealed_here_beside_a_batch_of_results(pools
     assert st["sync_seals_fallback"] == 4 and st["adopted_pages"] == 4, st
     assert {5, 6, 7, 8} <= a.kept_hot  # the results keep their hot copies
     same_pages(a, b)
-
-
-def test_freed_page_result_is_discarded_not_installed(pools):
-    a = pools("process")
-    slots = torch.arange(PS, 3 * PS)  # pages 1, 2
-    write(a, slots, seed=2)
-    a.seal_request(slots, len(slots))
-    a.release_pages([2])  # request aborted while page 2 is in flight
-    write(a, torch.arange(2 * PS, 3 * PS), seed=3)  # logical page 2 reused by another request
-    settle(a)
-    assert 1 in a.sealed and 2 not in a.sealed  # the stale result never entered the reused page
-    assert a.daemon.counters.discarded_pages == 1 and a.hot_page_of[2] >= 0
-    a.release_pages([1, 2])
-    assert a.arena_bytes == 0 and len(a.free_hot_pages) == a.num_hot_pages
-
-
-def test_killed_worker_is_restarted_and_nothing_is_lost(pools):
-    a, b = pools("process"), pools("off")
-    slots = torch.arange(PS, 9 * PS)  # 8 pages, two blocks
-    for p in (a, b):
-        write(p, slots, seed=4)
-        p.seal_request(slots, len(slots))
-    settle_deadline = time.time() + 60
-    while not a.daemon.inflight and time.time() < settle_deadline:  # sent to the worker
-        a.adopt()
-    os.kill(a.daemon.workers[0].proc.pid, signal.SIGKILL)
-    settle(a)
-    same_pages(a, b)
-    st = a.daemon.stats()
-    assert st["restarts"] == 1 and st["resubmitted_pages"] >= 1 and not st["broken"]
-
-
-def test_health_checks_look_at_one_worker_at_a_time(pools, monkeypatch):
-    """check() runs at every boundary; it looks at one worker per CHECK_EVERY_S / workers, in
-    turn (all at once cost one boundary ~0.2 ms with 12 workers on the H200 host)."""
-    client = pools("process", daemon_workers=2).daemon
-    seen = []
-    monkeypatch.setattr(client, "_alive", lambda w: seen.append(w.index))
-    for _ in range(4):
-        client._checked = float("-inf")  # as if the interval had passed
-        client.check()
-    client.check()  # at once again: too soon
-    assert seen == [0, 1, 0, 1]
-
-
-@pytest.mark.parametrize("nice", [19, 5])
-def test_workers_run_at_the_configured_niceness(pools, nice):
-    """Workers take only idle cores: their niceness is the scheduler's plus daemon_nice (clamped
-    at 19 by the OS)."""
-    pool = pools("process", daemon_nice=nice)
-    pid = pool.daemon.workers[0].proc.pid
-    want = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
-    deadline = time.time() + 60
-    while os.getpriority(os.PRIO_PROCESS, pid) != want and time.time() < deadline:
-        time.sleep(0.05)  # the worker renices itself on start-up
-    assert os.getpriority(os.PRIO_PROCESS, pid) == want
-
-
-def test_daemon_start_freezes_the_start_up_heap(pools):
-    """Step-boundary unpickles must not make full collections walk the start-up heap."""
-    gc.unfreeze()
-    pools("process")
-    assert gc.get_freeze_count() > 0
-
-
-def test_hung_worker_is_detected_by_heartbeat(pools):
-    a, b = pools("process", daemon_timeout_s=1.0), pools("off")
-    slots = torch.arange(PS, 3 * PS)
-    deadline = time.time() + 120
-    while float(a.daemon.channel.heartbeats[0]) <= a.daemon.workers[0].spawned_at:
-        assert time.time() < deadline  # wait until the worker is up (it beats)
-        time.sleep(0.1)
-    pid = a.daemon.workers[0].proc.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        for p in (a, b):
-            write(p, slots, seed=5)
-            p.seal_request(slots, len(slots))
-        settle(a)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # normally already killed by the client
-            os.kill(pid, signal.SIGKILL)
-    same_pages(a, b)
-    assert a.daemon.counters.restarts == 1
 
 
 def test_backpressure_seals_oldest_pages_inline_when_hot_buffer_runs_low(pools):
@@ -767,95 +546,7 @@ def test_random_steps_keep_every_requests_sealed_pages_a_prefix(pools, seed, bat
     assert not a.sealed and not a.pending, repro(seed)
 
 
-def test_install_batches_wait_for_pages_or_age_and_keep_request_order():
-    """`install_batch` (no daemon needed): nothing until the installable ready jobs hold
-    `pages` pages (or more than that is ready) or the oldest waited `pages` boundaries, then up
-    to `pages` pages (the first job always); a job whose earlier pages are in an earlier job of
-    the batch goes with it, one whose earlier pages are not ready stays; with the hot buffer
-    low (None) all installable go."""
-    from mosaickv_sglang.daemon.adopt import install_batch
-
-    def job(i, pages, needs=(), agreed_at=0):
-        return SimpleNamespace(id=i, pages=pages, needs=list(needs), agreed_at=agreed_at)
-
-    pending = {1, 2, 3, 4, 5, 9}  # pages on their way; page 9's job is not ready
-
-    class Pool:
-        @staticmethod
-        def installable(j, with_pages=()):
-            return all(p not in pending or p in with_pages for p in j.needs)
-
-    a, b = job(0, [1]), job(1, [2], needs=[1])  # b's earlier page is a's
-    c, d = job(2, [3], needs=[9]), job(3, [4, 5], agreed_at=3)
-    names = lambda got: [j.id for j in got]  # noqa: E731
-    assert install_batch(Pool, [a], boundary=2, pages=3) == []  # 1 page, waited 2 < 3
-    assert names(install_batch(Pool, [a], boundary=3, pages=3)) == [0]  # waited 3: due
-    assert names(install_batch(Pool, [b, a], boundary=1, pages=2)) == [0, 1]  # order: a then b
-    # d does not fit the cap of 3: due now
-    assert names(install_batch(Pool, [a, b, c, d], boundary=1, pages=3)) == [0, 1]
-    assert names(install_batch(Pool, [a, b, c, d], boundary=1, pages=4)) == [0, 1, 3]
-    assert names(install_batch(Pool, [d], boundary=3, pages=1)) == [3]  # the first job always
-    assert names(install_batch(Pool, [a, b, c, d], boundary=0, pages=None)) == [0, 1, 3]
-    assert install_batch(Pool, [c], boundary=99, pages=2) == []  # never ahead of page 9
-
-
 # --------------------------------------------------------------------------- TP agreement
-
-def _client_with_ready(flags):
-    """A stand-in client: open jobs 0.. and those of `flags` ready (the client's own ready set)."""
-    jobs = [SimpleNamespace(id=i) for i in range(len(flags))]
-    ready = {job.id: job for job, ok in zip(jobs, flags) if ok}
-    return jobs, SimpleNamespace(ready=ready, ready_jobs=lambda: [ready[i] for i in sorted(ready)])
-
-
-def _agree_rank(rank, init, ready, out):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    jobs, client = _client_with_ready(ready[rank])
-    out[rank] = [job.id for job in agree(client, jobs, dist.group.WORLD)]
-    dist.destroy_process_group()
-
-
-def test_ranks_agree_on_the_ready_set(tmp_path):
-    ready = [[True, True, False, True], [True, False, False, True]]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_agree_rank, args=(f"file://{tmp_path}/rdv", ready, out), nprocs=2)
-        assert out[0] == out[1] == [0, 3]
-    jobs, client = _client_with_ready([False, True, True])
-    assert [job.id for job in agree(client, jobs)] == [1, 2]  # no group: the local decision
-
-
-def _state_rank(rank, init, cases, out):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    results = []
-    for jobs, broken in cases[rank]:
-        jobs = [SimpleNamespace(pages=p, gens=g) for p, g in jobs]
-        try:
-            results.append(agree_state(jobs, broken, dist.group.WORLD))
-        except RuntimeError as exc:
-            results.append(str(exc)[:60])
-    out[rank] = results
-    dist.destroy_process_group()
-
-
-def test_ranks_check_their_open_jobs_and_share_a_broken_daemon(tmp_path):
-    jobs = [([3, 4], [0, 0]), ([9], [2])]
-    cases = [[(jobs, False), (jobs, False), (jobs, False), (jobs, False)],
-             [(jobs, False), (jobs, True),  # rank 1's daemon broke: both ranks learn it
-              ([([3, 4], [0, 1]), ([9], [2])], False),  # a generation differs
-              ([([3], [0]), ([4], [0]), ([9], [2])], False)]]  # same pages, other jobs
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_state_rank, args=(f"file://{tmp_path}/rdv", cases, out), nprocs=2)
-        for rank in (0, 1):
-            assert out[rank][:2] == [False, True]
-            assert all(r.startswith("MosaicKV: tensor-parallel ranks hold different open")
-                       for r in out[rank][2:]), out[rank]
-    assert agree_state([], True) is True  # no group: the local state
 
 
 def test_a_broken_daemon_on_another_rank_makes_this_rank_seal_inline(pools, monkeypatch):
@@ -876,28 +567,3 @@ def test_a_broken_daemon_on_another_rank_makes_this_rank_seal_inline(pools, monk
 
 # --------------------------------------------------------------------------- swap log
 
-def test_swap_log_lines_compare_equal_only_when_ranks_swapped_the_same(caplog):
-    from mosaickv_sglang.daemon.swaplog import SwapLog, compare
-
-    def run(rank, pages_per_step):
-        log = SwapLog()
-        for pages in pages_per_step:
-            for p in pages:
-                log.add(p, 0)
-            log.flush(rank)
-        return log
-
-    with caplog.at_level("INFO", logger="mosaickv_sglang.daemon.swaplog"):
-        a = run(0, [[1, 2], [], [5]])
-        b = run(1, [[2, 1], [], [5]])  # order inside a step does not matter
-    assert a.stats() == {**b.stats()} and a.stats()["swap_lines"] == 2
-    text = caplog.text
-    assert compare(text)[0], compare(text)[1]
-    caplog.clear()
-    with caplog.at_level("INFO", logger="mosaickv_sglang.daemon.swaplog"):
-        run(0, [[1, 2], [], [5]])
-        run(1, [[1, 2], [5], []])  # the same pages, one step early
-    ok, report = compare(caplog.text)
-    assert not ok and "differs" in report
-    ok, report = compare(text.replace("rank=1", "rank=0"))
-    assert not ok and "expected 2 ranks" in report
