@@ -335,6 +335,7 @@ def main() -> None:
 
         def __init__(self):
             self.cfg = cfg
+            self.position_rule = cfg.read_rule == "position"  # adopt()'s relief depends on it
 
         @property
         def free_hot_pages(self):
