@@ -572,13 +572,16 @@ class MosaicKVPool(MHATokenToKVPool):
         or submitted."""
         ps = self.page_size
         need = self.compressed_pages(seq_len)
-        if not self.position_rule:
-            return self._seal_request_chunk_rule(slots, need)
-        limit = need if self.daemon is None else seq_len // ps
+        inline_below = need  # position rule: the pages needed next step are sealed here
+        if not self.position_rule:  # chunk rule: pages go to the daemon (if any) until adopted
+            limit, inline_below = need, 0
+        else:
+            limit = need if self.daemon is None else seq_len // ps
         pages = (slots[: limit * ps: ps] // ps).tolist()
-        if self.daemon is not None:
-            self._seal_pending(pages, need)
-        self._drop_kept_hot(pages[:need])
+        if self.position_rule:
+            if self.daemon is not None:
+                self._seal_pending(pages, need)
+            self._drop_kept_hot(pages[:need])
         todo = [(i, p) for i, p in enumerate(pages)
                 if p not in self.sealed and p not in self.pending]
         if not todo:
@@ -591,7 +594,7 @@ class MosaicKVPool(MHATokenToKVPool):
             first = pages[blk * block]
             for now in (True, False):  # pages needed next step: inline; the rest: the daemon
                 group = [(i * ps, p, self.page_gen[p]) for i, p in todo
-                         if i // block == blk and (i < need) == now]
+                         if i // block == blk and (i < inline_below) == now]
                 if not group:
                     continue
                 if first in self.sealed:
@@ -605,32 +608,6 @@ class MosaicKVPool(MHATokenToKVPool):
                         self.pending[p] = None
                 else:
                     self._seal(group, None, first)
-        return len(todo)
-
-    def _seal_request_chunk_rule(self, slots: torch.Tensor, need: int) -> int:
-        """seal_request under the chunk rule: every full page >= hot_tokens behind the request's
-        last token sealed inline, or submitted to the daemon (read hot until adopted)."""
-        ps = self.page_size
-        pages = (slots[: need * ps: ps] // ps).tolist()
-        todo = [(i, p) for i, p in enumerate(pages)
-                if p not in self.sealed and p not in self.pending]
-        if not todo:
-            return 0
-        for i, p in todo:  # a page may enter `sealed` only after the page before it
-            if i:
-                self.prev_page[p] = pages[i - 1]
-        block = self.cfg.basis_block_tokens // ps
-        for blk in sorted({i // block for i, _ in todo}):
-            group = [(i * ps, p, self.page_gen[p]) for i, p in todo if i // block == blk]
-            first = pages[blk * block]
-            if first in self.sealed:
-                self._seal(group, self.sealed[first].bases, first)
-            elif first in self.pending:  # the daemon is fitting this block's bases: wait
-                self.deferred.setdefault(first, []).extend(group)
-                for _, p, _ in group:
-                    self.pending[p] = None
-            else:
-                self._seal(group, None, first)
         return len(todo)
 
     def seal_finished(self, slots: torch.Tensor) -> int:
