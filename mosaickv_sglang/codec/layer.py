@@ -295,8 +295,8 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
                    select_meta: bool | None = None) -> CompressedLayer:
     """k, v: [H, T, D] (bf16 values as the dense cache holds them) -> CompressedLayer.
 
-    The segments the last token reads compressed under the serving read rule (those ending
-    >= hot_tokens before it) are sealed; the rest stays in the hot buffer.
+    Tokens past the last whole segment that leaves >= hot_tokens behind stay in the hot buffer
+    (what the server's next token, at position T, reads compressed).
     `select_meta` (default: cfg.select.enabled) builds per-page metadata for query-aware selection.
     """
     if k.shape != v.shape or k.dim() != 3:
@@ -304,7 +304,7 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
     select_meta = cfg.select.enabled if select_meta is None else select_meta
     _, t, _ = k.shape
     seg = cfg.segment_tokens
-    sealed = max(t - 1 - cfg.hot_tokens, 0) // seg * seg
+    sealed = max((t - cfg.hot_tokens) // seg, 0) * seg
     cands = Candidates.from_config(cfg)
     layer = CompressedLayer(hot_start=sealed)
     kf, vf = k.float(), v.float()
