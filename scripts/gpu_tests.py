@@ -64,6 +64,8 @@ CPU_ONLY = {
                                   "case needs the interpreter); test_decode_graph_gpu.py is the "
                                   "GPU one",
     "tests/test_daemon.py": "CPU pools; its CUDA mention skips a CPU-interpreter case",
+    "tests/test_daemon_position.py": "CPU pools (test_daemon.py's, under read_rule position); "
+                                     "its CUDA mention skips a CPU-interpreter case",
     "tests/test_basis_fit.py": "resolve_fit_solver on a torch.device('cuda') value only",
     "tests/test_sm90_compile.py": "compiles the kernels for sm_90 without a GPU",
     "tests/test_gpu_tests_script.py": "this runner's converter and lists",
