@@ -132,9 +132,7 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             first = seq_len - n_new
             kc, vc, kd, vd, _, ja = pool.chunk_kv(local, req_to_token[rid, :seq_len], first, fresh)
             timer.lap("read_prefix")
-            read = torch.full((n_new,), ja, dtype=torch.long) if pool.cfg.read_rule == "chunk" \
-                else torch.tensor([max(pool.compressed_pages(t), ja)
-                                   for t in range(first, seq_len)], dtype=torch.long)
+            read = pool.chunk_reads(first, seq_len, ja)
             qi = q_[start:start + n_new].transpose(0, 1)  # [Hq, n_new, D]
             out = chunk_attention(qi, *(x.transpose(0, 1).to(q.dtype) for x in (kc, vc, kd, vd)),
                                   first, read, ja, ps, layer.scaling)

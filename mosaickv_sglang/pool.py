@@ -97,6 +97,14 @@ class PoolCounters:
     reused_by_position: list = field(default_factory=list)
 
 
+def _decoded(seg, k_basis: torch.Tensor, v_basis: torch.Tensor):
+    """One sealed segment's K and V as they read back, float32 [H, S, D] in the raw basis."""
+    k = seg.k.strategy.decode(seg.k.encoded)
+    v = seg.v.strategy.decode(seg.v.encoded)
+    return (unrotate(k, k_basis) if seg.k.strategy.rot else k,
+            unrotate(v, v_basis) if seg.v.strategy.rot else v)
+
+
 def _bump(counts: list, index: int) -> None:
     counts.extend([0] * (index + 1 - len(counts)))
     counts[index] += 1
@@ -325,12 +333,7 @@ class MosaicKVPool(MHATokenToKVPool):
                     self._seal_now([(i * self.page_size, page, self.page_gen[page])],
                                    self.sealed[first].bases if first in self.sealed else None)
                     continue
-                job = self.pending[page]
-                if job is None:  # deferred: its block's first job goes first, then it is sent
-                    job = next((self.pending[first] for first, group in self.deferred.items()
-                                if any(p == page for _, p, _ in group)), None)
-                if job is None:
-                    raise RuntimeError(f"MosaicKV: page {page} is pending without a job")
+                job = self._job_of(page)
                 self.daemon.cancel(job)
                 self._finish([job])
         done = self.counters.sealed_pages - before
@@ -381,6 +384,15 @@ class MosaicKVPool(MHATokenToKVPool):
         on how its prompt was chunked or batched (docs/determinism.md)."""
         return max(position - self.dense_window, 0) // self.page_size
 
+    def chunk_reads(self, first: int, end: int, ja: int) -> torch.Tensor:
+        """int64 [end - first]: how many pages each token of a prefill chunk at positions
+        first .. end - 1 reads compressed (`compressed_pages` for each, at least `ja`, what the
+        chunk's first token reads: see chunk_kv); under the chunk rule all read `ja`."""
+        if not self.position_rule:
+            return torch.full((end - first,), ja, dtype=torch.long)
+        pos = torch.arange(first, end, dtype=torch.long)
+        return ((pos - self.dense_window).clamp(min=0) // self.page_size).clamp(min=ja)
+
     def sealed_prefix(self, pages: list[int]) -> int:
         """How many leading `pages` are sealed."""
         return self._sealed_prefix(pages)
@@ -391,11 +403,8 @@ class MosaicKVPool(MHATokenToKVPool):
         prefix), grouped by basis block; `requests` holds (page ids in position order, position
         of the chunk's last token) per request. Pages still with the daemon are sealed now
         (they are needed now). None when there is nothing to seal."""
-        if self.cfg.read_rule == "chunk":
+        if not self.position_rule:
             return None  # a chunk reads what was sealed before it: nothing to seal inside it
-        if self.cfg.basis_fit != "first_page":
-            raise ValueError("mosaickv config: read_rule 'position' seals pages inside a prefill "
-                             "forward, layer by layer, which needs basis_fit 'first_page'")
         ps, block = self.page_size, self.cfg.basis_block_tokens // self.page_size
         todo: dict[int, tuple[int, int]] = {}  # page -> (position index, its block's first page)
         for pages, last in requests:
@@ -464,10 +473,8 @@ class MosaicKVPool(MHATokenToKVPool):
             for j, sp in zip(idx, sealed):
                 seg = sp.segments[0]
                 cs.segments[j].append(seg)
-                out[cs.pages[j]] = tuple(
-                    (unrotate(x, b) if c.strategy.rot else x).transpose(0, 1).to(self.dtype)
-                    for c, x, b in ((seg.k, seg.k.strategy.decode(seg.k.encoded), one.k[0]),
-                                    (seg.v, seg.v.strategy.decode(seg.v.encoded), one.v[0])))
+                out[cs.pages[j]] = tuple(x.transpose(0, 1).to(self.dtype)
+                                         for x in _decoded(seg, one.k[0], one.v[0]))
         return out
 
     def finish_chunk_seal(self, cs: ChunkSeal) -> int:
@@ -510,7 +517,7 @@ class MosaicKVPool(MHATokenToKVPool):
         ps, b = self.page_size, slots.numel()
         pages = (slots[::ps] // ps).tolist()
         ja = self.read_split(pages, first)  # fresh pages install after the forward
-        jc = ja if self.cfg.read_rule == "chunk" else max(self.compressed_pages(b - 1), ja)
+        jc = max(self.compressed_pages(b - 1), ja) if self.position_rule else ja
         old = [p for p in pages[:jc] if p not in fresh]
         if old != pages[:len(old)]:
             raise RuntimeError("MosaicKV: a chunk's compressed pages are not a sealed prefix "
@@ -533,17 +540,8 @@ class MosaicKVPool(MHATokenToKVPool):
             return empty, empty
         if self.decode_path is not None and bool(self.store.packed[local, pages].all()):
             return self.decode_path.unpack(local, pages)
-        ks, vs = [], []
-        for page in map(self.sealed.__getitem__, pages):
-            seg = page.segments[local]
-            k = seg.k.strategy.decode(seg.k.encoded)
-            v = seg.v.strategy.decode(seg.v.encoded)
-            if seg.k.strategy.rot:
-                k = unrotate(k, page.bases.k[local])
-            if seg.v.strategy.rot:
-                v = unrotate(v, page.bases.v[local])
-            ks.append(k)
-            vs.append(v)
+        ks, vs = zip(*(_decoded(page.segments[local], page.bases.k[local], page.bases.v[local])
+                       for page in map(self.sealed.__getitem__, pages)))
         return (torch.cat(ks, 1).transpose(0, 1).to(self.dtype),
                 torch.cat(vs, 1).transpose(0, 1).to(self.dtype))
 
@@ -552,15 +550,21 @@ class MosaicKVPool(MHATokenToKVPool):
         (they are needed now): its job is cancelled and sealed from the hot buffer."""
         for i in range(n):
             page = pages[i]
-            while page not in self.sealed and (page in self.pending):
-                job = self.pending[page]
-                if job is None:
-                    job = next((self.pending[first] for first, group in self.deferred.items()
-                                if any(p == page for _, p, _ in group)), None)
-                if job is None:
-                    raise RuntimeError(f"MosaicKV: page {page} is pending without a job")
+            while page not in self.sealed and page in self.pending:
+                job = self._job_of(page)
                 self.daemon.cancel(job)
                 self.daemon.counters.sync_seals_needed += self._finish([job])
+
+    def _job_of(self, page: int):
+        """The daemon job that must finish for pending `page` to be sealed: its own, or, when it
+        is deferred, the job fitting its block's bases (that one goes first, then it is sent)."""
+        job = self.pending[page]
+        if job is None:
+            job = next((self.pending[first] for first, group in self.deferred.items()
+                        if any(p == page for _, p, _ in group)), None)
+        if job is None:
+            raise RuntimeError(f"MosaicKV: page {page} is pending without a job")
+        return job
 
     # ---- sealing ------------------------------------------------------------------------
     def seal_request(self, slots: torch.Tensor, seq_len: int) -> int:
@@ -638,7 +642,7 @@ class MosaicKVPool(MHATokenToKVPool):
         compressed: the read rule's count, or more where pages past it are sealed without a hot
         copy (hot_tokens > 0 and a prefix another request sealed: counted)."""
         n = self._sealed_prefix(pages)
-        if self.cfg.read_rule == "chunk":
+        if not self.position_rule:
             return n  # whatever is sealed (before this forward) is read compressed
         rule = min(self.compressed_pages(position), len(pages))
         if n <= rule:

@@ -136,3 +136,17 @@ def test_prefill_reads_and_seals_the_same_whatever_the_chunks(chunks, seed):
     whole, chunked = results["whole"][1], results["chunked"][1]
     for key in whole:
         assert torch.equal(whole[key], chunked[key]), f"position/layer {key} reads differ (seed {seed})"
+
+
+@pytest.mark.parametrize("rule,hot", [("position", 0), ("position", 64), ("chunk", 64)])
+def test_chunk_reads_follow_the_read_rule(rule, hot):
+    """What each token of a chunk reads compressed: compressed_pages(t), never below what the
+    chunk's first token reads; under the chunk rule, what the first token reads."""
+    pool = MosaicKVPool(40 * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
+                        mosaic_config=MosaicConfig(read_rule=rule, hot_tokens=hot,
+                                                   basis_fit="first_page" if rule == "position"
+                                                   else "group"))
+    first, end, ja = 300, 900, 3
+    want = [ja if rule == "chunk" else max(pool.compressed_pages(t), ja)
+            for t in range(first, end)]
+    assert pool.chunk_reads(first, end, ja).tolist() == want
