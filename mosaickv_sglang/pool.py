@@ -623,9 +623,9 @@ class MosaicKVPool(MHATokenToKVPool):
             return 0  # every full page is sealed already, or the chunk rule: as it always was
         full = slots.numel() // self.page_size * self.page_size
         before = self.counters.sealed_pages
+        # a token `dense_window` past the last full page reads every full page compressed:
+        # seal_request seals them and frees their kept hot copies
         self.seal_request(slots[:full], full + self.dense_window)
-        pages = (slots[:full:self.page_size] // self.page_size).tolist()
-        self._drop_kept_hot(pages)
         return self.counters.sealed_pages - before
 
     def _drop_kept_hot(self, pages: list[int]) -> None:
