@@ -44,8 +44,11 @@ def stand_in(batch: int, context: int, layers: int, page_size: int, cfg: MosaicC
                 hot_page_of[p] = p % 64
         slots = (torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)).flatten()
         req_to_token[r + 1, :len(slots)] = slots
+    def read_split(pages, position):  # the chunk rule: every sealed leading page
+        return next((i for i, p in enumerate(pages) if p not in sealed), len(pages))
+
     pool = SimpleNamespace(page_size=page_size, sealed=sealed, hot_page_of=hot_page_of,
-                           device="cpu", cfg=cfg,
+                           device="cpu", cfg=cfg, read_split=read_split,
                            store=SimpleNamespace(packed=torch.ones(layers, total + 1,
                                                                    dtype=torch.bool)))
     plan = object.__new__(PackedDecode)  # no kernels: only the planner's state

@@ -117,16 +117,20 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
                  int(forward_batch.extend_seq_lens[i])) for i in range(forward_batch.batch_size)]
         if layer.layer_id == pool.start_layer:
             timer.step()
-            # The read rule (pool.compressed_pages): pages the chunk's own later tokens read
-            # compressed are sealed layer by layer in this forward, installed after its last.
-            self.chunk_seal = pool.plan_chunk_seal(
-                [((req_to_token[rid, :seq_len:ps] // ps).tolist(), seq_len - 1)
-                 for rid, seq_len, _ in reqs])
-            timer.lap("plan_chunk_seal")
+            if pool.position_rule:
+                # The position rule (pool.compressed_pages): pages the chunk's own later tokens
+                # read compressed are sealed layer by layer in this forward, installed after
+                # its last. Under the chunk rule a chunk reads what was sealed before it.
+                self.chunk_seal = pool.plan_chunk_seal(
+                    [((req_to_token[rid, :seq_len:ps] // ps).tolist(), seq_len - 1)
+                     for rid, seq_len, _ in reqs])
+                timer.lap("plan_chunk_seal")
         else:
             timer.lap("between_layers")
-        fresh = {} if self.chunk_seal is None else pool.seal_chunk_layer(self.chunk_seal, local)
-        timer.lap("chunk_seal")
+        fresh = {}
+        if self.chunk_seal is not None:
+            fresh = pool.seal_chunk_layer(self.chunk_seal, local)
+            timer.lap("chunk_seal")
         start = 0
         for rid, seq_len, n_new in reqs:
             first = seq_len - n_new
