@@ -6,8 +6,10 @@
   codec's torch reference per request;
 * extend/prefill: sealed prefix pages are decompressed into a workspace and the stock SDPA path
   runs over (workspace + hot rows);
-* after the last layer of a forward, full pages that are ``hot_tokens`` behind their request's
-  last token are sealed (compressed) synchronously: the ``daemon: off`` mode.
+* sealing: full pages ``hot_tokens`` behind their request's last token are sealed (compressed;
+  ``daemon: off``: synchronously, else sent to the daemon) after a prefill's last layer, and for
+  decode between steps: in the forward-metadata hook, before the step's write mapping and plan
+  (``_prepare_decode``), so the decode forward itself does no host planning or sealing.
 """
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         # init_forward_metadata_out_graph.
         self.graph_rows: int | None = None
         self.chunk_seal = None  # the prefill forward's layer-by-layer sealing (pool.ChunkSeal)
+        self._prepared = None  # the batch whose decode step init_forward_metadata prepared
         logger.info("MosaicKV decode path: %s", kernel)
 
     # ---- extend -------------------------------------------------------------------------
@@ -152,6 +155,44 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             timer.end()
         return o
 
+    # ---- before each forward: the step's host work -----------------------------------------
+    # Everything a decode step decides on the host runs here, between steps, before the model
+    # forward: sealing what the previous step made sealable, hot pages for this step's writes
+    # (and the device table they map through), and the plan every layer shares. The forward
+    # itself only writes through the prepared mapping and launches attention.
+    def init_forward_metadata(self, forward_batch) -> None:
+        self.graph_rows = None  # an eager step
+        super().init_forward_metadata(forward_batch)
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            self._prepare_decode(forward_batch, forward_batch.batch_size, forward_batch.out_cache_loc)
+        elif not mode.is_idle() and forward_batch.out_cache_loc is not None:
+            self.pool.prepare_writes(forward_batch.out_cache_loc)  # extend: hot pages up front
+
+    def _prepare_decode(self, forward_batch, rows: int, loc) -> None:
+        """The decode step's host work for the batch's first `rows` requests (the real ones
+        under a graph): seal (each request's tokens before this step's, as sealing after the
+        previous step's last layer did), map this step's writes (`loc`), plan."""
+        pool, req_to_token = self.pool, self.req_to_token_pool.req_to_token
+        timer = self.packed.timer if self.packed is not None else None
+        if timer is not None:
+            timer.step()
+        lens = getattr(forward_batch, "seq_lens_cpu", None)
+        lens = (forward_batch.seq_lens.cpu() if lens is None else lens)[:rows].tolist()
+        before = pool.counters.sealed_pages
+        for rid, seq_len in zip(forward_batch.req_pool_indices[:rows].tolist(), lens):
+            pool.seal_request(req_to_token[rid, :seq_len - 1], seq_len - 1)
+        if pool.counters.sealed_pages // LOG_EVERY_PAGES > before // LOG_EVERY_PAGES:
+            logger.info(pool.summary())
+        if timer is not None:
+            timer.lap("seal")
+        pool.prepare_writes(loc)
+        if timer is not None:
+            timer.lap("writes")
+        if self.packed is not None:
+            self.packed.begin(forward_batch, req_to_token, rows)
+        self._prepared = forward_batch
+
     # ---- decode under a breakable CUDA graph ---------------------------------------------
     # The graph replays the model's layers; each layer's forward_decode runs eagerly between
     # its segments (`_decode_between_segments`), on the capture-time ForwardBatch: its tensors
@@ -165,13 +206,13 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         """Before each warm-up/capture (every row a dummy: decode nothing) and each replay (the
-        first batch_size - num_padding rows are real; padded rows point at request 0, slot 0)."""
+        first batch_size - num_padding rows are real; padded rows point at request 0, slot 0):
+        the replay's host work (`_prepare_decode`) on SGLang's replay view of the batch (its
+        padded static buffers, and the live `out_cache_loc`)."""
         self.graph_rows = 0 if in_capture else (
             forward_batch.batch_size - getattr(forward_batch, "num_padding", 0))
-
-    def init_forward_metadata(self, forward_batch) -> None:
-        self.graph_rows = None  # an eager step
-        super().init_forward_metadata(forward_batch)
+        if self.graph_rows:
+            self._prepare_decode(forward_batch, self.graph_rows, forward_batch.out_cache_loc)
 
     # ---- decode -------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -183,17 +224,19 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         rows = forward_batch.batch_size if self.graph_rows is None else self.graph_rows
         if rows == 0:  # a graph warm-up or capture: dummy rows, nothing to write or read
             return q_.new_zeros((q_.shape[0], hq * layer.v_head_dim))
-        if save_kv_cache and k is not None:  # padded rows write slot 0: the padding page
-            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        if self.graph_rows is None and self._prepared is not forward_batch:
+            raise RuntimeError("MosaicKV: forward_decode on a batch init_forward_metadata did "
+                               "not prepare (the step's sealing, writes and plan run there)")
+        if save_kv_cache and k is not None:
+            if self.graph_rows is None:
+                self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+            else:  # the capture-time slots (padded rows: slot 0, the padding page)
+                self.pool.write_by_table(layer, forward_batch.out_cache_loc, k, v)
         o_ = (q_.new_empty if rows == q_.shape[0] else q_.new_zeros)(
             (q_.shape[0], hq, layer.v_head_dim))
         req_to_token = self.req_to_token_pool.req_to_token
         if self.packed is not None:
-            if layer.layer_id == self.pool.start_layer:
-                self.packed.begin(forward_batch, req_to_token, rows)
             self.packed.attend(q_, layer, o_)
-            if self._maybe_seal(layer, forward_batch, rows):
-                self.packed.timer.lap("seal")
             return o_.reshape(q_.shape[0], hq * layer.v_head_dim)
         for i in range(rows):
             rid = int(forward_batch.req_pool_indices[i])
@@ -204,19 +247,17 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
                                          self.cfg.page_tokens, sm_scale=layer.scaling)
             self.pool.reference_reads.add(info)
             o_[i] = out[0].to(o_.dtype)
-        self._maybe_seal(layer, forward_batch, rows)
         return o_.reshape(q_.shape[0], hq * layer.v_head_dim)
 
     # ---- sealing ------------------------------------------------------------------------
-    def _maybe_seal(self, layer, forward_batch, rows: int | None = None) -> bool:
-        """After the last layer: compress what became sealable (daemon: off, synchronous; else
-        submit it to the daemon), for the batch's first `rows` requests (all of them by
-        default). Returns whether this was the last layer."""
+    def _maybe_seal(self, layer, forward_batch) -> bool:
+        """After a prefill's last layer: compress what became sealable (daemon: off,
+        synchronous; else submit it to the daemon). Returns whether this was the last layer."""
         if layer.layer_id != self.last_layer:
             return False
         req_to_token = self.req_to_token_pool.req_to_token
         before = self.pool.counters.sealed_pages
-        for i in range(forward_batch.batch_size if rows is None else rows):
+        for i in range(forward_batch.batch_size):
             rid = int(forward_batch.req_pool_indices[i])
             seq_len = int(forward_batch.seq_lens[i])
             self.pool.seal_request(req_to_token[rid, :seq_len], seq_len)

@@ -220,6 +220,10 @@ class MosaicKVPool(MHATokenToKVPool):
         self.prefill_timer = StepProfiler(1 if mosaic_config.decode_profile_every else 0,
                                           self.device)
         self._write_map: tuple = (None, None)  # (slots of this forward, their hot-buffer rows)
+        # The hot-page table on the device (a view of hot_page_of on a CPU pool), refreshed by
+        # prepare_writes before each forward: a decode graph's writes map through it.
+        self.hot_page_dev = self.hot_page_of if torch.device(self.device).type == "cpu" else \
+            self.hot_page_of.to(self.device)
         self.store = SegmentStore(self.layer_num, self.num_logical_pages, self.head_num,
                                   self.head_dim, page_size, mosaic_config.page_tokens,
                                   self.device, mosaic_config.select.meta_channels
@@ -277,15 +281,32 @@ class MosaicKVPool(MHATokenToKVPool):
                 "--chunked-prefill-size")
         return self.free_hot_pages.pop()
 
+    def prepare_writes(self, loc: torch.Tensor) -> None:
+        """Before a forward, between steps (the backend's forward-metadata hooks): hot pages for
+        the new logical pages `loc` (this forward's slots) writes, and the device table its
+        writes map through. Every layer's `set_kv_buffer` with this very `loc` reuses the
+        mapping (no host work); `write_by_table` maps any other slot tensor on the device."""
+        self._write_map = (loc, self.physical_loc(loc, allocate=True))
+        if self.hot_page_dev is not self.hot_page_of:
+            self.hot_page_dev.copy_(self.hot_page_of)
+
     def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
         loc, _, _ = unwrap_write_loc(loc_info)
-        # Every layer of a forward writes the same slots: map them once, at the first layer
-        # (which allocates hot pages), and reuse the mapping for the others (no host sync).
-        first = layer.layer_id == self.start_layer
-        if first or self._write_map[0] is not loc:
+        # Every layer of a forward writes the same slots: mapped once, by prepare_writes before
+        # the forward, else at the first layer (which then allocates hot pages).
+        if self._write_map[0] is not loc:
+            first = layer.layer_id == self.start_layer
             self._write_map = (loc, self.physical_loc(loc, allocate=first))
         phys = self._write_map[1]
         super().set_kv_buffer(layer, phys, cache_k, cache_v, *args, **kwargs)
+
+    def write_by_table(self, layer, loc: torch.Tensor, cache_k, cache_v) -> None:
+        """A write mapped through the device hot-page table (`prepare_writes` refreshed it for
+        this step's pages): no host work and no sync, so a CUDA graph can hold it. Padded rows
+        of a graph batch write slot 0: logical page 0 is the padding hot page."""
+        ps = self.page_size
+        phys = self.hot_page_dev[torch.div(loc, ps, rounding_mode="floor")] * ps + loc % ps
+        super().set_kv_buffer(layer, phys, cache_k, cache_v)
 
     # ---- reads --------------------------------------------------------------------------
     def request_view(self, layer_id: int, slots: torch.Tensor):
@@ -615,14 +636,21 @@ class MosaicKVPool(MHATokenToKVPool):
         return len(todo)
 
     def seal_finished(self, slots: torch.Tensor) -> int:
-        """A finished request's full pages (`slots` its KV slots in position order), sealed now
-        whatever the read rule's window, with their hot copies freed: nothing reads them dense
-        any more except a later request matching them in the radix tree within its own window,
-        which then reads them compressed (counted: early_sealed_reads). Returns pages sealed."""
-        if not self.dense_window or not self.position_rule:
-            return 0  # every full page is sealed already, or the chunk rule: as it always was
-        full = slots.numel() // self.page_size * self.page_size
+        """A finished request's pages before its radix insert (`slots` its KV slots in position
+        order). Chunk rule: what its last write made sealable (`seal_request`), which a next
+        decode step would have sealed before its plan. Position rule: every full page, whatever
+        the window, with its hot copy freed: nothing reads them dense any more except a later
+        request matching them in the radix tree within its own window, which then reads them
+        compressed (counted: early_sealed_reads). Returns pages sealed."""
         before = self.counters.sealed_pages
+        if not self.position_rule:
+            # the chunk rule: what sealing after its last write makes ready (decode seals before
+            # each step's plan, and a finished request has no next step; with the daemon: sent)
+            self.seal_request(slots, slots.numel())
+            return self.counters.sealed_pages - before
+        if not self.dense_window:
+            return 0  # every full page is sealed already
+        full = slots.numel() // self.page_size * self.page_size
         # a token `dense_window` past the last full page reads every full page compressed:
         # seal_request seals them and frees their kept hot copies
         self.seal_request(slots[:full], full + self.dense_window)

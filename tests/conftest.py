@@ -56,6 +56,17 @@ def repro(seed: int) -> str:
     return f"[seed={seed}; rerun with MOSAICKV_TEST_SEED={seed}]"
 
 
+def replay_view(static, bs: int, pad: int, live_loc: torch.Tensor):
+    """What SGLang's decode graph runner hands `init_forward_metadata_out_graph` before a replay
+    (decode_cuda_graph_runner.build_replay_fb_view): the padded static buffers, refreshed in
+    place, the padding count and the live (unpadded) out_cache_loc."""
+    from types import SimpleNamespace
+    return SimpleNamespace(batch_size=bs, num_padding=pad,
+                           req_pool_indices=static.req_pool_indices[:bs],
+                           seq_lens=static.seq_lens[:bs], seq_lens_cpu=static.seq_lens_cpu[:bs],
+                           out_cache_loc=live_loc)
+
+
 def assert_finite(t: torch.Tensor, what: str, seed: int) -> None:
     bad = ~torch.isfinite(t)
     assert not bool(bad.any()), f"{what}: {int(bad.sum())} non-finite values {repro(seed)}"

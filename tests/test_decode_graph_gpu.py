@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from conftest import repro
+from conftest import replay_view, repro
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -110,7 +111,7 @@ def test_breakable_graph_replay_matches_eager(seed):
         locs = torch.stack([rtt[r, n - 1] for r, n in zip(real.tolist(), seq)]).long()
         live = SimpleNamespace(batch_size=len(seq), req_pool_indices=real,
                                seq_lens=torch.tensor(seq, device=dev),
-                               seq_lens_cpu=torch.tensor(seq), out_cache_loc=locs)
+                               seq_lens_cpu=torch.tensor(seq), out_cache_loc=locs, forward_mode=ForwardMode.DECODE)
         eager.init_forward_metadata(live)
         n, pad = len(seq), bs - len(seq)
         want = []
@@ -126,7 +127,7 @@ def test_breakable_graph_replay_matches_eager(seed):
         static.seq_lens[:n], static.seq_lens[n:] = live.seq_lens, fill
         static.seq_lens_cpu[:n], static.seq_lens_cpu[n:] = live.seq_lens_cpu, fill
         static.out_cache_loc[:n], static.out_cache_loc[n:] = locs, 0
-        graph.init_forward_metadata_out_graph(SimpleNamespace(batch_size=bs, num_padding=pad))
+        graph.init_forward_metadata_out_graph(replay_view(static, bs, pad, locs))
         with enable_breakable_cuda_graph():
             bcg.replay()
         torch.cuda.synchronize()
