@@ -1,6 +1,7 @@
 """Batched decode attention through the packed Triton kernels, over the pool's SegmentStore.
 
-Once per decode step (at the first layer) the batch's structure is read on the host from one
+Once per decode step, before the forward (the backend's forward-metadata hook, after the step's
+sealing), the batch's structure is read on the host from one
 device->host copy of the page table: each request's sealed pages (a prefix of its pages), split
 into *rows* by basis block (the kernel rotates q once per row), plus its hot tokens, attached to
 its last row. Per layer the kernel runs over every row of the batch in one launch, reading the
@@ -9,7 +10,8 @@ the device from the store's page metadata (`page_select`: bounds, then the top p
 across its rows), the same rule as the reference selector. A request whose sealed pages include a
 segment the kernel cannot read (dense fallback, non-band sink) goes through the reference path,
 counted and logged once. Per layer nothing waits on the device: the bases are the stored read
-transforms (no inverse, see codec/basis.py) and every index tensor is built once per step.
+transforms (no inverse, see codec/basis.py), read in place by address (a table of each row's
+block, `basis_rotate`, built once per step like every index tensor), never stacked per layer.
 """
 from __future__ import annotations
 
@@ -21,12 +23,13 @@ import torch
 
 from mosaickv_kernels.band_decode import BandDecodeWrapper
 from mosaickv_kernels.band_unpack import unpack_segments
+from mosaickv_kernels.basis_rotate import BasisTable, basis_pointers
 from mosaickv_kernels.page_select import RowSelection
 from mosaickv_kernels.row_merge import merge_rows
 
 from .codec.arena import PackedArena
 from .codec.attention import PageReads, decode_attention
-from .codec.basis import BASIS_DTYPE, kernel_transform
+from .codec.basis import kernel_transform
 from .codec.timing import StepProfiler
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,8 @@ class StepPlan:
     rows: RowSelection | None  # the selector's row layout, when some request needs selection
     merge: bool  # some request spans several rows
     req_rows: torch.Tensor  # int64 [K, max rows] (device): each kernel request's rows (pad: R)
+    basis_ptrs: torch.Tensor  # int64 [R] (device): each row's BasisPair.whole address (0: identity)
+    basis_keep: list  # the tensors those addresses point into, alive for the step
 
 
 def _sealed_runs(sealed: dict, pages: list[int]):
@@ -89,14 +94,11 @@ class PackedDecode:
         self.reference_requests = 0  # request-steps sent to the reference path (unpacked pages)
         self.prefill_unpacked_segments = 0  # (page, layer)s decompressed by the unpack kernel
         self.timer = StepProfiler(self.cfg.decode_profile_every, pool.device)
-        h, d = pool.head_num, pool.head_dim
-        self.eye = torch.eye(d, dtype=BASIS_DTYPE, device=pool.device).expand(h, d, d)
 
     # ---- per step ----------------------------------------------------------------------
     def begin(self, forward_batch, req_to_token, rows: int | None = None) -> None:
         """Plan the step for the batch's first `rows` requests (all by default; under a decode
-        graph the rest are padding)."""
-        self.timer.step()
+        graph the rest are padding). The caller starts the profiled step."""
         pool, ps = self.pool, self.pool.page_size
         bsz = forward_batch.batch_size if rows is None else rows
         lens = getattr(forward_batch, "seq_lens_cpu", None)
@@ -155,7 +157,8 @@ class PackedDecode:
             (torch.cat(sealed_ids) if sealed_ids else torch.zeros(0)).to(dev, torch.int32),
             hot_index.to(dev), torch.tensor([h.numel() for h in hot_rows], dtype=torch.int32).to(dev),
             rows, len(row_req) > len(kernel_reqs),
-            torch.tensor(req_rows, dtype=torch.long).reshape(len(kernel_reqs), width).to(dev))
+            torch.tensor(req_rows, dtype=torch.long).reshape(len(kernel_reqs), width).to(dev),
+            *basis_pointers([None if b is None else b.stacked() for b in row_bases], dev))
         self.kernel_requests += len(kernel_reqs)
         if reference_slots:
             if not self.reference_requests:
@@ -211,18 +214,20 @@ class PackedDecode:
         st, pool = self.step, self.pool
         # The kernel reads q @ k_basis and o_rot @ v_basis^T, i.e. q R^T and o_rot R with R the
         # stored read transform: each row's block R, stacked in row order, transposed.
-        k_basis = torch.stack([self.eye if b is None else b.k[local] for b in st.row_bases])
-        v_basis = torch.stack([self.eye if b is None else b.v[local] for b in st.row_bases])
+        # Each row's block bases are read in place by address (one table per step).
+        h = pool.head_num
+        basis = BasisTable(st.basis_ptrs, local * h, (pool.layer_num + local) * h,
+                           st.basis_keep)
         self.timer.lap("bases")
         hot_k = pool.k_buffer[local][st.hot_index].permute(0, 2, 1, 3).contiguous()
         hot_v = pool.v_buffer[local][st.hot_index].permute(0, 2, 1, 3).contiguous()
         self.timer.lap("hot_gather")
         store = pool.store
         return PackedArena(store.data[local], store.headers[local], st.seg_indptr, st.seg_ids,
-                           kernel_transform(k_basis), kernel_transform(v_basis),
-                           hot_k, hot_v, st.hot_lens, store.plans,
+                           None, None, hot_k, hot_v, st.hot_lens, store.plans,
                            segment_tokens=pool.page_size, page_tokens=self.cfg.page_tokens,
-                           payload={"codes": 0, "scales": 0}, min_group=store.min_group)
+                           payload={"codes": 0, "scales": 0}, min_group=store.min_group,
+                           basis=basis)
 
     # ---- prefill over a compressed prefix -------------------------------------------------
     def unpack(self, local: int, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

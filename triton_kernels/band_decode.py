@@ -32,6 +32,7 @@ import triton.language as tl
 from mosaickv_sglang.codec.arena import HDR, HEADER_WIDTH, KIND_FIELDS, PLAN_FIELDS, PackedArena
 
 from .common import dot_exact, dot_fp16, interpreting
+from .basis_rotate import rotate_rows
 from .dense_decode import dense_decode_partial
 from .page_select import PackedPageMeta, RowSelection, page_bounds, select_page_list
 
@@ -521,9 +522,14 @@ class BandDecodeWrapper:
             self.part_m, self.part_l, self.part_acc, *hot, self.o_rot, self.o_hot, self.lse,
             parts, G=g, D=d, BLOCK_G=triton.next_power_of_2(g),
             BLOCK_D=triton.next_power_of_2(d), num_warps=4)
-        # Back from the V basis: out = o_hot + o_rot @ V^T, one batched matmul.
-        out = torch.baddbmm(self.o_hot.view(bsz * h, g, d), self.o_rot.view(bsz * h, g, d),
-                            arena.v_basis.view(bsz * h, d, d).transpose(1, 2))
+        # Back from the V basis: out = o_hot + o_rot @ V^T, one batched matmul (or one launch
+        # reading each row's bases by address).
+        if arena.basis is not None:
+            out = rotate_rows(self.o_rot, arena.basis.ptrs, arena.basis.v_offset, back=True,
+                              add=self.o_hot)
+        else:
+            out = torch.baddbmm(self.o_hot.view(bsz * h, g, d), self.o_rot.view(bsz * h, g, d),
+                                arena.v_basis.view(bsz * h, d, d).transpose(1, 2))
         return out.view(bsz, self.num_qo_heads, d).to(out_dtype or q.dtype)
 
     def _count_reads(self, sel) -> None:
@@ -578,6 +584,8 @@ class BandDecodeWrapper:
         what `select` and `run` read; compute once per layer and pass both as `queries=`."""
         bsz, h, g, d = self.batch, self.kv_heads, self.group, self.head_dim
         qs = (q.float() * self.sm_scale).view(bsz, h, g, d).contiguous()
+        if arena.basis is not None:
+            return qs, rotate_rows(qs, arena.basis.ptrs, arena.basis.k_offset, back=False)
         return qs, torch.matmul(qs, arena.k_basis).contiguous()
 
     def _check_hot(self, hot_partial):
@@ -636,7 +644,8 @@ def bytes_read(arena: PackedArena, num_qo_heads: int, num_splits: int,
     out["headers"] = int(segs_touched.numel()) * HEADER_WIDTH * 4
     out["segment_lists"] = (arena.seg_indptr.numel() + arena.seg_ids.numel()) * 4
     out["selection"] = 0 if page_keep is None else int(keep.sum()) * 4 + bsz * h * 4
-    out["bases"] = (arena.k_basis.numel() + arena.v_basis.numel()) * 4
+    out["bases"] = (arena.k_basis.numel() + arena.v_basis.numel()) * 4 if arena.basis is None \
+        else 2 * int((arena.basis.ptrs != 0).sum()) * h * d * d * 2  # bf16, read in place
     out["q"] = bsz * num_qo_heads * d * 4
     out["hot"] = int(arena.hot_lens.sum()) * h * d * 2 * 2
     out["workspace"] = 2 * bsz * num_qo_heads * num_splits * (d + 2) * 4

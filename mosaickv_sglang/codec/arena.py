@@ -167,8 +167,8 @@ class PackedArena:
     headers: torch.Tensor  # int32 [num_segments, HEADER_WIDTH]
     seg_indptr: torch.Tensor  # int32 [B+1]
     seg_ids: torch.Tensor  # int32 [num_segments], request-major, in token order
-    k_basis: torch.Tensor  # float32 [B, H, D, D] (q_rot = q @ k_basis)
-    v_basis: torch.Tensor  # float32 [B, H, D, D] (out = acc_rot @ v_basis^T)
+    k_basis: torch.Tensor | None  # float32 [B, H, D, D] (q_rot = q @ k_basis), or None with
+    v_basis: torch.Tensor | None  # `basis`; float32 [B, H, D, D] (out = acc_rot @ v_basis^T)
     hot_k: torch.Tensor  # bf16 [B, H, T_hot_max, D], zero padded
     hot_v: torch.Tensor
     hot_lens: torch.Tensor  # int32 [B]
@@ -177,6 +177,9 @@ class PackedArena:
     page_tokens: int
     payload: dict[str, int]  # 'codes', 'scales': bytes copied from the Encoded tensors
     min_group: int = 32  # smallest K/V token group of any segment (kernels tile tokens by it)
+    # instead of k_basis/v_basis: each row's bases read in place by address (decode only;
+    # mosaickv_kernels.basis_rotate.BasisTable)
+    basis: object | None = None
 
     @property
     def batch(self) -> int:
@@ -184,11 +187,11 @@ class PackedArena:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k_basis.shape[1]
+        return self.hot_k.shape[1]
 
     @property
     def head_dim(self) -> int:
-        return self.k_basis.shape[-1]
+        return self.hot_k.shape[-1]
 
     @property
     def device(self) -> torch.device:
@@ -202,6 +205,8 @@ class PackedArena:
         return [n * ppseg for n in self.segments_per_request()]
 
     def to(self, device) -> "PackedArena":
+        if self.basis is not None:
+            raise ValueError("PackedArena.to: bases read by address cannot move devices")
         moved = {name: getattr(self, name).to(device) for name in
                  ("data", "headers", "seg_indptr", "seg_ids", "k_basis", "v_basis", "hot_k",
                   "hot_v", "hot_lens", "plans")}
@@ -215,7 +220,7 @@ class PackedArena:
         out["padding"] = _nbytes(self.data) - out["codes"] - out["scales"]
         out["headers"] = _nbytes(self.headers) + _nbytes(self.plans)
         out["segment_lists"] = _nbytes(self.seg_indptr) + _nbytes(self.seg_ids)
-        out["bases"] = _nbytes(self.k_basis) + _nbytes(self.v_basis)
+        out["bases"] = 0 if self.k_basis is None else _nbytes(self.k_basis) + _nbytes(self.v_basis)
         out["hot"] = _nbytes(self.hot_k) + _nbytes(self.hot_v) + _nbytes(self.hot_lens)
         return out
 
