@@ -219,15 +219,14 @@ class PackedDecode:
         basis = BasisTable(st.basis_ptrs, local * h, (pool.layer_num + local) * h,
                            st.basis_keep)
         self.timer.lap("bases")
-        hot_k = pool.k_buffer[local][st.hot_index].permute(0, 2, 1, 3).contiguous()
-        hot_v = pool.v_buffer[local][st.hot_index].permute(0, 2, 1, 3).contiguous()
-        self.timer.lap("hot_gather")
+        # the hot tokens are read in place through the step's row table (no gathered copy)
+        hot_k, hot_v = pool.k_buffer[local], pool.v_buffer[local]
         store = pool.store
         return PackedArena(store.data[local], store.headers[local], st.seg_indptr, st.seg_ids,
                            None, None, hot_k, hot_v, st.hot_lens, store.plans,
                            segment_tokens=pool.page_size, page_tokens=self.cfg.page_tokens,
                            payload={"codes": 0, "scales": 0}, min_group=store.min_group,
-                           basis=basis)
+                           basis=basis, hot_rows=st.hot_index)
 
     # ---- prefill over a compressed prefix -------------------------------------------------
     def unpack(self, local: int, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -494,7 +494,8 @@ class BandDecodeWrapper:
 
         qs, q_rot = queries if queries is not None else self.queries(q, arena)
         if hot_partial is None:
-            hot = dense_decode_partial(qs, arena.hot_k, arena.hot_v, arena.hot_lens, self.hot)
+            hot = dense_decode_partial(qs, arena.hot_k, arena.hot_v, arena.hot_lens, self.hot,
+                                       rows=arena.hot_rows)
         else:
             hot = self._check_hot(hot_partial)
 

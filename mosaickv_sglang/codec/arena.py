@@ -180,6 +180,9 @@ class PackedArena:
     # instead of k_basis/v_basis: each row's bases read in place by address (decode only;
     # mosaickv_kernels.basis_rotate.BasisTable)
     basis: object | None = None
+    # with hot_rows (int64 [B, T_hot_max]) hot_k/hot_v are the layer's hot buffers themselves,
+    # bf16 [N, H, D], read in place: request b's hot token t is row hot_rows[b, t]
+    hot_rows: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -205,8 +208,9 @@ class PackedArena:
         return [n * ppseg for n in self.segments_per_request()]
 
     def to(self, device) -> "PackedArena":
-        if self.basis is not None:
-            raise ValueError("PackedArena.to: bases read by address cannot move devices")
+        if self.basis is not None or self.hot_rows is not None:
+            raise ValueError("PackedArena.to: an arena reading bases by address or the hot "
+                             "buffer in place cannot move devices")
         moved = {name: getattr(self, name).to(device) for name in
                  ("data", "headers", "seg_indptr", "seg_ids", "k_basis", "v_basis", "hot_k",
                   "hot_v", "hot_lens", "plans")}
@@ -221,7 +225,8 @@ class PackedArena:
         out["headers"] = _nbytes(self.headers) + _nbytes(self.plans)
         out["segment_lists"] = _nbytes(self.seg_indptr) + _nbytes(self.seg_ids)
         out["bases"] = 0 if self.k_basis is None else _nbytes(self.k_basis) + _nbytes(self.v_basis)
-        out["hot"] = _nbytes(self.hot_k) + _nbytes(self.hot_v) + _nbytes(self.hot_lens)
+        out["hot"] = (_nbytes(self.hot_k) + _nbytes(self.hot_v) if self.hot_rows is None
+                      else _nbytes(self.hot_rows)) + _nbytes(self.hot_lens)
         return out
 
     def nbytes(self) -> int:
