@@ -23,6 +23,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import eager_on_graph
 
 from .codec.attention import decode_attention
+from .graph_decode import GraphDecode, band_pairs
 from .packed_decode import PackedDecode
 from .pool import MosaicKVPool
 
@@ -98,6 +99,17 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         # Decode over sealed pages: the packed Triton kernels, or the torch codec per request.
         self.packed = PackedDecode(pool) if kernel == "triton" else None
         pool.decode_path = self.packed
+        # decode_cuda_graph "full": the decode step recorded in SGLang's full decode graph
+        self.graph: GraphDecode | None = None
+        if self.cfg.decode_cuda_graph == "full":
+            if self.packed is None:
+                raise ValueError("mosaickv decode_cuda_graph 'full' records the Triton decode "
+                                 "path: it needs decode_kernel 'triton' (or 'auto' on CUDA)")
+            pool.store.freeze_layouts(band_pairs(self.cfg), pool.page_size)
+            self.packed.always_select = True  # a refused step decodes by the graph's rule
+            self.graph = GraphDecode(pool, model_runner.model_config.context_len,
+                                     self.packed.timer)
+            self.packed.graph = self.graph
         # Real rows of the batch under a breakable decode graph (None: an eager step); see
         # init_forward_metadata_out_graph.
         self.graph_rows: int | None = None
@@ -189,8 +201,12 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         pool.prepare_writes(loc)
         if timer is not None:
             timer.lap("writes")
-        if self.packed is not None:
-            self.packed.begin(forward_batch, req_to_token, rows)
+        if self.graph is not None and self.graph_rows is not None:
+            self.graph.prepare(forward_batch, req_to_token, rows)  # the replay's tables
+            if timer is not None:
+                timer.lap("host_plan")
+        elif self.packed is not None:
+            self.packed.begin(forward_batch, req_to_token, rows)  # laps host_plan
         self._prepared = forward_batch
 
     # ---- decode under a breakable CUDA graph ---------------------------------------------
@@ -211,8 +227,29 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         padded static buffers, and the live `out_cache_loc`)."""
         self.graph_rows = 0 if in_capture else (
             forward_batch.batch_size - getattr(forward_batch, "num_padding", 0))
+        if self.graph is not None:
+            self.graph.bucket_for(forward_batch.batch_size)
+            if in_capture:  # every row padded: the tables of a step that reads padding only
+                self.graph.prepare(forward_batch, self.req_to_token_pool.req_to_token, 0)
+                return
         if self.graph_rows:
             self._prepare_decode(forward_batch, self.graph_rows, forward_batch.out_cache_loc)
+
+    def graph_refusal(self, forward_batch) -> str | None:
+        """Under decode_cuda_graph "full" (SGLang's can_run_graph asks, wiring): why this
+        decode batch must run eagerly (counted, logged the first time), or None."""
+        if self.graph is None:
+            return None
+        lens = getattr(forward_batch, "seq_lens_cpu", None)
+        lens = (forward_batch.seq_lens.cpu() if lens is None else lens).tolist()
+        why = self.graph.graph_refusal(self.req_to_token_pool.req_to_token,
+                                       forward_batch.req_pool_indices, lens)
+        if why is not None:
+            if not self.graph.eager_steps:
+                logger.warning("MosaicKV: a decode step runs eagerly instead of replaying the "
+                               "graph (%s); counted in stats as graph_eager_steps", why)
+            self.graph.eager_steps += 1
+        return why
 
     # ---- decode -------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -221,6 +258,14 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
     def _decode(self, q, k, v, layer, forward_batch, save_kv_cache):
         hq, d = layer.tp_q_head_num, layer.qk_head_dim
         q_ = q.reshape(-1, hq, d)
+        if self.graph is not None and self.graph_rows is not None:
+            # recorded in the full decode graph (its warm-ups run it, the capture records it,
+            # replays run the recording): device work on the tables prepared before the replay
+            if save_kv_cache and k is not None:
+                self.pool.write_by_table(layer, forward_batch.out_cache_loc, k, v)
+            o_ = q_.new_empty((q_.shape[0], hq, layer.v_head_dim))
+            self.graph.attend(q_, layer, o_)
+            return o_.reshape(q_.shape[0], hq * layer.v_head_dim)
         rows = forward_batch.batch_size if self.graph_rows is None else self.graph_rows
         if rows == 0:  # a graph warm-up or capture: dummy rows, nothing to write or read
             return q_.new_zeros((q_.shape[0], hq * layer.v_head_dim))

@@ -154,10 +154,16 @@ class MosaicConfig:
     # function of its own K/V and its block's first page) or "group" (the pages sealed with the
     # block's first one: depends on chunking and timing).
     basis_fit: str = "group"
-    # CUDA graphs for decode: "off" (every step eager), or "breakable": SGLang's breakable decode
+    # CUDA graphs for decode: "off" (every step eager); "breakable": SGLang's breakable decode
     # graph replays the model's own layers and runs each layer's MosaicKV attention eagerly
-    # between the graph segments (docs/cuda_graphs.md). Off by default until measured on a GPU.
+    # between the graph segments (docs/cuda_graphs.md); "full": SGLang's full decode graph with
+    # MosaicKV attention recorded in it, static-shaped (graph_decode.py; the Triton decode path
+    # only). Off by default until measured on a GPU.
     decode_cuda_graph: str = "off"
+    # Under "full": the most hot (dense) tokens a request may read at a decode step (its hot-row
+    # table's width): the read rule's window, the page being filled, the daemon's pages in
+    # flight. A step over it stops with an error naming this key.
+    graph_hot_tokens: int = 1024
 
     def __post_init__(self):
         if isinstance(self.select, dict):
@@ -208,6 +214,11 @@ class MosaicConfig:
         if self.read_rule == "position" and self.basis_fit != "first_page":
             raise ValueError("mosaickv config: read_rule 'position' needs basis_fit 'first_page' "
                              "(it seals pages inside a prefill forward, layer by layer)")
+        if not isinstance(self.graph_hot_tokens, int) or \
+                self.graph_hot_tokens < self.hot_tokens + 2 * self.segment_tokens:
+            raise ValueError(f"mosaickv config: graph_hot_tokens={self.graph_hot_tokens!r} must be "
+                             f"an int >= hot_tokens + 2 * segment_tokens "
+                             f"({self.hot_tokens + 2 * self.segment_tokens})")
         if not isinstance(self.daemon_lag_tokens, int) or self.daemon_lag_tokens < 0:
             raise ValueError(f"mosaickv config: daemon_lag_tokens={self.daemon_lag_tokens!r} must "
                              "be an int >= 0")
@@ -259,7 +270,7 @@ class MosaicConfig:
 
 
 DAEMON_MODES = ("off", "process")
-DECODE_CUDA_GRAPHS = ("off", "breakable")
+DECODE_CUDA_GRAPHS = ("off", "breakable", "full")
 MAX_HEAD_DIM = 256  # config-time check; the pool re-checks with the model's real head_dim
 
 

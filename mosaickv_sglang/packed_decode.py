@@ -74,6 +74,27 @@ def _sealed_runs(sealed: dict, pages: list[int]):
     return n, runs, run_bases
 
 
+def request_reads(pool, page_ids: torch.Tensor, seq_len: int):
+    """What one request's decode token (position seq_len - 1) reads, from its page ids (host,
+    position order): (n, the first n pages read compressed by the read rule, their runs of
+    pages sharing a basis block, each run's BasisPair, the hot pages of the rest). A sealed set
+    that is not a prefix is repaired first (`pool.seal_prefix_now`)."""
+    pages = page_ids.tolist()
+    n, runs, run_bases = _sealed_runs(pool.sealed, pages[:pool.read_split(pages, seq_len - 1)])
+    hot = pool.hot_page_of[page_ids[n:]]
+    if bool((hot < 0).any()) and pool.seal_prefix_now(pages):  # not a prefix (pool.py)
+        n, runs, run_bases = _sealed_runs(pool.sealed, pages[:pool.read_split(pages, seq_len - 1)])
+        hot = pool.hot_page_of[page_ids[n:]]
+    return n, runs, run_bases, hot
+
+
+def hot_slots(hot_pages: torch.Tensor, page_size: int, count: int) -> torch.Tensor:
+    """The hot-buffer rows of a request's first `count` hot tokens, from its hot pages."""
+    if bool((hot_pages < 0).any()):
+        raise RuntimeError("MosaicKV: read of a logical page that is neither hot nor sealed")
+    return (hot_pages[:, None] * page_size + torch.arange(page_size)).flatten()[:count]
+
+
 class PackedDecode:
     def __init__(self, pool):
         if pool.dtype != torch.bfloat16:
@@ -94,6 +115,10 @@ class PackedDecode:
         self.reference_requests = 0  # request-steps sent to the reference path (unpacked pages)
         self.prefill_unpacked_segments = 0  # (page, layer)s decompressed by the unpack kernel
         self.timer = StepProfiler(self.cfg.decode_profile_every, pool.device)
+        # Selection on every step, within the budget too (keeping all pages): what the decode
+        # graph's static plan runs, so a step it refuses decodes by the same rule.
+        self.always_select = False
+        self.graph = None  # the GraphDecode under decode_cuda_graph "full"
 
     # ---- per step ----------------------------------------------------------------------
     def begin(self, forward_batch, req_to_token, rows: int | None = None) -> None:
@@ -110,24 +135,16 @@ class PackedDecode:
         sealed_ids = []  # each kernel request's sealed pages (tensor): the rows' pages in order
         for i, seq_len in enumerate(seq_lens):
             page_ids = page_slots[i, :-(-seq_len // ps)] // ps
-            pages = page_ids.tolist()
-            # the read rule: the pages this token reads compressed (pool.read_split)
-            n, runs, run_bases = _sealed_runs(pool.sealed, pages[:pool.read_split(pages, seq_len - 1)])
-            hot = pool.hot_page_of[page_ids[n:]]
-            if bool((hot < 0).any()) and pool.seal_prefix_now(pages):  # not a prefix (pool.py)
-                n, runs, run_bases = _sealed_runs(pool.sealed,
-                                                  pages[:pool.read_split(pages, seq_len - 1)])
-                hot = pool.hot_page_of[page_ids[n:]]
+            n, runs, run_bases, hot = request_reads(pool, page_ids, seq_len)
             if n and not bool(pool.store.packed[:, page_ids[:n]].all()):
                 rid = int(forward_batch.req_pool_indices[i])
                 reference_slots[i] = req_to_token[rid, :seq_len]
                 continue
             kernel_reqs.append(i)
             sealed_ids.append(page_ids[:n])
-            needs_select |= self.cfg.select.enabled and n * ps > self.cfg.select.budget_tokens
-            if bool((hot < 0).any()):
-                raise RuntimeError("MosaicKV: read of a logical page that is neither hot nor sealed")
-            hot = (hot[:, None] * ps + torch.arange(ps)).flatten()[:seq_len - n * ps]
+            needs_select |= self.cfg.select.enabled and (
+                self.always_select or n * ps > self.cfg.select.budget_tokens)
+            hot = hot_slots(hot, ps, seq_len - n * ps)
             for r, run in enumerate(runs or [[]]):  # a row without pages reads the identity
                 row_req.append(i)
                 row_pages.append(run)
@@ -262,4 +279,5 @@ class PackedDecode:
                 "reference_decode_requests": self.reference_requests,
                 "prefill_unpacked_segments": self.prefill_unpacked_segments,
                 "selection": PageReads(*self.wrapper.page_reads()).stats(),
-                "profile": self.timer.report()}
+                "profile": self.timer.report(),
+                **({} if self.graph is None else {"graph": self.graph.stats()})}

@@ -136,9 +136,11 @@ def _apply_backend_args(args, config: MosaicConfig) -> None:
                                   f"size is segment_tokens={config.segment_tokens}")
     values = {"attention_backend": ATTENTION_BACKEND, "radix_cache_backend": RADIX_CACHE_BACKEND,
               "page_size": config.segment_tokens}
-    if config.decode_cuda_graph == "breakable":
-        # the model's layers replayed, MosaicKV attention eager between the graph segments
-        values.update(cuda_graph_backend_decode="breakable", cuda_graph_backend_prefill="disabled")
+    if config.decode_cuda_graph in ("breakable", "full"):
+        # breakable: the model's layers replayed, MosaicKV attention eager between the graph
+        # segments; full: the whole decode step replayed, MosaicKV attention included
+        values.update(cuda_graph_backend_decode=config.decode_cuda_graph,
+                      cuda_graph_backend_prefill="disabled")
     else:  # the packed decode step itself is not capturable (docs/cuda_graphs.md)
         values["disable_cuda_graph"] = True
     for key, value in values.items():
@@ -292,8 +294,8 @@ def _refuse_cuda_graphs(server_args, config: MosaicConfig) -> None:
     if graphs is None:
         return
     decode, prefill = graphs.decode.backend, graphs.prefill.backend
-    allowed = {Backend.DISABLED} | ({Backend.BREAKABLE} if config.decode_cuda_graph == "breakable"
-                                    else set())
+    allowed = {Backend.DISABLED} | {"breakable": {Backend.BREAKABLE},
+                                    "full": {Backend.FULL}}.get(config.decode_cuda_graph, set())
     why = []
     if decode not in allowed:
         why.append(f"a '{decode}' decode CUDA graph (MosaicKV allows "

@@ -114,6 +114,7 @@ class SegmentStore:
         self.host_rows = False
         self.packed = torch.zeros(layers, pages + 1, dtype=torch.bool)  # host: kernel-readable
         self._packed_np = self.packed.numpy()  # the same memory: a page's flags in ~1 us, not ~15
+        self.unreadable: set[int] = set()  # stored pages with a layer the kernel cannot read
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
         self.free: list[dict[int, list[int]]] = [{} for _ in range(layers)]  # size -> bases
         self.top = [0] * layers  # bump pointer per layer
@@ -125,6 +126,7 @@ class SegmentStore:
         self._plans: list[torch.Tensor] = []
         self.plans = torch.zeros(1, 2, len(PLAN_FIELDS), head_dim, dtype=torch.int32, device=device)
         self.width_classes: list[tuple[int, ...]] = []  # of the layouts in plans, for the kernel
+        self.frozen = False  # freeze_layouts: no layout may be added
         self.min_group = segment_tokens
         # Page-selection metadata per layer, indexed by logical page like the headers (the GPU
         # selector reads it by segment id); None when selection is off.
@@ -145,6 +147,14 @@ class SegmentStore:
         (`ArenaPage`) by `adopt_pages` (one launch for all of them), the rest (SealedPages, or an
         ArenaPage the arena has no room for, as views of its own bytes) in one `install_pages`
         batch. Returns each page's per-layer Segments."""
+        out = self._store_pages(pages, sealed)
+        if pages:  # pages some layer of which the kernel cannot read (not packed: no room,
+            # or a segment it does not read): such a page's requests decode by the reference
+            ok = self._packed_np[:, pages].all(0)
+            self.unreadable.update(p for p, good in zip(pages, ok) if not good)
+        return out
+
+    def _store_pages(self, pages: list[int], sealed: list) -> list[Sequence[Segment]]:
         segments = [None if isinstance(sp, ArenaPage) else sp.segments for sp in sealed]
         ready = [i for i, sp in enumerate(sealed) if isinstance(sp, ArenaPage)]
         rest = [i for i, sp in enumerate(sealed) if not isinstance(sp, ArenaPage)]
@@ -242,8 +252,19 @@ class SegmentStore:
             self.blocks[(layer, page)] = (base, size)
         self.live_bytes += size * len(segs)
 
+    def freeze_layouts(self, pairs: list[tuple[str, str]], segment_tokens: int) -> None:
+        """Register the layout of every (K spec, V spec) band pair up front and allow no other:
+        the plans tensor, the min group and the kernel's width classes stay what a CUDA graph
+        captured (a layout added later would need a launch the graph does not hold)."""
+        for k, v in pairs:
+            self._layout_id(layout_of(k, v, segment_tokens, self.head_dim))
+        self.frozen = True
+
     def _layout_id(self, lay: BlockLayout) -> int:
         """The plans row of a layout, added (with its kernel width class) when first seen."""
+        if lay.key() not in self.layouts and self.frozen:
+            raise RuntimeError(f"MosaicKV: layout (K {lay.k.spec}, V {lay.v.spec}) is not one "
+                               f"the decode CUDA graph was captured with")
         if lay.key() not in self.layouts:
             self.layouts[lay.key()] = len(self._plans)
             self._plans.append(lay.channel_plan())
@@ -413,12 +434,14 @@ class SegmentStore:
                 free.setdefault(block[1], []).append(block[0])
                 self.live_bytes -= block[1]
         self._packed_np[:, page] = False  # one write for all layers
+        self.unreadable.discard(page)
 
     def clear(self) -> None:
         self.blocks.clear()
         self.free = [{} for _ in self.data]
         self.top = [0] * len(self.data)
         self.packed.zero_()
+        self.unreadable.clear()
         self.live_bytes = 0
 
     def _alloc(self, layer: int, size: int) -> int | None:

@@ -199,6 +199,17 @@ def _adopt_daemon_results(self, *args, **kwargs):
     return None
 
 
+def _decode_graph_can_run(original, self, forward_batch):
+    """AROUND DecodeCudaGraphRunner.can_run_graph: under decode_cuda_graph "full", a batch the
+    recorded MosaicKV step cannot decode (a page the kernel cannot read) runs eagerly instead
+    (the backend counts and logs it); every other backend is untouched."""
+    ok = original(self, forward_batch)
+    refusal = getattr(getattr(self, "attn_backend", None), "graph_refusal", None)
+    if not ok or refusal is None:
+        return ok
+    return refusal(forward_batch) is None
+
+
 def register_backends() -> None:
     """Attention backend + radix-cache backend names (idempotent: processes re-run plugins)."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
@@ -233,6 +244,8 @@ HOOKS = {
         (_internal_state, HookType.AFTER),
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
         (_adopt_daemon_results, HookType.BEFORE),
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner."
+    "can_run_graph": (_decode_graph_can_run, HookType.AROUND),
     **{f"{_BCG}.{name}": (hook, HookType.AROUND) for name, hook in (
         ("_alloc_full_buffer", _graph_per_field), ("_slice_output", _graph_per_field),
         ("_copy_output_to_buffer", _graph_copy))},

@@ -129,6 +129,23 @@ def band_decode(d: int, select: bool, classes: str = "all", exact: bool = True):
     w.run(q, arena, out_dtype=torch.float32, **sel)
 
 
+def server_decode_reads(d: int):
+    """PackedDecode.attend's reads in place: each row's bases by address (into the K basis, back
+    from the V basis with the hot part added) and the hot tokens through the step's row table."""
+    from mosaickv_kernels.basis_rotate import rotate_rows
+    from mosaickv_kernels.dense_decode import dense_decode_partial
+
+    hq, h = HEADS[d]
+    rows, t = 3, 40
+    x = torch.randn(rows, h, hq // h, d)
+    ptrs = torch.zeros(rows, dtype=torch.int64)
+    rotate_rows(x, ptrs, 0, back=False)
+    rotate_rows(x, ptrs, 0, back=True, add=torch.zeros_like(x))
+    buf = torch.zeros(4 * SEGMENT, h, d, dtype=torch.bfloat16)
+    dense_decode_partial(x, buf, buf, torch.full((rows,), t, dtype=torch.int32),
+                         rows=torch.zeros(rows, t, dtype=torch.long))
+
+
 def page_bounds(d: int):
     """BandDecodeWrapper.select's scoring launch (page metadata of meta_channels channels)."""
     from kernel_bench import synth_page_meta
@@ -237,6 +254,9 @@ SCENARIOS = [
              lambda: band_decode(128, False, "diagonal", exact=False)),
     Scenario("decode d64", STAGES, lambda: band_decode(64, False, "diagonal")),
     Scenario("decode d64 select", STAGES, lambda: band_decode(64, True, "diagonal")),
+    *(Scenario(f"reads in place d{d}", ("basis_rotate._rotate_rows",
+                                        "dense_decode._dense_decode_partial"),
+               lambda d=d: server_decode_reads(d)) for d in (128, 64)),
     Scenario("page bounds d128", ("page_select._page_bounds",), lambda: page_bounds(128)),
     Scenario("page bounds d64", ("page_select._page_bounds",), lambda: page_bounds(64)),
     *(Scenario(f"select {n // 1024}K", ("page_select._select_top_pages",

@@ -61,6 +61,8 @@ EXPECTED_HOOKS = {
         ("AFTER", "mosaickv_sglang.wiring._internal_state"),
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
         ("BEFORE", "mosaickv_sglang.wiring._adopt_daemon_results"),
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner."
+    "can_run_graph": ("AROUND", "mosaickv_sglang.wiring._decode_graph_can_run"),
     f"{_BCG}._alloc_full_buffer": ("AROUND", "mosaickv_sglang.wiring._graph_per_field"),
     f"{_BCG}._slice_output": ("AROUND", "mosaickv_sglang.wiring._graph_per_field"),
     f"{_BCG}._copy_output_to_buffer": ("AROUND", "mosaickv_sglang.wiring._graph_copy"),

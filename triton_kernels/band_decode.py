@@ -363,7 +363,8 @@ class BandDecodeWrapper:
     def plan(self, arena: PackedArena, num_qo_heads: int, *, sm_scale: float | None = None,
              num_kv_splits: int | None = None, max_selected_pages: int | None = None,
              block_tokens: int | None = None, num_warps: int = 4, num_stages: int = 2,
-             exact: bool = True, width_classes: list[tuple[int, ...]] | None = None) -> None:
+             exact: bool = True, width_classes: list[tuple[int, ...]] | None = None,
+             static_pages: int | None = None) -> None:
         """Read the batch structure of `arena` (any layer of the batch: they share it).
 
         Without selection stage 1 reads blocks of up to `block_tokens` tokens (default 128, the
@@ -373,6 +374,9 @@ class BandDecodeWrapper:
         tiles dequantized to fp16, one fp16 MMA per product (~5e-4 vs the reference) and
         1.0-2.2x faster on an H200 (benchmarks/RESULTS.md). 4 warps beat 8 everywhere there.
         `width_classes`: `band_width_classes(arena.plans)`, when the caller has them already.
+        `static_pages`: plan for up to that many pages per row without reading the arena's
+        lists (a CUDA graph's plan: the lists change in place between replays, rows may be
+        empty, and `run` counts no pages on the host; the caller counts them).
         """
         if not isinstance(arena, PackedArena):
             raise TypeError(f"plan: arena must be a PackedArena, got {type(arena).__name__}")
@@ -386,11 +390,15 @@ class BandDecodeWrapper:
         if d < 16:
             raise ValueError(f"plan: head_dim={d} is below the 16 a tl.dot tile needs")
         g = num_qo_heads // h
-        pages = arena.pages_per_request()
-        empty = [b for b, (n, t) in enumerate(zip(pages, arena.hot_lens.tolist())) if not n + t]
-        if empty:
-            raise ValueError(f"plan: requests {empty} have neither sealed segments nor hot "
-                             f"tokens (nothing to attend to)")
+        if static_pages is None:
+            pages = arena.pages_per_request()
+            empty = [b for b, (n, t) in enumerate(zip(pages, arena.hot_lens.tolist()))
+                     if not n + t]
+            if empty:
+                raise ValueError(f"plan: requests {empty} have neither sealed segments nor hot "
+                                 f"tokens (nothing to attend to)")
+        else:
+            pages = [static_pages] * bsz
         max_pages = max(pages + [0])
         if max_selected_pages is not None:
             max_pages = min(max_pages, max_selected_pages)
@@ -402,7 +410,8 @@ class BandDecodeWrapper:
         self.batch, self.kv_heads, self.group, self.head_dim = bsz, h, g, d
         self.num_qo_heads, self.num_splits = num_qo_heads, splits
         self.max_pages = max(pages + [0])
-        self.arena_pages = sum(pages)  # compressed pages of the batch, per KV head
+        # compressed pages of the batch, per KV head (a static plan's run counts none)
+        self.arena_pages = 0 if static_pages is not None else sum(pages)
         self.valid_pages = (torch.arange(max(self.max_pages, 1))[None, :] <
                             torch.tensor(pages)[:, None]).to(dev)  # [B, P_max]
         self.pages_per_seg = arena.segment_tokens // arena.page_tokens

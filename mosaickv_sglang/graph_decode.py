@@ -1,0 +1,245 @@
+"""The decode step as static-shaped device work, for SGLang's full decode CUDA graph.
+
+Under ``decode_cuda_graph: "full"`` each layer's MosaicKV attention is recorded in the graph
+SGLang captures per batch size, so a replay launches nothing from Python. What that takes:
+
+* **A fixed row layout.** Request b's w-th basis block is row ``b * W + w`` (W: the blocks a
+  request of the model's context length can have). Rows are position blocks, so a row's place
+  in its request, the selection's gather of rows into one line per request and the merge of a
+  request's rows never change; rows a request does not reach, and padded requests, are empty.
+* **Per-step tables written in place, before the replay** (`prepare`, host side, from the same
+  sealed/hot state and the same per-request reads as the eager plan, `packed_decode.request_reads`):
+  each row's segments (a CSR list into a fixed-size buffer), its bases' address, each request's
+  hot-buffer rows, each request's page count for the selection.
+* **Kernels that read in place with grids fixed per batch size**: `rotate_rows` (bases by
+  address), the indexed hot partial, one stage-1 launch per width class of the candidate
+  layouts (registered up front: `SegmentStore.freeze_layouts`), the selection always on (a
+  request within the budget keeps all its pages), a split count fixed at capture.
+* Empty rows give lse -inf and weigh nothing in the merge; a padded request reads the padding
+  page's token 0 (slot 0, which its row wrote), so its output is finite.
+
+A batch holding a page the kernel cannot read runs eagerly (`graph_refusal`, counted in stats).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from mosaickv_kernels.band_decode import BandDecodeWrapper
+from mosaickv_kernels.basis_rotate import BasisTable, basis_pointers
+from mosaickv_kernels.page_select import RowSelection
+from mosaickv_kernels.row_merge import merge_rows
+
+from .codec.arena import PackedArena
+from .packed_decode import hot_slots, request_reads
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Bucket:
+    """The static tables and the kernels' plan of one captured batch size."""
+    bs: int
+    rows: int  # bs * W
+    row_req: torch.Tensor  # int64 [R]: b for row b * W + w
+    req_rows: torch.Tensor  # int64 [bs, W]
+    reqs: torch.Tensor  # int64 [bs]
+    seg_indptr: torch.Tensor  # int32 [R + 1]
+    seg_ids: torch.Tensor  # int32 [R * block_pages]
+    basis_ptrs: torch.Tensor  # int64 [R]
+    hot_rows: torch.Tensor  # int64 [R, hot_cap]
+    hot_lens: torch.Tensor  # int32 [R]
+    selection: RowSelection | None
+    wrapper: BandDecodeWrapper
+    keep: list  # the bases tensors this step's addresses point into
+
+
+def band_pairs(cfg) -> list[tuple[str, str]]:
+    """Every (K, V) band-spec pair the chooser can store under `cfg`: its K and V candidates
+    with the sink and rescue candidates (band strategies only: others are never packed)."""
+    extra = list(dict.fromkeys(cfg.sink_candidates + cfg.rescue_candidates))
+    ks = [k for k in dict.fromkeys(cfg.k_candidates + extra) if k.startswith("band:")]
+    vs = [v for v in dict.fromkeys(cfg.v_candidates + extra) if v.startswith("band:")]
+    return [(k, v) for k in ks for v in vs]
+
+
+class GraphDecode:
+    def __init__(self, pool, context_len: int, timer):
+        cfg = pool.cfg
+        self.pool, self.cfg, self.timer = pool, cfg, timer
+        ps = pool.page_size
+        self.block_pages = cfg.basis_block_tokens // ps  # segments per row
+        self.pps = ps // cfg.page_tokens
+        self.row_pages = self.block_pages * self.pps  # 32-token pages per row
+        self.width = -(-context_len // cfg.basis_block_tokens)  # W: rows per request
+        self.context_len = context_len
+        # hot tokens a request may have at a step: the read rule's window, the page being
+        # filled, and the daemon's pages in flight (sealed here when over: prepare)
+        self.hot_cap = cfg.graph_hot_tokens
+        sel, pt = cfg.select, cfg.page_tokens
+        self.budget_pages = sel.budget_tokens // pt
+        self.sink_pages, self.recent_pages = -(-sel.sink_tokens // pt), -(-sel.recent_tokens // pt)
+        self.buckets: dict[int, _Bucket] = {}
+        self.bucket: _Bucket | None = None  # of the step being replayed (or captured)
+        self.steps = 0  # replayed steps
+        self.eager_steps = 0  # decode steps the graph refused (graph_refusal)
+        self.request_steps = 0
+        self.pages_available = 0  # (32-token page, KV head, layer) triples, counted in prepare
+        self.pages_read_unselected = 0
+
+    # ---- capture ----------------------------------------------------------------------
+    def bucket_for(self, bs: int) -> _Bucket:
+        """The tables of batch size `bs`, made once (before its capture): every address the
+        graph holds."""
+        if bs in self.buckets:
+            return self.buckets[bs]
+        pool, dev, w = self.pool, self.pool.device, self.width
+        r = bs * w
+        i64 = dict(dtype=torch.long, device=dev)
+        row_req = torch.arange(bs, **i64).repeat_interleave(w)
+        selection = None
+        if self.cfg.select.enabled:
+            selection = RowSelection(row_req.tolist(), [self.row_pages] * r, dev)
+        bk = _Bucket(bs, r, row_req, torch.arange(r, **i64).view(bs, w), torch.arange(bs, **i64),
+                     torch.zeros(r + 1, dtype=torch.int32, device=dev),
+                     torch.zeros(max(r * self.block_pages, 1), dtype=torch.int32, device=dev),
+                     torch.zeros(r, **i64), torch.zeros(r, self.hot_cap, **i64),
+                     torch.zeros(r, dtype=torch.int32, device=dev), selection,
+                     BandDecodeWrapper(), [])
+        self.buckets[bs] = bk
+        return bk
+
+    def plan_bucket(self, bk: _Bucket, num_qo_heads: int, sm_scale: float) -> None:
+        """The kernels' plan of a bucket (splits, workspace), once: at its first forward, which
+        SGLang runs as a warm-up before the capture."""
+        if bk.wrapper._planned:
+            return
+        bk.wrapper.plan(self._arena(bk, 0), num_qo_heads, sm_scale=sm_scale,
+                        width_classes=self.pool.store.width_classes,
+                        static_pages=self.row_pages)
+
+    # ---- before each replay (host) ---------------------------------------------------------
+    def graph_refusal(self, req_to_token, req_pool_indices, seq_lens: list[int]) -> str | None:
+        """Why this batch cannot replay the graph (then it runs eagerly), or None."""
+        pool = self.pool
+        if max(seq_lens, default=0) > self.width * self.cfg.basis_block_tokens:
+            return "a request longer than the captured context"
+        if pool.store.unreadable:
+            ps = pool.page_size
+            slots = req_to_token[req_pool_indices, :max(seq_lens):ps].cpu()
+            for i, n in enumerate(seq_lens):
+                pages = (slots[i, :-(-n // ps)] // ps).tolist()
+                if any(p in pool.store.unreadable for p in pages):
+                    return "a page the kernel cannot read"
+        return None
+
+    def prepare(self, forward_batch, req_to_token, rows: int) -> None:
+        """Write this step's tables for the replay of `forward_batch.batch_size` with its first
+        `rows` requests real (the pool sealed and mapped the writes already)."""
+        pool, ps, w = self.pool, self.pool.page_size, self.width
+        bk = self.buckets.get(forward_batch.batch_size)
+        if bk is None:
+            raise RuntimeError(f"MosaicKV: no decode graph tables for batch size "
+                               f"{forward_batch.batch_size}")
+        lens = getattr(forward_batch, "seq_lens_cpu", None)
+        seq_lens = (forward_batch.seq_lens.cpu() if lens is None else lens).tolist()[:rows]
+        if rows:
+            page_slots = req_to_token[forward_batch.req_pool_indices[:rows],
+                                      :max(seq_lens):ps].cpu()
+        r = bk.rows
+        counts = torch.zeros(r, dtype=torch.int32)
+        seg_lists = [[] for _ in range(r)]
+        hot_rows = torch.zeros(r, self.hot_cap, dtype=torch.long)
+        hot_lens = torch.zeros(r, dtype=torch.int32)
+        wholes: list = [None] * r
+        req_pages = torch.zeros(bk.bs, dtype=torch.int32)
+        total_pages = 0
+        for i, seq_len in enumerate(seq_lens):
+            page_ids = page_slots[i, :-(-seq_len // ps)] // ps
+            n, runs, run_bases, hot = request_reads(pool, page_ids, seq_len)
+            if n and not bool(pool.store.packed[:, page_ids[:n]].all()):
+                raise RuntimeError("MosaicKV: a decode graph step holds a page the kernel "
+                                   "cannot read (graph_refusal should have sent it eager)")
+            hot = hot_slots(hot, ps, seq_len - n * ps)
+            if hot.numel() > self.hot_cap:
+                raise RuntimeError(f"MosaicKV: a request has {hot.numel()} hot tokens, over the "
+                                   f"decode graph's graph_hot_tokens={self.hot_cap}: raise it in "
+                                   f"--mosaickv-config")
+            for j, (run, bases) in enumerate(zip(runs, run_bases)):
+                pages = page_ids[j * self.block_pages:(j + 1) * self.block_pages].tolist()
+                if run != pages[:len(run)] or (j < len(runs) - 1 and len(run) != len(pages)):
+                    raise RuntimeError("MosaicKV: a request's sealed pages are not in position "
+                                       "blocks (the decode graph's row layout)")
+                row = i * w + j
+                seg_lists[row] = run
+                counts[row] = len(run)
+                wholes[row] = bases.stacked()
+            hot_rows[i * w, :hot.numel()] = hot  # the hot tokens ride on the request's row 0
+            hot_lens[i * w] = hot.numel()
+            req_pages[i] = n * self.pps
+            total_pages += n * self.pps
+        for i in range(rows, bk.bs):  # padded: the padding page's token 0 (hot row 0)
+            hot_lens[i * w] = 1
+        indptr = torch.zeros(r + 1, dtype=torch.int32)
+        indptr[1:] = counts.cumsum(0)
+        ids = [p for lst in seg_lists for p in lst]
+        bk.seg_indptr.copy_(indptr)
+        if ids:
+            bk.seg_ids[:len(ids)].copy_(torch.tensor(ids, dtype=torch.int32))
+        ptrs, bk.keep = basis_pointers(wholes, pool.device)
+        bk.basis_ptrs.copy_(ptrs)
+        bk.hot_rows.copy_(hot_rows)
+        bk.hot_lens.copy_(hot_lens)
+        if bk.selection is not None:  # rows are position blocks: row w starts at w * row_pages
+            lo = (torch.arange(r, dtype=torch.int32) % w) * self.row_pages
+            bk.selection.req_pages.copy_(req_pages)
+            bk.selection.hi.copy_(lo + counts * self.pps)
+        self.bucket = bk
+        self.steps += 1
+        self.request_steps += rows
+        layers, h = pool.layer_num, pool.head_num
+        self.pages_available += total_pages * h * layers
+        if bk.selection is None:
+            self.pages_read_unselected += total_pages * h * layers
+
+    # ---- per layer (recorded in the graph) ------------------------------------------------
+    def attend(self, q: torch.Tensor, layer, out: torch.Tensor) -> None:
+        """q [bs, Hq, D] -> out [bs, Hq, D]: device work only, on the bucket's tables."""
+        bk = self.bucket
+        local = layer.layer_id - self.pool.start_layer
+        self.plan_bucket(bk, q.shape[1], layer.scaling)
+        arena = self._arena(bk, local)
+        wrapper = bk.wrapper
+        q_rows = q[bk.row_req]
+        queries = wrapper.queries(q_rows, arena)
+        sel = {}
+        if bk.selection is not None:
+            sel = dict(zip(("page_ids", "page_counts"), wrapper.select(
+                q_rows, arena, self.pool.store.meta[local], budget_pages=self.budget_pages,
+                sink_pages=self.sink_pages, recent_pages=self.recent_pages,
+                rows=bk.selection, queries=queries)))
+        o_rows = wrapper.run(q_rows, arena, out_dtype=torch.float32, queries=queries, **sel)
+        merge_rows(o_rows, wrapper.lse.view(bk.rows, q.shape[1]), bk.req_rows, bk.reqs, out)
+
+    def _arena(self, bk: _Bucket, local: int) -> PackedArena:
+        pool, store, h = self.pool, self.pool.store, self.pool.head_num
+        basis = BasisTable(bk.basis_ptrs, local * h, (pool.layer_num + local) * h)
+        return PackedArena(store.data[local], store.headers[local], bk.seg_indptr, bk.seg_ids,
+                           None, None, pool.k_buffer[local], pool.v_buffer[local], bk.hot_lens,
+                           store.plans, segment_tokens=pool.page_size,
+                           page_tokens=self.cfg.page_tokens, payload={"codes": 0, "scales": 0},
+                           min_group=store.min_group, basis=basis, hot_rows=bk.hot_rows)
+
+    def stats(self) -> dict:
+        """Steps replayed and refused, and the selection's pages over replayed steps (one host
+        sync per bucket, for stats)."""
+        read = self.pages_read_unselected
+        for bk in self.buckets.values():
+            if bk.wrapper._pages_selected is not None:
+                read += int(bk.wrapper._pages_selected)
+        return {"graph_steps": self.steps, "graph_request_steps": self.request_steps,
+                "graph_eager_steps": self.eager_steps, "buckets": sorted(self.buckets),
+                "rows_per_request": self.width,
+                "selection": {"pages_available": self.pages_available, "pages_read": read}}

@@ -1,0 +1,189 @@
+"""The full decode CUDA graph (`decode_cuda_graph: full`, graph_decode.py), driven as SGLang's
+decode graph runner drives it: state init, the capture-time batch (every row padded) prepared,
+two warm-up forwards and the capture, then per step the static buffers refreshed in place, the
+replay's host work (`init_forward_metadata_out_graph`: seal, writes, the tables) and the replay.
+On a GPU the step is captured in a real torch.cuda.CUDAGraph and replayed (no Python runs in
+it); on the CPU (Triton's interpreter) the same forward is called again on the capture-time
+tensors, which reads nothing per step but the tables. Checked against the eager step of a
+second pool with the same requests (selection on every step in both): outputs on the real rows
+within float tolerance (the row layout and split count differ, so the sums' order does), finite
+padded rows, equal pool states with pages sealing on the way; a batch holding a page the kernel
+cannot read is refused (eager, counted)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from conftest import replay_view, repro
+from mosaickv_sglang.config import MosaicConfig
+
+PS, H, HQ, D, LAYERS = 128, 2, 4, 64, 2
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024):
+    """A pool with `lengths` requests written and sealed (request rows 1..; row 0 is SGLang's
+    padding row) and its backend, decode_cuda_graph `mode`, on the packed Triton kernels."""
+    from mosaickv_sglang.backend import MosaicAttnBackend
+    from mosaickv_sglang.pool import MosaicKVPool
+
+    cfg = MosaicConfig(hot_tokens=0, basis_block_tokens=256, decode_kernel="triton",
+                       decode_cuda_graph=mode,
+                       sink_candidates=["band:b8=64,b4=0,b2=0,group=32"],
+                       select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64})
+    pool = MosaicKVPool(40 * PS, PS, torch.bfloat16, H, D, LAYERS, device, False,
+                        mosaic_config=cfg)
+    gen = torch.Generator().manual_seed(seed)
+    req_to_token = torch.zeros(len(lengths) + 1, 1024, dtype=torch.int32)
+    page = 1
+    for rid, n in enumerate(lengths, start=1):
+        slots = torch.arange(page * PS, page * PS + 1024)
+        req_to_token[rid] = slots.to(torch.int32)
+        for layer_id in range(LAYERS):
+            k = torch.randn(n, H, D, generator=gen) * (1 + torch.arange(D) % 7)
+            pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots[:n].to(device),
+                               k.bfloat16().to(device),
+                               torch.randn(n, H, D, generator=gen).bfloat16().to(device))
+        pool.seal_request(slots[:n].to(device), n)
+        page += 1024 // PS
+    runner = SimpleNamespace(device=device, token_to_kv_pool=pool,
+                             model_config=SimpleNamespace(context_len=context_len),
+                             req_to_token_pool=SimpleNamespace(
+                                 req_to_token=req_to_token.to(device)))
+    backend = MosaicAttnBackend(runner)
+    if mode != "full":
+        backend.packed.always_select = True  # the graph's rule (it selects on every step)
+    return backend, pool
+
+
+def _state(pool):
+    return (sorted(pool.sealed), pool.hot_page_of.clone().cpu(), sorted(pool.free_hot_pages))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_full_graph_replay_matches_the_eager_step(device, seed):
+    lengths, bs = (250, 700, 127), 4  # captured size 4: one padded row
+    eager, pool_e = _backend("off", seed, lengths, device)
+    graph, pool_g = _backend("full", seed, lengths, device)
+    assert graph.graph.width == 4  # 1024-token context, 256-token blocks
+    layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D,
+                              scaling=D ** -0.5) for i in range(LAYERS)]
+    fill = graph.get_cuda_graph_seq_len_fill_value()
+    static = SimpleNamespace(
+        batch_size=bs, req_pool_indices=torch.zeros(bs, dtype=torch.long, device=device),
+        seq_lens=torch.full((bs,), fill, device=device), seq_lens_cpu=torch.full((bs,), fill),
+        out_cache_loc=torch.zeros(bs, dtype=torch.long, device=device),
+        forward_mode=ForwardMode.DECODE)
+    q_in = torch.zeros(LAYERS, bs, HQ * D, dtype=torch.bfloat16, device=device)
+    k_in = torch.zeros(LAYERS, bs, H, D, dtype=torch.bfloat16, device=device)
+    v_in = torch.zeros_like(k_in)
+
+    def step():  # the model's layers around the attention
+        return torch.stack([graph.forward_decode(q_in[j] * 1, k_in[j], v_in[j], layer, static)
+                            for j, layer in enumerate(layers)])
+
+    graph.init_cuda_graph_state(bs, bs)
+    graph.init_forward_metadata_out_graph(static, in_capture=True)
+    before = _state(pool_g)
+    for _ in range(2):  # SGLang's two warm-ups
+        assert torch.isfinite(step()).all(), repro(seed)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            out = step()
+        replay = lambda: cuda_graph.replay() or out  # noqa: E731
+    else:
+        out = step()
+        replay = step  # the same Python path on the same tensors: only the tables change
+    after = _state(pool_g)
+    assert before[0] == after[0] and torch.equal(before[1], after[1]) and before[2] == after[2]
+
+    seq = list(lengths)
+    real = torch.arange(1, len(lengths) + 1, device=device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    rtt = eager.req_to_token_pool.req_to_token
+    for i in range(5):  # 250 -> 255: the second page of request 1 fills and seals
+        seq = [n + 1 for n in seq]
+        n, pad = len(seq), bs - len(seq)
+        locs = torch.stack([rtt[r, m - 1] for r, m in zip(real.tolist(), seq)]).long()
+        live = SimpleNamespace(batch_size=n, req_pool_indices=real,
+                               seq_lens=torch.tensor(seq, device=device),
+                               seq_lens_cpu=torch.tensor(seq), out_cache_loc=locs,
+                               forward_mode=ForwardMode.DECODE)
+        eager.init_forward_metadata(live)
+        want = []
+        for layer in layers:
+            q, k, v = (torch.randn(n, *shape, generator=gen).bfloat16().to(device)
+                       for shape in ((HQ * D,), (H, D), (H, D)))
+            want.append(eager.forward_decode(q, k, v, layer, live))
+            j = layer.layer_id
+            q_in[j, :n], k_in[j, :n], v_in[j, :n] = q, k, v
+            for buf in (q_in, k_in, v_in):  # padded rows: anything
+                buf[j, n:] = torch.randn(pad, *buf.shape[2:], generator=gen).bfloat16().to(device)
+        static.req_pool_indices[:n], static.req_pool_indices[n:] = real, 0
+        static.seq_lens[:n], static.seq_lens[n:] = live.seq_lens, fill
+        static.seq_lens_cpu[:n], static.seq_lens_cpu[n:] = live.seq_lens_cpu, fill
+        static.out_cache_loc[:n], static.out_cache_loc[n:] = locs, 0
+        assert graph.graph_refusal(live) is None
+        graph.init_forward_metadata_out_graph(replay_view(static, bs, pad, locs))
+        got = replay()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.isfinite(got).all(), (i, repro(seed))
+        for j, w in enumerate(want):
+            err = float((got[j, :n].float() - w.float()).abs().max())
+            assert err <= 2e-2 * float(w.float().abs().max()), (i, j, err, repro(seed))
+        e, g = _state(pool_e), _state(pool_g)
+        assert e[0] == g[0] and torch.equal(e[1][1:], g[1][1:]) and e[2] == g[2], (i, repro(seed))
+    assert len(pool_g.sealed) > sum(m // PS for m in lengths), repro(seed)  # sealed on the way
+    stats = graph.packed.stats()["graph"]
+    assert stats["graph_steps"] == 5 + 1 and stats["graph_request_steps"] == 15  # + the capture
+    assert stats["selection"]["pages_read"] <= stats["selection"]["pages_available"]
+
+
+def test_a_page_the_kernel_cannot_read_sends_its_batch_eager(seed):
+    graph, pool = _backend("full", seed, (250, 700), "cpu")
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([1, 2]), seq_lens_cpu=torch.tensor([251, 701]),
+                            seq_lens=torch.tensor([251, 701]))
+    assert graph.graph_refusal(batch) is None
+    page = int(graph.req_to_token_pool.req_to_token[2, 0]) // PS
+    pool.store.unreadable.add(page)  # as a page the arena had no room for
+    assert graph.graph_refusal(batch) == "a page the kernel cannot read"
+    assert graph.packed.stats()["graph"]["graph_eager_steps"] == 1
+    only_first = SimpleNamespace(req_pool_indices=torch.tensor([1]),
+                                 seq_lens_cpu=torch.tensor([251]), seq_lens=torch.tensor([251]))
+    assert graph.graph_refusal(only_first) is None
+    long = SimpleNamespace(req_pool_indices=torch.tensor([1]), seq_lens_cpu=torch.tensor([1025]),
+                           seq_lens=torch.tensor([1025]))
+    assert graph.graph_refusal(long) == "a request longer than the captured context"
+
+
+def test_the_frozen_layouts_refuse_another(seed):
+    from mosaickv_sglang.codec.arena import layout_of
+
+    graph, pool = _backend("full", seed, (130,), "cpu")
+    store = pool.store
+    n = len(store.width_classes)
+    assert store.frozen and n >= 4  # every candidate pair's class, registered up front
+    with pytest.raises(RuntimeError, match="not one the decode CUDA graph was captured with"):
+        store._layout_id(layout_of("band:b8=8,b4=8,b2=0,group=32", "band:b8=8,b4=8,b2=0,group=32",
+                                   PS, D))
+    assert len(store.width_classes) == n
+
+
+def test_full_graph_needs_the_kernel_path(seed):
+    with pytest.raises(ValueError, match="needs decode_kernel 'triton'"):
+        from mosaickv_sglang.backend import MosaicAttnBackend
+        from mosaickv_sglang.pool import MosaicKVPool
+
+        cfg = MosaicConfig(decode_kernel="reference", decode_cuda_graph="full")
+        pool = MosaicKVPool(8 * PS, PS, torch.bfloat16, H, D, LAYERS, "cpu", False,
+                            mosaic_config=cfg)
+        MosaicAttnBackend(SimpleNamespace(device="cpu", token_to_kv_pool=pool,
+                                          model_config=SimpleNamespace(context_len=1024),
+                                          req_to_token_pool=SimpleNamespace(
+                                              req_to_token=torch.zeros(2, 8, dtype=torch.int32))))
