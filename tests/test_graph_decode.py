@@ -30,8 +30,11 @@ def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024
     from mosaickv_sglang.backend import MosaicAttnBackend
     from mosaickv_sglang.pool import MosaicKVPool
 
+    # one K and one V candidate: with the sink/rescue band, 4 width classes to launch (the
+    # interpreter runs each launch; the default candidates make 16)
     cfg = MosaicConfig(hot_tokens=0, basis_block_tokens=256, decode_kernel="triton",
-                       decode_cuda_graph=mode,
+                       decode_cuda_graph=mode, k_candidates=["band:b8=4,b4=60,b2=0,group=128"],
+                       v_candidates=["band:b8=4,b4=60,b2=0,group=128"],
                        sink_candidates=["band:b8=64,b4=0,b2=0,group=32"],
                        select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64})
     pool = MosaicKVPool(40 * PS, PS, torch.bfloat16, H, D, LAYERS, device, False,
@@ -77,7 +80,10 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
         seq_lens=torch.full((bs,), fill, device=device), seq_lens_cpu=torch.full((bs,), fill),
         out_cache_loc=torch.zeros(bs, dtype=torch.long, device=device),
         forward_mode=ForwardMode.DECODE)
-    q_in = torch.zeros(LAYERS, bs, HQ * D, dtype=torch.bfloat16, device=device)
+    # fp32 queries (the kernels take them; the output then is fp32 too): the two paths differ
+    # by float reassociation only (~3e-7 of the largest output, measured), where one hot token
+    # missed moved it by 1.5e-4
+    q_in = torch.zeros(LAYERS, bs, HQ * D, device=device)
     k_in = torch.zeros(LAYERS, bs, H, D, dtype=torch.bfloat16, device=device)
     v_in = torch.zeros_like(k_in)
 
@@ -117,13 +123,13 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
         eager.init_forward_metadata(live)
         want = []
         for layer in layers:
-            q, k, v = (torch.randn(n, *shape, generator=gen).bfloat16().to(device)
-                       for shape in ((HQ * D,), (H, D), (H, D)))
+            q = torch.randn(n, HQ * D, generator=gen).to(device)
+            k, v = (torch.randn(n, H, D, generator=gen).bfloat16().to(device) for _ in range(2))
             want.append(eager.forward_decode(q, k, v, layer, live))
             j = layer.layer_id
             q_in[j, :n], k_in[j, :n], v_in[j, :n] = q, k, v
             for buf in (q_in, k_in, v_in):  # padded rows: anything
-                buf[j, n:] = torch.randn(pad, *buf.shape[2:], generator=gen).bfloat16().to(device)
+                buf[j, n:] = torch.randn(pad, *buf.shape[2:], generator=gen).to(buf)
         static.req_pool_indices[:n], static.req_pool_indices[n:] = real, 0
         static.seq_lens[:n], static.seq_lens[n:] = live.seq_lens, fill
         static.seq_lens_cpu[:n], static.seq_lens_cpu[n:] = live.seq_lens_cpu, fill
@@ -135,8 +141,8 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
             torch.cuda.synchronize()
         assert torch.isfinite(got).all(), (i, repro(seed))
         for j, w in enumerate(want):
-            err = float((got[j, :n].float() - w.float()).abs().max())
-            assert err <= 2e-2 * float(w.float().abs().max()), (i, j, err, repro(seed))
+            err = float((got[j, :n] - w).abs().max())
+            assert err <= 1e-5 * float(w.abs().max()), (i, j, err, repro(seed))
         e, g = _state(pool_e), _state(pool_g)
         assert e[0] == g[0] and torch.equal(e[1][1:], g[1][1:]) and e[2] == g[2], (i, repro(seed))
     assert len(pool_g.sealed) > sum(m // PS for m in lengths), repro(seed)  # sealed on the way
@@ -168,7 +174,7 @@ def test_the_frozen_layouts_refuse_another(seed):
     graph, pool = _backend("full", seed, (130,), "cpu")
     store = pool.store
     n = len(store.width_classes)
-    assert store.frozen and n >= 4  # every candidate pair's class, registered up front
+    assert store.frozen and n == 4  # every candidate pair's class, registered up front
     with pytest.raises(RuntimeError, match="not one the decode CUDA graph was captured with"):
         store._layout_id(layout_of("band:b8=8,b4=8,b2=0,group=32", "band:b8=8,b4=8,b2=0,group=32",
                                    PS, D))
