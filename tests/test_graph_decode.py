@@ -193,3 +193,25 @@ def test_full_graph_needs_the_kernel_path(seed):
                                           model_config=SimpleNamespace(context_len=1024),
                                           req_to_token_pool=SimpleNamespace(
                                               req_to_token=torch.zeros(2, 8, dtype=torch.int32))))
+
+
+def test_the_can_run_graph_hook_asks_the_backend():
+    """wiring._decode_graph_can_run: SGLang's answer first; a MosaicKV backend's refusal makes a
+    batch eager; other backends (no graph_refusal) are untouched."""
+    from mosaickv_sglang import wiring
+
+    asked = []
+
+    def refusal(why):
+        return lambda fb: asked.append(fb) or why
+
+    yes, no = (lambda self, fb: True), (lambda self, fb: False)
+    batch = object()
+    runner = SimpleNamespace(attn_backend=SimpleNamespace(graph_refusal=refusal("a reason")))
+    assert wiring._decode_graph_can_run(yes, runner, batch) is False and asked == [batch]
+    runner.attn_backend.graph_refusal = refusal(None)
+    assert wiring._decode_graph_can_run(yes, runner, batch) is True
+    assert wiring._decode_graph_can_run(no, runner, batch) is False and len(asked) == 2
+    other = SimpleNamespace(attn_backend=SimpleNamespace())
+    assert wiring._decode_graph_can_run(yes, other, batch) is True
+    assert wiring._decode_graph_can_run(no, other, batch) is False

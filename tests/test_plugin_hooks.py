@@ -375,6 +375,19 @@ def test_cuda_graph_backends_follow_decode_cuda_graph():
     for config, server, match in refused:
         with pytest.raises(plugin.MosaicKVUnsupported, match=match):
             plugin._refuse_cuda_graphs(server, config)
+    # 'full': SGLang's full decode graph and no prefill graph; any other decode graph refused
+    full = MosaicConfig(decode_cuda_graph="full")
+    args = {}
+    plugin._apply_backend_args(args, full)
+    assert "disable_cuda_graph" not in args
+    assert (args["cuda_graph_backend_decode"], args["cuda_graph_backend_prefill"]) == \
+        ("full", "disabled")
+    plugin._refuse_cuda_graphs(_graphs("full"), full)
+    plugin._refuse_cuda_graphs(_graphs("disabled"), full)
+    for server, match in ((_graphs("breakable"), "'breakable' decode"),
+                          (_graphs("full", "full"), "prefill")):
+        with pytest.raises(plugin.MosaicKVUnsupported, match=match):
+            plugin._refuse_cuda_graphs(server, full)
 
 
 def test_breakable_config_resolves_through_sglang(tmp_path):
@@ -389,6 +402,10 @@ def test_breakable_config_resolves_through_sglang(tmp_path):
     assert (str(args.cuda_graph_config.decode.backend), str(args.cuda_graph_config.prefill.backend)) \
         == ("breakable", "disabled")
     assert getattr(args, plugin.CONFIG_ATTR).decode_cuda_graph == "breakable"
+    args = plugin.server_args(model_path=str(tmp_path), device="cpu",
+                              mosaickv_config={"decode_cuda_graph": "full"})
+    assert (str(args.cuda_graph_config.decode.backend), str(args.cuda_graph_config.prefill.backend)) \
+        == ("full", "disabled")
     args = plugin.server_args(model_path=str(tmp_path), device="cpu")
     assert str(args.cuda_graph_config.decode.backend) == "disabled"
     with pytest.raises(plugin.MosaicKVUnsupported, match="'full' decode"):
