@@ -191,9 +191,13 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             timer.step()
         lens = getattr(forward_batch, "seq_lens_cpu", None)
         lens = (forward_batch.seq_lens.cpu() if lens is None else lens)[:rows].tolist()
+        # One device->host copy: the logical page of every page of every request, for the
+        # sealing and the plan.
+        page_ids = req_to_token[forward_batch.req_pool_indices[:rows],
+                                :max(lens, default=0):pool.page_size].cpu() // pool.page_size
         before = pool.counters.sealed_pages
-        for rid, seq_len in zip(forward_batch.req_pool_indices[:rows].tolist(), lens):
-            pool.seal_request(req_to_token[rid, :seq_len - 1], seq_len - 1)
+        for i, seq_len in enumerate(lens):
+            pool.seal_request_pages(page_ids[i], seq_len - 1)
         if pool.counters.sealed_pages // LOG_EVERY_PAGES > before // LOG_EVERY_PAGES:
             logger.info(pool.summary())
         if timer is not None:
@@ -202,11 +206,11 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         if timer is not None:
             timer.lap("writes")
         if self.graph is not None and self.graph_rows is not None:
-            self.graph.prepare(forward_batch, req_to_token, rows)  # the replay's tables
+            self.graph.prepare(forward_batch, req_to_token, rows, page_ids)  # replay tables
             if timer is not None:
                 timer.lap("host_plan")
         elif self.packed is not None:
-            self.packed.begin(forward_batch, req_to_token, rows)  # laps host_plan
+            self.packed.begin(forward_batch, req_to_token, rows, page_ids)  # laps host_plan
         self._prepared = forward_batch
 
     # ---- decode under a breakable CUDA graph ---------------------------------------------

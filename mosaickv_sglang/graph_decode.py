@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mosaickv_kernels.band_decode import BandDecodeWrapper
@@ -33,7 +34,7 @@ from mosaickv_kernels.page_select import RowSelection
 from mosaickv_kernels.row_merge import merge_rows
 
 from .codec.arena import PackedArena
-from .packed_decode import hot_slots, request_reads
+from .packed_decode import hot_slots, readable, request_reads
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +136,11 @@ class GraphDecode:
                     return "a page the kernel cannot read"
         return None
 
-    def prepare(self, forward_batch, req_to_token, rows: int) -> None:
+    def prepare(self, forward_batch, req_to_token, rows: int,
+                page_ids: torch.Tensor | None = None) -> None:
         """Write this step's tables for the replay of `forward_batch.batch_size` with its first
-        `rows` requests real (the pool sealed and mapped the writes already)."""
+        `rows` requests real (the pool sealed and mapped the writes already); `page_ids`: their
+        logical pages on the host when the caller read them already."""
         pool, ps, w = self.pool, self.pool.page_size, self.width
         bk = self.buckets.get(forward_batch.batch_size)
         if bk is None:
@@ -145,21 +148,23 @@ class GraphDecode:
                                f"{forward_batch.batch_size}")
         lens = getattr(forward_batch, "seq_lens_cpu", None)
         seq_lens = (forward_batch.seq_lens.cpu() if lens is None else lens).tolist()[:rows]
-        if rows:
-            page_slots = req_to_token[forward_batch.req_pool_indices[:rows],
-                                      :max(seq_lens):ps].cpu()
-        r = bk.rows
-        counts = torch.zeros(r, dtype=torch.int32)
-        seg_lists = [[] for _ in range(r)]
-        hot_rows = torch.zeros(r, self.hot_cap, dtype=torch.long)
-        hot_lens = torch.zeros(r, dtype=torch.int32)
+        if rows and page_ids is None:  # one device->host copy: the first slot of every page
+            page_ids = req_to_token[forward_batch.req_pool_indices[:rows],
+                                    :max(seq_lens):ps].cpu() // ps
+        all_ids = page_ids
+        r, block = bk.rows, self.block_pages
+        counts = np.zeros(r, dtype=np.int32)
+        id_chunks = []
+        # the hot tokens ride on each request's row 0 (rows b * W): only those rows are written
+        hot_rows = torch.zeros(bk.bs, self.hot_cap, dtype=torch.long)
+        hot_lens = torch.zeros(bk.bs, dtype=torch.int32)
         wholes: list = [None] * r
         req_pages = torch.zeros(bk.bs, dtype=torch.int32)
         total_pages = 0
         for i, seq_len in enumerate(seq_lens):
-            page_ids = page_slots[i, :-(-seq_len // ps)] // ps
+            page_ids = all_ids[i, :-(-seq_len // ps)]
             n, runs, run_bases, hot = request_reads(pool, page_ids, seq_len)
-            if n and not bool(pool.store.packed[:, page_ids[:n]].all()):
+            if n and not readable(pool, page_ids[:n]):
                 raise RuntimeError("MosaicKV: a decode graph step holds a page the kernel "
                                    "cannot read (graph_refusal should have sent it eager)")
             hot = hot_slots(hot, ps, seq_len - n * ps)
@@ -167,31 +172,31 @@ class GraphDecode:
                 raise RuntimeError(f"MosaicKV: a request has {hot.numel()} hot tokens, over the "
                                    f"decode graph's graph_hot_tokens={self.hot_cap}: raise it in "
                                    f"--mosaickv-config")
-            for j, (run, bases) in enumerate(zip(runs, run_bases)):
-                pages = page_ids[j * self.block_pages:(j + 1) * self.block_pages].tolist()
-                if run != pages[:len(run)] or (j < len(runs) - 1 and len(run) != len(pages)):
-                    raise RuntimeError("MosaicKV: a request's sealed pages are not in position "
-                                       "blocks (the decode graph's row layout)")
-                row = i * w + j
-                seg_lists[row] = run
-                counts[row] = len(run)
-                wholes[row] = bases.stacked()
-            hot_rows[i * w, :hot.numel()] = hot  # the hot tokens ride on the request's row 0
-            hot_lens[i * w] = hot.numel()
+            # rows are position blocks: runs of a shared basis must be the block-sized chunks
+            sizes = [len(run) for run in runs]
+            if sizes != [min(block, n - j) for j in range(0, n, block)]:
+                raise RuntimeError("MosaicKV: a request's sealed pages are not in position "
+                                   "blocks (the decode graph's row layout)")
+            counts[i * w:i * w + len(runs)] = sizes
+            id_chunks.append(page_ids.numpy()[:n])
+            for j, bases in enumerate(run_bases):
+                wholes[i * w + j] = bases.stacked()
+            hot_rows[i, :hot.numel()] = hot
+            hot_lens[i] = hot.numel()
             req_pages[i] = n * self.pps
             total_pages += n * self.pps
-        for i in range(rows, bk.bs):  # padded: the padding page's token 0 (hot row 0)
-            hot_lens[i * w] = 1
+        hot_lens[rows:] = 1  # padded requests: the padding page's token 0 (hot row 0)
+        counts = torch.from_numpy(counts)
         indptr = torch.zeros(r + 1, dtype=torch.int32)
         indptr[1:] = counts.cumsum(0)
-        ids = [p for lst in seg_lists for p in lst]
+        ids = np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int32)
         bk.seg_indptr.copy_(indptr)
-        if ids:
-            bk.seg_ids[:len(ids)].copy_(torch.tensor(ids, dtype=torch.int32))
+        if len(ids):
+            bk.seg_ids[:len(ids)].copy_(torch.from_numpy(ids.astype(np.int32)))
         ptrs, bk.keep = basis_pointers(wholes, pool.device)
         bk.basis_ptrs.copy_(ptrs)
-        bk.hot_rows.copy_(hot_rows)
-        bk.hot_lens.copy_(hot_lens)
+        bk.hot_rows[::w].copy_(hot_rows)
+        bk.hot_lens[::w].copy_(hot_lens)
         if bk.selection is not None:  # rows are position blocks: row w starts at w * row_pages
             lo = (torch.arange(r, dtype=torch.int32) % w) * self.row_pages
             bk.selection.req_pages.copy_(req_pages)

@@ -19,6 +19,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mosaickv_kernels.band_decode import BandDecodeWrapper
@@ -53,39 +54,43 @@ class StepPlan:
     basis_keep: list  # the tensors those addresses point into, alive for the step
 
 
-def _sealed_runs(sealed: dict, pages: list[int]):
-    """One pass over a request's sealed prefix: its length n and its runs of pages sharing a
-    basis block, with each run's BasisPair (one dict lookup per page: this loop is most of the
-    step's host plan)."""
-    runs: list[list[int]] = []
-    run_bases = []
-    n, last = len(pages), None
-    for j, p in enumerate(pages):
-        page = sealed.get(p)
-        if page is None:
-            n = j
-            break
-        if page.bases is last:
-            runs[-1].append(p)
-        else:
-            runs.append([p])
-            run_bases.append(page.bases)
-            last = page.bases
-    return n, runs, run_bases
+def _sealed_runs(pool, pages: np.ndarray, seq_len: int):
+    """(n, runs, run_bases): the first n of a request's `pages` (numpy, position order) that its
+    token at seq_len - 1 reads compressed (`pool.read_split_np`), split into runs of pages
+    sharing a basis block, and each run's BasisPair. Vectorized over the pool's page table; one
+    dict lookup per run."""
+    n = pool.read_split_np(pages, seq_len - 1)
+    read = pages[:n]
+    if not n:
+        return 0, [], []
+    keys = pool.page_basis[read]
+    change = np.empty(n, dtype=bool)
+    change[0] = True
+    np.not_equal(keys[1:], keys[:-1], out=change[1:])
+    starts = np.flatnonzero(change)
+    ends = np.append(starts[1:], n)
+    return n, [read[a:b] for a, b in zip(starts, ends)], \
+        [pool.sealed[int(read[a])].bases for a in starts]
 
 
 def request_reads(pool, page_ids: torch.Tensor, seq_len: int):
     """What one request's decode token (position seq_len - 1) reads, from its page ids (host,
     position order): (n, the first n pages read compressed by the read rule, their runs of
-    pages sharing a basis block, each run's BasisPair, the hot pages of the rest). A sealed set
-    that is not a prefix is repaired first (`pool.seal_prefix_now`)."""
-    pages = page_ids.tolist()
-    n, runs, run_bases = _sealed_runs(pool.sealed, pages[:pool.read_split(pages, seq_len - 1)])
+    pages sharing a basis block (numpy arrays), each run's BasisPair, the hot pages of the
+    rest). A sealed set that is not a prefix is repaired first (`pool.seal_prefix_now`)."""
+    pages = page_ids.numpy()
+    n, runs, run_bases = _sealed_runs(pool, pages, seq_len)
     hot = pool.hot_page_of[page_ids[n:]]
-    if bool((hot < 0).any()) and pool.seal_prefix_now(pages):  # not a prefix (pool.py)
-        n, runs, run_bases = _sealed_runs(pool.sealed, pages[:pool.read_split(pages, seq_len - 1)])
+    if bool((hot < 0).any()) and pool.seal_prefix_now(pages.tolist()):  # not a prefix
+        n, runs, run_bases = _sealed_runs(pool, pages, seq_len)
         hot = pool.hot_page_of[page_ids[n:]]
     return n, runs, run_bases, hot
+
+
+def readable(pool, pages: torch.Tensor) -> bool:
+    """Whether the kernel can read every layer of these sealed pages (the store tracks the few
+    it cannot: `SegmentStore.unreadable`)."""
+    return not pool.store.unreadable or pool.store.unreadable.isdisjoint(pages.tolist())
 
 
 def hot_slots(hot_pages: torch.Tensor, page_size: int, count: int) -> torch.Tensor:
@@ -121,22 +126,27 @@ class PackedDecode:
         self.graph = None  # the GraphDecode under decode_cuda_graph "full"
 
     # ---- per step ----------------------------------------------------------------------
-    def begin(self, forward_batch, req_to_token, rows: int | None = None) -> None:
+    def begin(self, forward_batch, req_to_token, rows: int | None = None,
+              page_ids: torch.Tensor | None = None) -> None:
         """Plan the step for the batch's first `rows` requests (all by default; under a decode
-        graph the rest are padding). The caller starts the profiled step."""
+        graph the rest are padding). `page_ids`: their logical pages on the host when the
+        caller read them already ([rows, >= pages], position order). The caller starts the
+        profiled step."""
         pool, ps = self.pool, self.pool.page_size
         bsz = forward_batch.batch_size if rows is None else rows
         lens = getattr(forward_batch, "seq_lens_cpu", None)
         seq_lens = (forward_batch.seq_lens.cpu() if lens is None else lens).tolist()[:bsz]
-        # One device->host copy: the first slot of every page of every request.
-        page_slots = req_to_token[forward_batch.req_pool_indices[:bsz], :max(seq_lens):ps].cpu()
+        if page_ids is None:  # one device->host copy: the first slot of every page
+            page_ids = req_to_token[forward_batch.req_pool_indices[:bsz],
+                                    :max(seq_lens):ps].cpu() // ps
+        all_ids = page_ids
         kernel_reqs, reference_slots = [], {}
         row_req, row_pages, row_bases, hot_rows, needs_select = [], [], [], [], False
         sealed_ids = []  # each kernel request's sealed pages (tensor): the rows' pages in order
         for i, seq_len in enumerate(seq_lens):
-            page_ids = page_slots[i, :-(-seq_len // ps)] // ps
+            page_ids = all_ids[i, :-(-seq_len // ps)]
             n, runs, run_bases, hot = request_reads(pool, page_ids, seq_len)
-            if n and not bool(pool.store.packed[:, page_ids[:n]].all()):
+            if n and not readable(pool, page_ids[:n]):
                 rid = int(forward_batch.req_pool_indices[i])
                 reference_slots[i] = req_to_token[rid, :seq_len]
                 continue

@@ -29,6 +29,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
@@ -198,6 +199,11 @@ class MosaicKVPool(MHATokenToKVPool):
         self.hot_page_of[0] = 0
         self.free_hot_pages = list(range(hot_pages, 0, -1))
         self.sealed: dict[int, SealedPage] = {}
+        # The page table's host side, kept with `sealed` (install, release, clear): per logical
+        # page whether it is sealed and its basis block (the id of its BasisPair, alive while
+        # the page is). A step's plan reads these for every page of every request, vectorized.
+        self.page_sealed = np.zeros(self.num_logical_pages + 1, dtype=bool)
+        self.page_basis = np.zeros(self.num_logical_pages + 1, dtype=np.int64)
         self.counters = PoolCounters()
         # What start-up sizing assumed the packed pages may take (worst candidate everywhere);
         # exceeding it (dense fallbacks) is logged and counted, never silent.
@@ -596,21 +602,35 @@ class MosaicKVPool(MHATokenToKVPool):
         submitted (that slack, `hot_tokens`, is the daemon's time). Returns pages newly sealed
         or submitted."""
         ps = self.page_size
+        limit = self._seal_limits(seq_len)[1]
+        return self.seal_request_pages((slots[: limit * ps: ps] // ps).cpu().numpy(), seq_len)
+
+    def _seal_limits(self, seq_len: int) -> tuple[int, int, int]:
+        """(need, limit, inline_below) of `seal_request`: pages read compressed next step,
+        pages to seal or submit, pages sealed inline whatever the daemon."""
         need = self.compressed_pages(seq_len)
-        inline_below = need  # position rule: the pages needed next step are sealed here
         if not self.position_rule:  # chunk rule: pages go to the daemon (if any) until adopted
-            limit, inline_below = need, 0
-        else:
-            limit = need if self.daemon is None else seq_len // ps
-        pages = (slots[: limit * ps: ps] // ps).tolist()
+            return need, need, 0
+        # position rule: the pages needed next step are sealed here
+        return need, need if self.daemon is None else seq_len // self.page_size, need
+
+    def seal_request_pages(self, page_ids, seq_len: int) -> int:
+        """`seal_request` from the request's logical page ids on the host (numpy or a CPU
+        tensor, position order; pages past what it seals are ignored): what the decode step's
+        host work calls with the page ids it reads once for the whole batch. The common case,
+        nothing new to seal, is one vectorized look at the page table."""
+        need, limit, inline_below = self._seal_limits(seq_len)
+        pages = np.asarray(page_ids)[:limit]
         if self.position_rule:
+            listed = pages.tolist()
             if self.daemon is not None:
-                self._seal_pending(pages, need)
-            self._drop_kept_hot(pages[:need])
-        todo = [(i, p) for i, p in enumerate(pages)
-                if p not in self.sealed and p not in self.pending]
+                self._seal_pending(listed, need)
+            self._drop_kept_hot(listed[:need])
+        unsealed = np.flatnonzero(~self.page_sealed[pages])
+        todo = [(int(i), int(pages[i])) for i in unsealed if int(pages[i]) not in self.pending]
         if not todo:
             return 0
+        ps, pages = self.page_size, pages.tolist()
         for i, p in todo:  # a page may enter `sealed` only after the page before it
             if i:
                 self.prev_page[p] = pages[i - 1]
@@ -664,6 +684,14 @@ class MosaicKVPool(MHATokenToKVPool):
                 self.kept_hot.discard(p)
                 self.free_hot_pages.append(int(self.hot_page_of[p]))
                 self.hot_page_of[p] = -1
+
+    def read_split_np(self, pages: np.ndarray, position: int) -> int:
+        """`read_split` for page ids as a numpy array: the chunk rule's count (the sealed
+        prefix) vectorized; the position rule through `read_split`."""
+        if self.position_rule:
+            return self.read_split(pages.tolist(), position)
+        sealed = self.page_sealed[pages]
+        return len(pages) if sealed.all() else int(sealed.argmin())
 
     def read_split(self, pages: list[int], position: int) -> int:
         """How many leading `pages` (one request's, position order) a token at `position` reads
@@ -730,6 +758,7 @@ class MosaicKVPool(MHATokenToKVPool):
                   for sp, segs in zip(sealed, self.store.store_pages(pages, sealed))]
         for page, sp in zip(pages, sealed):
             self.sealed[page] = sp
+            self.page_sealed[page], self.page_basis[page] = True, id(sp.bases)
             self._account(sp, +1)
             if keep_hot:  # read dense until the read rule says otherwise (_drop_kept_hot)
                 self.kept_hot.add(page)
@@ -879,6 +908,7 @@ class MosaicKVPool(MHATokenToKVPool):
             self.kept_hot.discard(page)
             sealed = self.sealed.pop(page, None)
             if sealed is not None:
+                self.page_sealed[page] = False
                 self._account(sealed, -1)
                 self.store.release(page)
                 self.counters.freed_pages += 1
@@ -899,6 +929,7 @@ class MosaicKVPool(MHATokenToKVPool):
             for job in self.daemon.open_jobs():
                 self.daemon.cancel(job)
         self.sealed.clear()
+        self.page_sealed[:] = False
         self.store.clear()
         self.arena_bytes = 0
         self._basis_refs.clear()

@@ -30,17 +30,14 @@ class BasisTable:
 def basis_pointers(wholes: list[torch.Tensor | None], device) -> tuple[torch.Tensor, list]:
     """(int64 [R] device addresses, the tensors kept) of each row's bases tensor (None: the
     identity). Checks what the kernel assumes: bf16, contiguous, on `device`."""
-    ptrs = []
-    for w in wholes:
-        if w is None:
-            ptrs.append(0)
-            continue
-        if w.dtype != torch.bfloat16 or not w.is_contiguous() or w.dim() != 4 or \
-                w.device != torch.device(device):
+    dev, bf16 = torch.device(device), torch.bfloat16
+    keep = [w for w in wholes if w is not None]
+    for w in {id(w): w for w in keep}.values():  # each block once (rows share blocks)
+        if w.dtype != bf16 or w.dim() != 4 or w.device != dev or not w.is_contiguous():
             raise ValueError(f"basis_pointers: bases must be contiguous bf16 [M, H, D, D] on "
                              f"{device}, got {w.dtype} {tuple(w.shape)} on {w.device}")
-        ptrs.append(w.data_ptr())
-    return torch.tensor(ptrs, dtype=torch.int64).to(device), [w for w in wholes if w is not None]
+    ptrs = [0 if w is None else w.data_ptr() for w in wholes]
+    return torch.tensor(ptrs, dtype=torch.int64).to(device), keep
 
 
 @triton.jit
