@@ -214,11 +214,13 @@ class MosaicConfig:
         if self.read_rule == "position" and self.basis_fit != "first_page":
             raise ValueError("mosaickv config: read_rule 'position' needs basis_fit 'first_page' "
                              "(it seals pages inside a prefill forward, layer by layer)")
-        if not isinstance(self.graph_hot_tokens, int) or \
-                self.graph_hot_tokens < self.hot_tokens + 2 * self.segment_tokens:
+        if not isinstance(self.graph_hot_tokens, int) or (
+                self.decode_cuda_graph == "full" and
+                self.graph_hot_tokens < self.hot_tokens + 2 * self.segment_tokens):
             raise ValueError(f"mosaickv config: graph_hot_tokens={self.graph_hot_tokens!r} must be "
                              f"an int >= hot_tokens + 2 * segment_tokens "
-                             f"({self.hot_tokens + 2 * self.segment_tokens})")
+                             f"({self.hot_tokens + 2 * self.segment_tokens}) under "
+                             f"decode_cuda_graph 'full'")
         if not isinstance(self.daemon_lag_tokens, int) or self.daemon_lag_tokens < 0:
             raise ValueError(f"mosaickv config: daemon_lag_tokens={self.daemon_lag_tokens!r} must "
                              "be an int >= 0")

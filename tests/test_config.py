@@ -138,6 +138,10 @@ def test_empty_candidate_lists_rejected_except_sink(key):
     ({"select": {"meta_channels": -8}}, "select.meta_channels"),
     ({"fit_solver": "iterative"}, "fit_solver"),
     ({"fit_solver": "Jacobi"}, "fit_solver"),
+    ({"decode_cuda_graph": "Full"}, "decode_cuda_graph"),
+    ({"decode_cuda_graph": "full", "graph_hot_tokens": 255}, "graph_hot_tokens"),
+    ({"decode_cuda_graph": "full", "hot_tokens": 1024}, "graph_hot_tokens"),
+    ({"graph_hot_tokens": "1024"}, "graph_hot_tokens"),
 ])
 def test_bad_values_are_named(data, needle):
     _rejects(data, needle)
@@ -209,6 +213,11 @@ def test_sink_candidates_validated_for_v_too():
     with pytest.raises(ValueError, match="sink_candidates"):
         MosaicConfig.from_dict(
             {"sink_candidates": ["lowbit:bits=4,group=48,k_axis=token,v_axis=channel"]})
+
+
+def test_graph_hot_tokens_binds_only_the_full_graph():
+    MosaicConfig(hot_tokens=1024)  # the default 1024 is too narrow for it, but no graph reads it
+    MosaicConfig(decode_cuda_graph="full", hot_tokens=1024, graph_hot_tokens=1280)
 
 
 def test_daemon_modes_and_keys():
