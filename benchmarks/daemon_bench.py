@@ -236,7 +236,7 @@ def main() -> None:
                          "the page_gather / row_copy kernels on CUDA, torch on a CPU)")
     ap.add_argument("--copy-stream", choices=["side", "current"], default="side",
                     help="CUDA: fill slots on side streams (the pool's way) or on the current "
-                         "stream, as before session 12 (an A/B of what that costs a step)")
+                         "stream, as before the side streams (an A/B of what that costs a step)")
     ap.add_argument("--read-results", choices=["in-place", "device"], default="in-place",
                     help="install results from their slots in place (the pool's way where the "
                          "store can: a CPU, or CUDA with the slots pinned and mapped) or copy each "

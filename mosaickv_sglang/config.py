@@ -112,7 +112,7 @@ class MosaicConfig:
     # Pages installed together at one boundary (one adoption launch): ready pages wait until
     # this many are installable or the oldest waited this many boundaries. 1: one job a
     # boundary. 4 doubled the daemon's pages/s on the H200 (to its workers' bound); a lower
-    # value trades pages/s for a shorter longest boundary (RESULTS.md, session 19).
+    # value trades pages/s for a shorter longest boundary (benchmarks/RESULTS.md, daemon).
     daemon_install_batch: int = 4
     # Niceness of the worker processes (0-19): they should only take cores the scheduler, the
     # tokenizer and the CUDA driver leave idle, never delay a decode step's host work.
@@ -138,7 +138,7 @@ class MosaicConfig:
     # How a basis block's bases are fitted: "host" (exact eigh/qr; GPU pages are copied to the
     # CPU, LAPACK over host threads), "device" (exact eigh/qr by cuSOLVER, one matrix at a time),
     # "jacobi" (codec/basis.jacobi_axes: batched GEMMs + one batched Cholesky, wherever the
-    # pages are; top-r energy within 0.2% of eigh's, measured in NOTES.md), or "auto" (jacobi
+    # pages are; top-r energy within 0.2% of eigh's, measured in docs/codec.md), or "auto" (jacobi
     # for pages on a GPU, where it fits a Llama-8B block 18x faster than host on the H200;
     # host for CPU pages, where LAPACK is 5x faster than jacobi). CPU pages are fitted on the
     # CPU with host and device alike. "identity" fits nothing: every basis is the identity, i.e.

@@ -398,7 +398,8 @@ class SegmentStore:
         """Make the adoption's staging buffers and compile its copy kernel with one harmless
         launch (one element between two scratch slots), before serving: done at the first
         adopted page, the Triton compile cost the step it landed in ~0.3 s (a 328 ms boundary in
-        a GPU server, RESULTS.md session 16). Without the pack kernel, nothing to prepare."""
+        a GPU server, benchmarks/RESULTS_ARCHIVE.md). Without the pack kernel, nothing to
+        prepare."""
         if not self.pack_kernel or self._adopt_rows is not None:
             return
         self._adopt_rows = AdoptRows(self)

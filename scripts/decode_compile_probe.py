@@ -2,8 +2,9 @@
 
 Every distinct (K b8/b4/b2, V b8/b4/b2) channel count of the registered layouts is a
 compile-time variant of the stage-1 decode kernel (`band_width_classes`). A GPU server showed a
-once-per-server decode stall of 7-11 s in both its inline and daemon systems (RESULTS.md,
-session 16); a layout pair first seen mid-run would cost one compile in the next decode step.
+once-per-server decode stall of 7-11 s in both its inline and daemon systems (2026-12-01,
+benchmarks/RESULTS_ARCHIVE.md); a layout pair first seen mid-run would cost one compile in the
+next decode step.
 This probe adds the default candidate set's (K, V) pairs to a synthetic arena one at a time
 (each arena holds the pairs so far) and times the first decode after each addition (compiles
 the new class) against a repeat of it (warm), synchronized, one request.

@@ -9,7 +9,7 @@
 #   * 30 ms step, boundary after the step's device work (host-bound: the strict case), slots
 #     filled on side streams (the pool's way) and on the current stream, side by side;
 #   * 30 ms overlapped with the step's device work (SGLang's default overlap loop), the same two;
-#   * 60 ms strict, side streams (the order of a MosaicKV step at 3 x 128K, session 8).
+#   * 60 ms strict, side streams (the order of a MosaicKV step at 3 x 128K, measured 2026-11-30).
 # COPIES: who moves a page's bytes (auto: the kernels on CUDA; torch).
 # JSON per run, adopt_bench's JSON and log, and one daemon log under $OUT; prints each run's
 # table last. Env: DAEMON_LIMIT_S (150), DAEMON_STEPS (400), SHARE (the config default), RUNS

@@ -53,7 +53,8 @@ def fit_with(x: torch.Tensor, solver: str) -> torch.Tensor:
     return fit_basis(x, jacobi=solver == "jacobi")
 
 
-# jacobi_axes' fixed schedule (measured: tests/test_basis_fit.py, NOTES.md "GEMM-only basis fit")
+# jacobi_axes' fixed schedule (measured: tests/test_basis_fit.py; docs/codec.md, "GEMM-only
+# basis fit")
 JACOBI_STEPS = 6
 JACOBI_DAMPING = 0.5  # all pairs rotate at once: full Jacobi angles overshoot
 START_SHIFT = 1e-5  # of the trace: the start's columns stay independent (cond <= 1e5)
@@ -74,7 +75,7 @@ def jacobi_axes(cov: torch.Tensor) -> torch.Tensor:
     that would zero B_ij alone, all damped and applied at once as one rotation exp(K). A rotation
     keeps Q orthonormal whatever the angles, and near-degenerate pairs (mixing them costs no
     energy) turn by at most 45 degrees: nothing can blow up. Top-r energy >= 0.998 of the exact
-    top-r subspace's on SmolLM2 K/V, synthetic RoPE-like K/V and edge cases (NOTES.md).
+    top-r subspace's on SmolLM2 K/V, synthetic RoPE-like K/V and edge cases (docs/codec.md).
     """
     shape, d = cov.shape, cov.shape[-1]
     c = cov.reshape(-1, d, d).float()

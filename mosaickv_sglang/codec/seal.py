@@ -101,7 +101,7 @@ def solve_split(func, x: torch.Tensor, threads: int, *args, **kwargs):
     """func(x) for a batched solver returning a tuple (eigh, qr), the batch split over threads,
     each with one intra-op thread (thread-local): LAPACK (MKL) would otherwise start its own
     threads in every part, threads x threads in all (measured on 2 cores: 196 ms for 256 eigh
-    128x128 split over 2 threads, 84 ms with one intra-op thread each; NOTES.md)."""
+    128x128 split over 2 threads, 84 ms with one intra-op thread each; docs/codec.md)."""
     parts = x.tensor_split(max(1, min(threads, x.shape[0])))
 
     def solve(part):

@@ -5,13 +5,13 @@ each): copying a new hot page into a slot (`pump`), installing the result into t
 (`install`, in batches of pages, the unpickle of results read in place included) and, where
 results are not read in place, reading one out of its slot (`load`). Done together in one
 boundary they add ~2 ms to that step: at a 26 ms host-bound step the p99 step grew 1.07-1.14x
-with the daemon saturated (RESULTS.md, session 9). A boundary now runs operations only while
-they fit in `share` of the step period (the running mean of the time between boundaries),
-predicting each operation's cost from its running mean plus twice its running mean deviation (an
-operation that runs past the budget lands in the p99 step; the mean alone let every other one
-through when two fitted just), so the work of a page is spread over consecutive steps. The first
-operation of a boundary always runs: the daemon never starves, and when the loop spins idle
-(tiny periods) it does one operation per iteration.
+with the daemon saturated (H200, 2026-11-30, benchmarks/RESULTS_ARCHIVE.md). A boundary runs
+operations only while they fit in `share` of the step period (the running mean of the time
+between boundaries), predicting each operation's cost from its running mean plus twice its
+running mean deviation (an operation that runs past the budget lands in the p99 step; the mean
+alone let every other one through when two fitted just), so the work of a page is spread over
+consecutive steps. The first operation of a boundary always runs: the daemon never starves, and
+when the loop spins idle (tiny periods) it does one operation per iteration.
 
 Each boundary's own time is also recorded by part (`spent` for budgeted operations, `note` for
 the rest: health checks, the ranks' agreement, backpressure seals), and the `KEEP_SLOWEST`

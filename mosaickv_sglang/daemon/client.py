@@ -492,9 +492,9 @@ class SlotCopy:
     of microseconds), and the page and the bases go on to the pinned slot (~25 MB a Llama-8B
     page with its bases, ~0.5 ms of PCIe) on the same stream, which only the job's event
     (`done`) waits for. On the current stream those copies delayed the next step when a
-    boundary filled several slots (H200: step p99 1.09-1.14x of idle, session 12). Each CUDA
-    call costs the scheduler thread up to ~0.1 ms behind a busy stream (session 14), so a page
-    takes six or seven: the wait, the launch, the read event and the current stream's wait on
+    boundary filled several slots (H200, 2026-12-01: step p99 1.09-1.14x of idle). Each CUDA
+    call costs the scheduler thread up to ~0.1 ms behind a busy stream (H200 host probe), so a
+    page takes six or seven: the wait, the launch, the read event and the current stream's wait on
     it, one or two copies, the done event."""
 
     def __init__(self, k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],
@@ -510,7 +510,7 @@ class SlotCopy:
 
     def warm(self) -> None:
         """Compile the page gather before serving (one gather of hot page 0, dropped): at the
-        first pump it cost that boundary ~0.4 s (RESULTS.md session 16)."""
+        first pump it cost that boundary ~0.4 s (a GPU server, benchmarks/RESULTS_ARCHIVE.md)."""
         if self.gather is not None:
             self.gather(0)
 
