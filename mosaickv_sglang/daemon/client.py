@@ -170,7 +170,8 @@ class DaemonClient:
         self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.channel)
         # Results are unpickled on the scheduler thread at step boundaries; the objects that
         # makes let Python's full collections fire there, and a full collection walks the whole
-        # start-up heap (31 of the 49 ms slowest boundaries on the H200 host, RESULTS.md). What
+        # start-up heap (31 of the 49 ms slowest boundaries on the H200 host,
+        # benchmarks/RESULTS_ARCHIVE.md). What
         # exists now (SGLang, the model, the pool) lives as long as the server: freeze it (as
         # SGLang's freeze_gc does) so collections scan only what came after.
         gc.freeze()
