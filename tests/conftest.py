@@ -56,6 +56,28 @@ def repro(seed: int) -> str:
     return f"[seed={seed}; rerun with MOSAICKV_TEST_SEED={seed}]"
 
 
+def write_requests(pool, lengths, seed: int, device: str = "cpu", width: int = 1024):
+    """Requests of `lengths` tokens written into `pool` (random K with uneven channel scales,
+    random V, every layer) and sealed, in request rows 1.. (row 0 is SGLang's padding row),
+    `width` slots each -> req_to_token int32 [len(lengths) + 1, width] on the CPU."""
+    from types import SimpleNamespace
+    ps, h, d = pool.page_size, pool.head_num, pool.head_dim
+    gen = torch.Generator().manual_seed(seed)
+    req_to_token = torch.zeros(len(lengths) + 1, width, dtype=torch.int32)
+    page = 1
+    for rid, n in enumerate(lengths, start=1):
+        slots = torch.arange(page * ps, page * ps + width)
+        req_to_token[rid] = slots.to(torch.int32)
+        for layer_id in range(pool.layer_num):
+            k = torch.randn(n, h, d, generator=gen) * (1 + torch.arange(d) % 7)
+            pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots[:n].to(device),
+                               k.bfloat16().to(device),
+                               torch.randn(n, h, d, generator=gen).bfloat16().to(device))
+        pool.seal_request(slots[:n].to(device), n)
+        page += width // ps
+    return req_to_token
+
+
 def replay_view(static, bs: int, pad: int, live_loc: torch.Tensor):
     """What SGLang's decode graph runner hands `init_forward_metadata_out_graph` before a replay
     (decode_cuda_graph_runner.build_replay_fb_view): the padded static buffers, refreshed in

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import write_requests
 from mosaickv_sglang import wiring
 from mosaickv_sglang.config import MosaicConfig
 
@@ -65,18 +66,7 @@ def _backend(decode_kernel, seed, lengths):
                        select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64})
     pool = MosaicKVPool(40 * PS, PS, torch.bfloat16, H, D, LAYERS, "cpu", False,
                         mosaic_config=cfg)
-    gen = torch.Generator().manual_seed(seed)
-    req_to_token = torch.zeros(len(lengths) + 1, 1024, dtype=torch.int32)
-    page = 1
-    for rid, n in enumerate(lengths, start=1):
-        slots = torch.arange(page * PS, page * PS + 1024)
-        req_to_token[rid] = slots.to(torch.int32)
-        for layer_id in range(LAYERS):
-            k = torch.randn(n, H, D, generator=gen) * (1 + torch.arange(D) % 7)
-            pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots[:n], k.bfloat16(),
-                               torch.randn(n, H, D, generator=gen).bfloat16())
-        pool.seal_request(slots[:n], n)
-        page += 1024 // PS
+    req_to_token = write_requests(pool, lengths, seed)
     runner = SimpleNamespace(device="cpu", token_to_kv_pool=pool,
                              req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
     return MosaicAttnBackend(runner), pool

@@ -17,7 +17,7 @@ import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from conftest import replay_view, repro
+from conftest import replay_view, repro, write_requests
 from mosaickv_sglang.config import MosaicConfig
 
 PS, H, HQ, D, LAYERS = 128, 2, 4, 64, 2
@@ -39,19 +39,7 @@ def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024
                        select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64})
     pool = MosaicKVPool(40 * PS, PS, torch.bfloat16, H, D, LAYERS, device, False,
                         mosaic_config=cfg)
-    gen = torch.Generator().manual_seed(seed)
-    req_to_token = torch.zeros(len(lengths) + 1, 1024, dtype=torch.int32)
-    page = 1
-    for rid, n in enumerate(lengths, start=1):
-        slots = torch.arange(page * PS, page * PS + 1024)
-        req_to_token[rid] = slots.to(torch.int32)
-        for layer_id in range(LAYERS):
-            k = torch.randn(n, H, D, generator=gen) * (1 + torch.arange(D) % 7)
-            pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots[:n].to(device),
-                               k.bfloat16().to(device),
-                               torch.randn(n, H, D, generator=gen).bfloat16().to(device))
-        pool.seal_request(slots[:n].to(device), n)
-        page += 1024 // PS
+    req_to_token = write_requests(pool, lengths, seed, device)
     runner = SimpleNamespace(device=device, token_to_kv_pool=pool,
                              model_config=SimpleNamespace(context_len=context_len),
                              req_to_token_pool=SimpleNamespace(
