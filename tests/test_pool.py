@@ -112,7 +112,7 @@ def test_a_hot_buffer_smaller_than_one_prefill_chunk_is_refused_at_start_up():
 
 
 def test_running_requests_are_capped_to_what_the_hot_buffer_carries(caplog):
-    """The H200 crash of session 9 (32768-token chunk, 32768-token buffer, 3 requests: the third
+    """The H200 crash of 2026-11-30 (32768-token chunk, 32768-token buffer, 3 requests: the third
     prefill found the buffer full) is a start-up error now; a derived limit is lowered, logged."""
     from mosaickv_sglang.pool import cap_running_requests, hot_buffer_requests
     fit = hot_buffer_requests(32768, 128, 32768, 33792, 0.25)

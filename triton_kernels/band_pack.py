@@ -15,7 +15,7 @@ layout of an install batch on CUDA, with the chooser's own rotated K/V.
 
 Byte-exact with the codec on the CPU interpreter (IEEE division `div_rn`, round-half-even,
 outward fp16 rounding on the bits) and on the H200 (tests/test_band_pack_kernel.py, RESULTS.md
-session 3). Torch on CUDA divides by a Python scalar as a multiply by its reciprocal, so
+2026-11-29). Torch on CUDA divides by a Python scalar as a multiply by its reciprocal, so
 `quant.quantize_asym` divides by a device tensor: the codec's bits are the same on both devices.
 """
 from __future__ import annotations
