@@ -40,6 +40,22 @@ def test_bounds_match_reference_and_bound_scores(seed):
     assert_rel_close(got[fin], ref[fin], 1e-5, "page bounds", seed)
 
 
+def test_the_reference_bound_is_the_codecs(seed):
+    """page_bounds_reference (kernel side, no package import) == codec.pages.page_upper_bound."""
+    from mosaickv_sglang.codec.pages import PageMeta, page_upper_bound
+
+    torch.manual_seed(seed)
+    h, g, d = 2, 3, 64
+    meta = random_meta(3, h, d)
+    q = torch.randn(1, h, g, d)
+    ref = page_bounds_reference(q, meta, torch.tensor([0, 3], dtype=torch.int32),
+                                torch.arange(3, dtype=torch.int32), 12)
+    want = torch.cat([page_upper_bound(PageMeta(meta.channels[s].to(torch.uint8), meta.lo[s],
+                                                meta.hi[s], meta.rest_norm[s]), q[0]).amax(1)
+                      for s in range(3)], -1)
+    assert torch.equal(ref[0], want), repro(seed)
+
+
 def test_page_list_matches_select_pages(seed):
     torch.manual_seed(seed)
     bsz, h, g, p = 3, 2, 4, 40

@@ -6,7 +6,8 @@ behind a small pool (4096 tokens, 512-token prefill chunks): 12 concurrent greed
 tokens each) offer ~15K tokens to the 4096-token pool, so chunking, batching, queueing and
 retraction all depend on the neighbours. Then every prompt is sent again alone after
 `/flush_cache`. Each loaded output must equal its alone output, as with `--kv-backend default`
-(the control), under read_rule "position" with `daemon: off` and `daemon: process`.
+(the control), under read_rule "position" with `daemon: off` and `daemon: process` (or the
+config in MOSAICKV_TI_CONFIG, JSON, e.g. '{}' for the default).
 
 Opt-in (MOSAICKV_TRAFFIC_TEST=1, ~11 min on 2 cores): MosaicKV does not pass it yet. Measured
 2026-12-04 (docs/determinism.md): the default config 9 of 12 (48 new tokens); the position rule
@@ -89,7 +90,9 @@ def test_loaded_equals_alone(tmp_path, kv_backend, daemon):
     if kv_backend == "default":
         args += ["--page-size", "128"]
     else:
-        args += ["--mosaickv-config", json.dumps({**POSITION_RULE, "daemon": daemon})]
+        # MOSAICKV_TI_CONFIG (JSON) replaces the position rule, to measure another config
+        config = json.loads(os.environ.get("MOSAICKV_TI_CONFIG") or json.dumps(POSITION_RULE))
+        args += ["--mosaickv-config", json.dumps({**config, "daemon": daemon})]
     with running_server(model, tmp_path / "server.log", *args) as server:
         loaded, alone = loaded_vs_alone(server.url, prompts)
         if kv_backend == "mosaickv":

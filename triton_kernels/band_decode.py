@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaickv_sglang.codec.arena import HDR, HEADER_WIDTH, KIND_FIELDS, PLAN_FIELDS, PackedArena
+from .layout import HDR, HEADER_WIDTH, KIND_FIELDS, PLAN_FIELDS, PackedArena
 
 from .common import dot_exact, dot_fp16, interpreting
 from .basis_rotate import rotate_rows

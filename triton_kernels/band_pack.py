@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaickv_sglang.codec.arena import HDR, HEADER_WIDTH, PackedArena
+from .layout import HDR, HEADER_WIDTH, PackedArena
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaickv_sglang.codec.arena import HDR, HEADER_WIDTH, PLAN_FIELDS, PackedArena
+from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS, PackedArena
 
 PLAN_ROW = {name: i for i, name in enumerate(PLAN_FIELDS)}
 

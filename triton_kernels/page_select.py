@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaickv_sglang.codec.pages import PageMeta
 
 
 @dataclass
@@ -46,8 +45,9 @@ class PackedPageMeta:
                    (self.channels, self.lo, self.hi, self.rest_norm))
 
 
-def pack_page_meta(metas: list[PageMeta]) -> PackedPageMeta:
-    """One PageMeta per segment, in the arena's segment-id order (all of one shape)."""
+def pack_page_meta(metas: list) -> PackedPageMeta:
+    """One page metadata per segment (`codec.pages.PageMeta`: channels, lo, hi, rest_norm), in
+    the arena's segment-id order (all of one shape)."""
     if not metas:
         raise ValueError("pack_page_meta: need at least one segment's PageMeta")
     shapes = {tuple(m.lo.shape) for m in metas}
@@ -134,10 +134,22 @@ def page_bounds(q_rot: torch.Tensor, meta: PackedPageMeta, seg_indptr: torch.Ten
     return out
 
 
+def _upper_bound(channels, lo, hi, rest_norm, q: torch.Tensor) -> torch.Tensor:
+    """q [H, G, D] -> bound of q.k per page [H, G, P] from one segment's metadata (channels
+    [H, m], lo/hi [H, P, m], rest_norm [H, P]): the covered channels at their min/max, the rest
+    by Cauchy-Schwarz."""
+    q = q.float()
+    qc = torch.gather(q, 2, channels.long()[:, None, :].expand(-1, q.shape[1], -1))  # [H, G, m]
+    lo, hi = lo.float()[:, None], hi.float()[:, None]  # [H, 1, P, m]
+    head = torch.maximum(qc[:, :, None] * lo, qc[:, :, None] * hi).sum(-1)
+    q_rest = (q.pow(2).sum(-1) - qc.pow(2).sum(-1)).clamp_min(0).sqrt()  # [H, G]
+    return head + q_rest[..., None] * rest_norm.float()[:, None]
+
+
 def page_bounds_reference(q_rot: torch.Tensor, meta: PackedPageMeta, seg_indptr: torch.Tensor,
                           seg_ids: torch.Tensor, max_pages: int) -> torch.Tensor:
-    """Torch oracle of `page_bounds` through `codec.pages.page_upper_bound`, request by request."""
-    from mosaickv_sglang.codec.pages import page_upper_bound
+    """Torch oracle of `page_bounds`, request by request: per page the bound of
+    `codec.pages.page_upper_bound` (tests check the two agree), max over the group's heads."""
     bsz, h = q_rot.shape[:2]
     out = torch.full((bsz, h, max(max_pages, 1)), float("-inf"))
     indptr = seg_indptr.tolist()
@@ -147,9 +159,9 @@ def page_bounds_reference(q_rot: torch.Tensor, meta: PackedPageMeta, seg_indptr:
             continue
         bounds = []
         for sid in ids.tolist():
-            pm = PageMeta(meta.channels[sid].cpu().to(torch.uint8), meta.lo[sid].cpu(),
-                          meta.hi[sid].cpu(), meta.rest_norm[sid].cpu())
-            bounds.append(page_upper_bound(pm, q_rot[b].cpu()).amax(1))  # [H, PPS]
+            bounds.append(_upper_bound(meta.channels[sid].cpu(), meta.lo[sid].cpu(),
+                                       meta.hi[sid].cpu(), meta.rest_norm[sid].cpu(),
+                                       q_rot[b].cpu()).amax(1))  # [H, PPS]
         row = torch.cat(bounds, -1)
         out[b, :, :row.shape[1]] = row[:, :max_pages]
     return out
