@@ -54,3 +54,14 @@ def test_unknown_system_is_named():
     with pytest.raises(ValueError, match=r"unknown system\(s\) \['fp4'\]"):
         systems.get(["dense", "fp4"])
     assert json.loads(SYSTEMS["global_mask"].server_args()[3])["k_error_budget"] >= 1e9
+
+
+def test_read_rule_ablations_set_every_key_they_describe():
+    """The read-rule ablations name a rule, a basis fit and a window: each sets all three, so a
+    change of the defaults cannot silently turn one into the default config."""
+    from mosaickv_sglang.eval.systems import SYSTEMS
+
+    ablations = [s for s in SYSTEMS.values() if s.name.startswith("mosaickv_chunk")]
+    assert len(ablations) == 3
+    for system in ablations:
+        assert {"read_rule", "basis_fit", "hot_tokens"} <= set(system.config), system.name
