@@ -78,6 +78,16 @@ def write_requests(pool, lengths, seed: int, device: str = "cpu", width: int = 1
     return req_to_token
 
 
+def refresh_static(static, live, fill: int) -> None:
+    """What the decode graph runner's `fill_from` does before a replay: the live batch's
+    requests, lengths and slots into the head of the capture-time buffers, padding after."""
+    n = live.req_pool_indices.numel()
+    static.req_pool_indices[:n], static.req_pool_indices[n:] = live.req_pool_indices, 0
+    static.seq_lens[:n], static.seq_lens[n:] = live.seq_lens, fill
+    static.seq_lens_cpu[:n], static.seq_lens_cpu[n:] = live.seq_lens_cpu, fill
+    static.out_cache_loc[:n], static.out_cache_loc[n:] = live.out_cache_loc, 0
+
+
 def replay_view(static, bs: int, pad: int, live_loc: torch.Tensor):
     """What SGLang's decode graph runner hands `init_forward_metadata_out_graph` before a replay
     (decode_cuda_graph_runner.build_replay_fb_view): the padded static buffers, refreshed in

@@ -83,7 +83,7 @@ def test_decode_driven_like_the_breakable_graph_runner_matches_eager(decode_kern
     static buffers refreshed in place, the real size from init_forward_metadata_out_graph, the
     attention called with the padded batch). Same outputs on the real rows (pages seal on the
     way), zero on the padded row, same pool state; the dummy forwards touch nothing."""
-    from conftest import replay_view, repro
+    from conftest import refresh_static, replay_view, repro
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     lengths, bs = (250, 700, 127), 4  # captured size 4: one padded row
@@ -120,10 +120,7 @@ def test_decode_driven_like_the_breakable_graph_runner_matches_eager(decode_kern
                                out_cache_loc=locs, forward_mode=ForwardMode.DECODE)
         eager.init_forward_metadata(live)
         n, pad = len(seq), bs - len(seq)
-        static.req_pool_indices[:n], static.req_pool_indices[n:] = real, 0
-        static.seq_lens[:n], static.seq_lens[n:] = live.seq_lens, fill
-        static.seq_lens_cpu[:n], static.seq_lens_cpu[n:] = live.seq_lens, fill
-        static.out_cache_loc[:n], static.out_cache_loc[n:] = locs, 0
+        refresh_static(static, live, fill)
         graph.init_forward_metadata_out_graph(replay_view(static, bs, pad, locs))
         for layer in layers:
             q = torch.randn(n, HQ * D, generator=gen).bfloat16()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from conftest import replay_view, repro, write_requests
+from conftest import refresh_static, replay_view, repro, write_requests
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -111,10 +111,7 @@ def test_breakable_graph_replay_matches_eager(seed):
             q_in[j, :n], k_in[j, :n], v_in[j, :n] = q, k, v
             for buf in (q_in, k_in, v_in):  # padded rows: anything
                 buf[j, n:] = torch.randn(pad, *buf.shape[2:], generator=gen).bfloat16().to(dev)
-        static.req_pool_indices[:n], static.req_pool_indices[n:] = real, 0
-        static.seq_lens[:n], static.seq_lens[n:] = live.seq_lens, fill
-        static.seq_lens_cpu[:n], static.seq_lens_cpu[n:] = live.seq_lens_cpu, fill
-        static.out_cache_loc[:n], static.out_cache_loc[n:] = locs, 0
+        refresh_static(static, live, fill)
         graph.init_forward_metadata_out_graph(replay_view(static, bs, pad, locs))
         with enable_breakable_cuda_graph():
             bcg.replay()

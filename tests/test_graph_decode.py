@@ -17,7 +17,7 @@ import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from conftest import replay_view, repro, write_requests
+from conftest import refresh_static, replay_view, repro, write_requests
 from mosaickv_sglang.config import MosaicConfig
 
 PS, H, HQ, D, LAYERS = 128, 2, 4, 64, 2
@@ -118,10 +118,7 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
             q_in[j, :n], k_in[j, :n], v_in[j, :n] = q, k, v
             for buf in (q_in, k_in, v_in):  # padded rows: anything
                 buf[j, n:] = torch.randn(pad, *buf.shape[2:], generator=gen).to(buf)
-        static.req_pool_indices[:n], static.req_pool_indices[n:] = real, 0
-        static.seq_lens[:n], static.seq_lens[n:] = live.seq_lens, fill
-        static.seq_lens_cpu[:n], static.seq_lens_cpu[n:] = live.seq_lens_cpu, fill
-        static.out_cache_loc[:n], static.out_cache_loc[n:] = locs, 0
+        refresh_static(static, live, fill)
         assert graph.graph_refusal(live) is None
         graph.init_forward_metadata_out_graph(replay_view(static, bs, pad, locs))
         got = replay()
