@@ -24,7 +24,7 @@ from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import 
 
 from .codec.attention import decode_attention
 from .graph_decode import GraphDecode, band_pairs
-from .packed_decode import PackedDecode
+from .packed_decode import PackedDecode, host_batch
 from .pool import MosaicKVPool
 
 logger = logging.getLogger(__name__)
@@ -189,12 +189,8 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         timer = self.packed.timer if self.packed is not None else None
         if timer is not None:
             timer.step()
-        lens = getattr(forward_batch, "seq_lens_cpu", None)
-        lens = (forward_batch.seq_lens.cpu() if lens is None else lens)[:rows].tolist()
-        # One device->host copy: the logical page of every page of every request, for the
-        # sealing and the plan.
-        page_ids = req_to_token[forward_batch.req_pool_indices[:rows],
-                                :max(lens, default=0):pool.page_size].cpu() // pool.page_size
+        # read once for the sealing and the plan: lengths, and every request's logical pages
+        host = lens, page_ids = host_batch(forward_batch, req_to_token, rows, pool.page_size)
         before = pool.counters.sealed_pages
         for i, seq_len in enumerate(lens):
             pool.seal_request_pages(page_ids[i], seq_len - 1)
@@ -206,11 +202,11 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         if timer is not None:
             timer.lap("writes")
         if self.graph is not None and self.graph_rows is not None:
-            self.graph.prepare(forward_batch, req_to_token, rows, page_ids)  # replay tables
+            self.graph.prepare(forward_batch, req_to_token, rows, host)  # the replay's tables
             if timer is not None:
                 timer.lap("host_plan")
         elif self.packed is not None:
-            self.packed.begin(forward_batch, req_to_token, rows, page_ids)  # laps host_plan
+            self.packed.begin(forward_batch, req_to_token, rows, host)  # laps host_plan
         self._prepared = forward_batch
 
     # ---- decode under a breakable CUDA graph ---------------------------------------------
@@ -244,10 +240,7 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         decode batch must run eagerly (counted, logged the first time), or None."""
         if self.graph is None:
             return None
-        lens = getattr(forward_batch, "seq_lens_cpu", None)
-        lens = (forward_batch.seq_lens.cpu() if lens is None else lens).tolist()
-        why = self.graph.graph_refusal(self.req_to_token_pool.req_to_token,
-                                       forward_batch.req_pool_indices, lens)
+        why = self.graph.graph_refusal(forward_batch, self.req_to_token_pool.req_to_token)
         if why is not None:
             if not self.graph.eager_steps:
                 logger.warning("MosaicKV: a decode step runs eagerly instead of replaying the "

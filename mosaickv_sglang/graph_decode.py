@@ -34,7 +34,7 @@ from mosaickv_kernels.page_select import RowSelection
 from mosaickv_kernels.row_merge import merge_rows
 
 from .codec.arena import PackedArena
-from .packed_decode import hot_slots, readable, request_reads
+from .packed_decode import host_batch, host_seq_lens, hot_slots, readable, request_reads
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class GraphDecode:
         graph holds."""
         if bs in self.buckets:
             return self.buckets[bs]
-        pool, dev, w = self.pool, self.pool.device, self.width
+        dev, w = self.pool.device, self.width
         r = bs * w
         i64 = dict(dtype=torch.long, device=dev)
         row_req = torch.arange(bs, **i64).repeat_interleave(w)
@@ -122,36 +122,29 @@ class GraphDecode:
                         static_pages=self.row_pages)
 
     # ---- before each replay (host) ---------------------------------------------------------
-    def graph_refusal(self, req_to_token, req_pool_indices, seq_lens: list[int]) -> str | None:
+    def graph_refusal(self, forward_batch, req_to_token) -> str | None:
         """Why this batch cannot replay the graph (then it runs eagerly), or None."""
-        pool = self.pool
+        pool, bs = self.pool, forward_batch.req_pool_indices.numel()
+        seq_lens = host_seq_lens(forward_batch, bs)
         if max(seq_lens, default=0) > self.width * self.cfg.basis_block_tokens:
             return "a request longer than the captured context"
-        if pool.store.unreadable:
+        if pool.store.unreadable:  # only then the batch's pages are read
             ps = pool.page_size
-            slots = req_to_token[req_pool_indices, :max(seq_lens):ps].cpu()
-            for i, n in enumerate(seq_lens):
-                pages = (slots[i, :-(-n // ps)] // ps).tolist()
-                if any(p in pool.store.unreadable for p in pages):
-                    return "a page the kernel cannot read"
+            seq_lens, page_ids = host_batch(forward_batch, req_to_token, bs, ps)
+            if not all(readable(pool, page_ids[i, :-(-n // ps)]) for i, n in enumerate(seq_lens)):
+                return "a page the kernel cannot read"
         return None
 
-    def prepare(self, forward_batch, req_to_token, rows: int,
-                page_ids: torch.Tensor | None = None) -> None:
+    def prepare(self, forward_batch, req_to_token, rows: int, host: tuple | None = None) -> None:
         """Write this step's tables for the replay of `forward_batch.batch_size` with its first
-        `rows` requests real (the pool sealed and mapped the writes already); `page_ids`: their
-        logical pages on the host when the caller read them already."""
+        `rows` requests real (the pool sealed and mapped the writes already); `host`: their
+        `host_batch` when the caller read it already."""
         pool, ps, w = self.pool, self.pool.page_size, self.width
         bk = self.buckets.get(forward_batch.batch_size)
         if bk is None:
             raise RuntimeError(f"MosaicKV: no decode graph tables for batch size "
                                f"{forward_batch.batch_size}")
-        lens = getattr(forward_batch, "seq_lens_cpu", None)
-        seq_lens = (forward_batch.seq_lens.cpu() if lens is None else lens).tolist()[:rows]
-        if rows and page_ids is None:  # one device->host copy: the first slot of every page
-            page_ids = req_to_token[forward_batch.req_pool_indices[:rows],
-                                    :max(seq_lens):ps].cpu() // ps
-        all_ids = page_ids
+        seq_lens, all_ids = host or host_batch(forward_batch, req_to_token, rows, ps)
         r, block = bk.rows, self.block_pages
         counts = np.zeros(r, dtype=np.int32)
         id_chunks = []

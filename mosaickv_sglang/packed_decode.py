@@ -54,6 +54,22 @@ class StepPlan:
     basis_keep: list  # the tensors those addresses point into, alive for the step
 
 
+def host_seq_lens(forward_batch, rows: int) -> list[int]:
+    """The first `rows` requests' lengths, from the CPU copy SGLang keeps (else one copy)."""
+    lens = getattr(forward_batch, "seq_lens_cpu", None)
+    return (forward_batch.seq_lens.cpu() if lens is None else lens)[:rows].tolist()
+
+
+def host_batch(forward_batch, req_to_token, rows: int, page_size: int):
+    """(seq_lens, page_ids) of the batch's first `rows` requests on the host: their lengths and,
+    in one device->host copy, the logical page of every page ([rows, pages], position order):
+    what a decode step's sealing and plan read."""
+    seq_lens = host_seq_lens(forward_batch, rows)
+    page_ids = req_to_token[forward_batch.req_pool_indices[:rows],
+                            :max(seq_lens, default=0):page_size].cpu() // page_size
+    return seq_lens, page_ids
+
+
 def _sealed_runs(pool, pages: np.ndarray, seq_len: int):
     """(n, runs, run_bases): the first n of a request's `pages` (numpy, position order) that its
     token at seq_len - 1 reads compressed (`pool.read_split_np`), split into runs of pages
@@ -127,19 +143,13 @@ class PackedDecode:
 
     # ---- per step ----------------------------------------------------------------------
     def begin(self, forward_batch, req_to_token, rows: int | None = None,
-              page_ids: torch.Tensor | None = None) -> None:
+              host: tuple | None = None) -> None:
         """Plan the step for the batch's first `rows` requests (all by default; under a decode
-        graph the rest are padding). `page_ids`: their logical pages on the host when the
-        caller read them already ([rows, >= pages], position order). The caller starts the
-        profiled step."""
+        graph the rest are padding). `host`: their `host_batch` when the caller read it
+        already. The caller starts the profiled step."""
         pool, ps = self.pool, self.pool.page_size
         bsz = forward_batch.batch_size if rows is None else rows
-        lens = getattr(forward_batch, "seq_lens_cpu", None)
-        seq_lens = (forward_batch.seq_lens.cpu() if lens is None else lens).tolist()[:bsz]
-        if page_ids is None:  # one device->host copy: the first slot of every page
-            page_ids = req_to_token[forward_batch.req_pool_indices[:bsz],
-                                    :max(seq_lens):ps].cpu() // ps
-        all_ids = page_ids
+        seq_lens, all_ids = host or host_batch(forward_batch, req_to_token, bsz, ps)
         kernel_reqs, reference_slots = [], {}
         row_req, row_pages, row_bases, hot_rows, needs_select = [], [], [], [], False
         sealed_ids = []  # each kernel request's sealed pages (tensor): the rows' pages in order
@@ -239,9 +249,8 @@ class PackedDecode:
 
     def _arena(self, local: int) -> PackedArena:
         st, pool = self.step, self.pool
-        # The kernel reads q @ k_basis and o_rot @ v_basis^T, i.e. q R^T and o_rot R with R the
-        # stored read transform: each row's block R, stacked in row order, transposed.
-        # Each row's block bases are read in place by address (one table per step).
+        # The kernels read q R^T and o_rot R, R the stored read transform of each row's block,
+        # in place by address (one table per step).
         h = pool.head_num
         basis = BasisTable(st.basis_ptrs, local * h, (pool.layer_num + local) * h,
                            st.basis_keep)

@@ -332,11 +332,11 @@ class MosaicKVPool(MHATokenToKVPool):
         hot_v = self.v_buffer[local][phys].transpose(0, 1)
         return pages[:n_sealed], hot_k, hot_v, n_sealed * ps
 
-    def _sealed_prefix(self, pages: list[int]) -> int:
-        n = 0
-        while n < len(pages) and pages[n] in self.sealed:
-            n += 1
-        return n
+    def _sealed_prefix(self, pages) -> int:
+        """How many leading `pages` (a list or numpy array of page ids) are sealed: one look at
+        the page table."""
+        sealed = self.page_sealed[np.asarray(pages, dtype=np.int64)]
+        return len(sealed) if sealed.all() else int(sealed.argmin())
 
     def seal_prefix_now(self, pages: list[int]) -> int:
         """Seal on this thread every unsealed page before the last sealed one of `pages` (one
@@ -690,8 +690,7 @@ class MosaicKVPool(MHATokenToKVPool):
         prefix) vectorized; the position rule through `read_split`."""
         if self.position_rule:
             return self.read_split(pages.tolist(), position)
-        sealed = self.page_sealed[pages]
-        return len(pages) if sealed.all() else int(sealed.argmin())
+        return self._sealed_prefix(pages)
 
     def read_split(self, pages: list[int], position: int) -> int:
         """How many leading `pages` (one request's, position order) a token at `position` reads
