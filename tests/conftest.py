@@ -78,6 +78,24 @@ def write_requests(pool, lengths, seed: int, device: str = "cpu", width: int = 1
     return req_to_token
 
 
+def decode_steps(req_to_token, lengths, device: str = "cpu", steps: int = 5):
+    """(step, live decode batch) for `steps` steps of the requests in rows 1.. of
+    `req_to_token` (`write_requests`; `lengths` their prompts), one more token each, as SGLang
+    hands a decode batch to the backend."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    real = torch.arange(1, len(lengths) + 1, device=device)
+    seq = list(lengths)
+    for step in range(steps):
+        seq = [n + 1 for n in seq]
+        locs = torch.stack([req_to_token[r, n - 1] for r, n in zip(real.tolist(), seq)]).long()
+        yield step, SimpleNamespace(batch_size=len(seq), req_pool_indices=real,
+                                    seq_lens=torch.tensor(seq, device=device),
+                                    seq_lens_cpu=torch.tensor(seq), out_cache_loc=locs,
+                                    forward_mode=ForwardMode.DECODE)
+
+
 def refresh_static(static, live, fill: int) -> None:
     """What the decode graph runner's `fill_from` does before a replay: the live batch's
     requests, lengths and slots into the head of the capture-time buffers, padding after."""

@@ -83,8 +83,7 @@ def test_decode_driven_like_the_breakable_graph_runner_matches_eager(decode_kern
     static buffers refreshed in place, the real size from init_forward_metadata_out_graph, the
     attention called with the padded batch). Same outputs on the real rows (pages seal on the
     way), zero on the padded row, same pool state; the dummy forwards touch nothing."""
-    from conftest import refresh_static, replay_view, repro
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from conftest import decode_steps, refresh_static, replay_view, repro
 
     lengths, bs = (250, 700, 127), 4  # captured size 4: one padded row
     eager, pool_e = _backend(decode_kernel, seed, lengths)
@@ -109,17 +108,11 @@ def test_decode_driven_like_the_breakable_graph_runner_matches_eager(decode_kern
     after = _state(pool_g)
     assert before[0] == after[0] and torch.equal(before[1], after[1]) and before[2] == after[2]
 
-    seq = list(lengths)
-    real = torch.arange(1, len(lengths) + 1)
-    for step in range(5):  # 250 -> 255: the second page of request 1 fills and seals
-        seq = [n + 1 for n in seq]
-        rtt = eager.req_to_token_pool.req_to_token
-        locs = torch.stack([rtt[r, n - 1] for r, n in zip(real, seq)]).long()
-        live = SimpleNamespace(batch_size=len(seq), req_pool_indices=real,
-                               seq_lens=torch.tensor(seq), seq_lens_cpu=torch.tensor(seq),
-                               out_cache_loc=locs, forward_mode=ForwardMode.DECODE)
+    # 250 -> 255: the second page of request 1 fills and seals
+    for step, live in decode_steps(eager.req_to_token_pool.req_to_token, lengths):
+        locs = live.out_cache_loc
         eager.init_forward_metadata(live)
-        n, pad = len(seq), bs - len(seq)
+        n, pad = live.batch_size, bs - live.batch_size
         refresh_static(static, live, fill)
         graph.init_forward_metadata_out_graph(replay_view(static, bs, pad, locs))
         for layer in layers:

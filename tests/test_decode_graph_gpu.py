@@ -12,9 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from conftest import refresh_static, replay_view, repro, write_requests
+from conftest import decode_steps, refresh_static, replay_view, repro, write_requests
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -90,18 +89,12 @@ def test_breakable_graph_replay_matches_eager(seed):
     after = _state(pool_g)
     assert before[0] == after[0] and torch.equal(before[1], after[1]) and before[2] == after[2]
 
-    seq = list(lengths)
-    real = torch.arange(1, len(lengths) + 1, device=dev)
     gen = torch.Generator().manual_seed(seed + 1)
-    rtt = eager.req_to_token_pool.req_to_token
-    for i in range(5):  # 250 -> 255: the second page of request 1 fills and seals
-        seq = [n + 1 for n in seq]
-        locs = torch.stack([rtt[r, n - 1] for r, n in zip(real.tolist(), seq)]).long()
-        live = SimpleNamespace(batch_size=len(seq), req_pool_indices=real,
-                               seq_lens=torch.tensor(seq, device=dev),
-                               seq_lens_cpu=torch.tensor(seq), out_cache_loc=locs, forward_mode=ForwardMode.DECODE)
+    # 250 -> 255: the second page of request 1 fills and seals
+    for i, live in decode_steps(eager.req_to_token_pool.req_to_token, lengths, dev):
+        locs = live.out_cache_loc
         eager.init_forward_metadata(live)
-        n, pad = len(seq), bs - len(seq)
+        n, pad = live.batch_size, bs - live.batch_size
         want = []
         for layer in layers:
             q, k, v = (torch.randn(n, *shape, generator=gen).bfloat16().to(dev)

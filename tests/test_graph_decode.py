@@ -17,7 +17,7 @@ import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from conftest import refresh_static, replay_view, repro, write_requests
+from conftest import decode_steps, refresh_static, replay_view, repro, write_requests
 from mosaickv_sglang.config import MosaicConfig
 
 PS, H, HQ, D, LAYERS = 128, 2, 4, 64, 2
@@ -96,18 +96,11 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
     after = _state(pool_g)
     assert before[0] == after[0] and torch.equal(before[1], after[1]) and before[2] == after[2]
 
-    seq = list(lengths)
-    real = torch.arange(1, len(lengths) + 1, device=device)
     gen = torch.Generator().manual_seed(seed + 1)
-    rtt = eager.req_to_token_pool.req_to_token
-    for i in range(5):  # 250 -> 255: the second page of request 1 fills and seals
-        seq = [n + 1 for n in seq]
-        n, pad = len(seq), bs - len(seq)
-        locs = torch.stack([rtt[r, m - 1] for r, m in zip(real.tolist(), seq)]).long()
-        live = SimpleNamespace(batch_size=n, req_pool_indices=real,
-                               seq_lens=torch.tensor(seq, device=device),
-                               seq_lens_cpu=torch.tensor(seq), out_cache_loc=locs,
-                               forward_mode=ForwardMode.DECODE)
+    # 250 -> 255: the second page of request 1 fills and seals
+    for i, live in decode_steps(eager.req_to_token_pool.req_to_token, lengths, device):
+        n, pad = live.batch_size, bs - live.batch_size
+        locs = live.out_cache_loc
         eager.init_forward_metadata(live)
         want = []
         for layer in layers:
