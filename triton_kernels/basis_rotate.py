@@ -31,6 +31,8 @@ def basis_pointers(wholes: list[torch.Tensor | None], device) -> tuple[torch.Ten
     """(int64 [R] device addresses, the tensors kept) of each row's bases tensor (None: the
     identity). Checks what the kernel assumes: bf16, contiguous, on `device`."""
     dev, bf16 = torch.device(device), torch.bfloat16
+    if dev.type == "cuda" and dev.index is None:  # "cuda" names the current device: cuda:N
+        dev = torch.device("cuda", torch.cuda.current_device())
     keep = [w for w in wholes if w is not None]
     for w in {id(w): w for w in keep}.values():  # each block once (rows share blocks)
         if w.dtype != bf16 or w.dim() != 4 or w.device != dev or not w.is_contiguous():
