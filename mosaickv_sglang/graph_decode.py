@@ -117,9 +117,15 @@ class GraphDecode:
         SGLang runs as a warm-up before the capture."""
         if bk.wrapper._planned:
             return
+        # Splits from the pages a row reads on average under selection (a request's budget over
+        # its W rows), not from what a row could hold: sized by the row's capacity, a 32K step
+        # at batch 1 had 15 splits x 16 classes = 240 parts per (row, head) to merge, 86 us of a
+        # 300 us layer on an H200 (results/h200_2026-12-04_full_graph). A row holding more of
+        # the selection walks more pages per split (same result).
+        per_row = -(-self.budget_pages // self.width) if bk.selection is not None else None
         bk.wrapper.plan(self._arena(bk, 0), num_qo_heads, sm_scale=sm_scale,
                         width_classes=self.pool.store.width_classes,
-                        static_pages=self.row_pages)
+                        static_pages=self.row_pages, max_selected_pages=per_row)
 
     # ---- before each replay (host) ---------------------------------------------------------
     def graph_refusal(self, forward_batch, req_to_token) -> str | None:

@@ -55,6 +55,7 @@ GPU_TEST_FILES = {
     "tests/test_basis_rotate_kernel.py": 1,  # rows through their bases read by address
     "tests/test_dense_decode_kernel.py": 1,  # the hot partial, gathered and in place
     "tests/test_graph_decode.py": 3,  # the full decode CUDA graph, captured for real
+    "tests/test_class_partition_kernel.py": 1,  # a selection grouped by width class
 }
 # Files of GPU_TEST_FILES that import SGLang (the server bundle): without it they are reported
 # as not run, the others still run.

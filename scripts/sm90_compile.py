@@ -244,16 +244,18 @@ class Scenario:
 
 STAGES = ("band_decode._band_decode_stage1", "band_decode._band_decode_stage2",
           "dense_decode._dense_decode_partial")
+# with a page list and several width classes, the list is grouped by class first
+SELECT_STAGES = STAGES + ("class_partition._class_partition",)
 SCENARIOS = [
     Scenario("decode d128", STAGES, lambda: band_decode(128, False)),
-    Scenario("decode d128 select", STAGES, lambda: band_decode(128, True)),
+    Scenario("decode d128 select", SELECT_STAGES, lambda: band_decode(128, True)),
     # head_dim 64 (the CPU demo's model): the diagonal pairs only, to keep CI short
     # exact=False (fp16 products, dot_fp16): plan()'s option the benchmarks compare; not the
     # server's default, so the diagonal pairs only
     Scenario("decode d128 fp16", STAGES,
              lambda: band_decode(128, False, "diagonal", exact=False)),
     Scenario("decode d64", STAGES, lambda: band_decode(64, False, "diagonal")),
-    Scenario("decode d64 select", STAGES, lambda: band_decode(64, True, "diagonal")),
+    Scenario("decode d64 select", SELECT_STAGES, lambda: band_decode(64, True, "diagonal")),
     *(Scenario(f"reads in place d{d}", ("basis_rotate._rotate_rows",
                                         "dense_decode._dense_decode_partial"),
                lambda d=d: server_decode_reads(d)) for d in (128, 64)),

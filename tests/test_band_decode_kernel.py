@@ -199,8 +199,11 @@ def test_pack_rejects_what_the_kernel_cannot_read(seed):
 # ---- kernel vs reference ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("selection,exact", [("none", True), ("mask", True), ("list", True),
-                                             ("none", False), ("list", False)])
+                                             ("none", False), ("list", False),
+                                             ("list-unpartitioned", True)])
 def test_kernel_matches_reference(selection, exact, seed, monkeypatch):
+    """With a page list (or mask) and several width classes, stage 1 reads the list grouped by
+    class (`class_partition`); "list-unpartitioned": each class's launch walks the whole list."""
     h, g, d = 2, 2, 64
     layers = [make_layer(h, d, 3, 40), make_layer(h, d, 4, 70, first=1)]
     arena = pack_layer(layers).to(DEVICE)
@@ -210,10 +213,12 @@ def test_kernel_matches_reference(selection, exact, seed, monkeypatch):
 
     wrapper = BandDecodeWrapper()
     wrapper.plan(arena, h * g, num_kv_splits=2, exact=exact)
+    assert wrapper.partition and len(wrapper.widths) > 1, repro(seed)
+    wrapper.partition = selection != "list-unpartitioned"
     kwargs = {}
     if selection == "mask":
         kwargs["page_keep"] = keep.to(DEVICE)
-    elif selection == "list":
+    elif selection.startswith("list"):
         ids, counts = keep_to_page_list(keep)
         kwargs.update(page_ids=ids[:, :, :int(counts.max())].contiguous().to(DEVICE),
                       page_counts=counts.to(DEVICE))

@@ -33,6 +33,7 @@ from .layout import HDR, HEADER_WIDTH, KIND_FIELDS, PLAN_FIELDS, PackedArena
 
 from .common import dot_exact, dot_fp16, interpreting
 from .basis_rotate import rotate_rows
+from .class_partition import class_partition
 from .dense_decode import dense_decode_partial
 from .page_select import PackedPageMeta, RowSelection, page_bounds, select_page_list
 
@@ -150,14 +151,15 @@ def _store_band(PART_ACC, rows, mask_g, acc, START: tl.constexpr, NB: tl.constex
              mask=mask_g[:, None] & (offs_w[None, :] < NB))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cls"])  # the class index: one variant whatever its value
 def _band_decode_stage1(
     Q,  # fp32 [B, H, G, D]: rotated into the request's K basis, pre-scaled by sm_scale
     ARENA_U8, ARENA_F16,  # the same bytes, as uint8 and as fp16
     HEADERS, SEG_INDPTR, SEG_IDS,  # int32 [S, HDR_W], [B+1], [S]
     PAGE_IDS, PAGE_COUNTS,  # int32 [B, H, max_sel], [B, H] (read only with HAS_SELECT)
+    CLASS_OFFS,  # int32 [B, H, C+1] (PARTITIONED: PAGE_IDS grouped by class, `class_partition`)
     PART_M, PART_L, PART_ACC,  # fp32 [B, H, NP, G], [B, H, NP, G], [B, H, NP, G, D]
-    H, num_splits, num_parts, part0, units_per_seg, max_sel,
+    H, num_splits, num_parts, part0, units_per_seg, max_sel, cls, num_cls,
     G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HDR_W: tl.constexpr,
     BASE_COL: tl.constexpr, STRIDE_COL: tl.constexpr,  # header columns; KC, VC: first
     KC: tl.constexpr, VC: tl.constexpr,  # column of K's / V's fields (arena.KIND_FIELDS order)
@@ -167,7 +169,7 @@ def _band_decode_stage1(
     WV8: tl.constexpr, WV4: tl.constexpr, WV2: tl.constexpr,  # (host-computed: Triton 3.6 jit
     # cannot call triton.next_power_of_2)
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SELECT: tl.constexpr,
-    EXACT: tl.constexpr, EMULATE: tl.constexpr,
+    PARTITIONED: tl.constexpr, EXACT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """One program per (request, KV head, split): the split's units (BLOCK_N-token blocks, or
     selected 32-token pages) of the segments whose band widths are this launch's (K8..V2, all
@@ -192,7 +194,12 @@ def _band_decode_stage1(
         q8, q4, q2 = q8.to(tl.float16), q4.to(tl.float16), q2.to(tl.float16)
 
     seg0 = tl.load(SEG_INDPTR + b)
-    if HAS_SELECT:
+    row_sel = bh * max_sel
+    if PARTITIONED:  # this launch's class: entries [offs[cls], offs[cls + 1]) of the list
+        first = tl.load(CLASS_OFFS + bh * (num_cls + 1) + cls)
+        count = tl.load(CLASS_OFFS + bh * (num_cls + 1) + cls + 1) - first
+        row_sel += first
+    elif HAS_SELECT:
         count = tl.load(PAGE_COUNTS + bh)
     else:
         count = (tl.load(SEG_INDPTR + b + 1) - seg0) * units_per_seg
@@ -208,15 +215,18 @@ def _band_decode_stage1(
     # The next unit's header is located one iteration ahead (two dependent loads off the
     # critical path). Where V's tiles are loaded (before the scores or after p) is set by
     # register use (ptxas, sm_90): early for 32-token pages, late for larger blocks.
-    hdr_n, tok0_n = _unit(PAGE_IDS, SEG_IDS, HEADERS, bh * max_sel, seg0, start, start < end,
+    hdr_n, tok0_n = _unit(PAGE_IDS, SEG_IDS, HEADERS, row_sel, seg0, start, start < end,
                           units_per_seg, BLOCK_N, HDR_W, HAS_SELECT)
     for i in range(start, end):
         hdr, tok0 = hdr_n, tok0_n
-        hdr_n, tok0_n = _unit(PAGE_IDS, SEG_IDS, HEADERS, bh * max_sel, seg0, i + 1, i + 1 < end,
+        hdr_n, tok0_n = _unit(PAGE_IDS, SEG_IDS, HEADERS, row_sel, seg0, i + 1, i + 1 < end,
                               units_per_seg, BLOCK_N, HDR_W, HAS_SELECT)
-        mine = (tl.load(hdr + KC) == K8) & (tl.load(hdr + KC + 1) == K4) & \
-            (tl.load(hdr + KC + 2) == K2) & (tl.load(hdr + VC) == V8) & \
-            (tl.load(hdr + VC + 1) == V4) & (tl.load(hdr + VC + 2) == V2)
+        if PARTITIONED:  # every unit of the list is this launch's class
+            mine = True
+        else:
+            mine = (tl.load(hdr + KC) == K8) & (tl.load(hdr + KC + 1) == K4) & \
+                (tl.load(hdr + KC + 2) == K2) & (tl.load(hdr + VC) == V8) & \
+                (tl.load(hdr + VC + 1) == V4) & (tl.load(hdr + VC + 2) == V2)
         if mine:
             base = tl.multiple_of(tl.load(hdr + BASE_COL).to(tl.int64) * 16 +
                                   h * tl.load(hdr + STRIDE_COL), 16)
@@ -424,6 +434,10 @@ class BandDecodeWrapper:
         # From the caller when it keeps them on the host (the serving store does), else read
         # from the device plans (one host sync).
         self.widths = width_classes or band_width_classes(arena.plans)
+        # with selection and several classes, the list is grouped by class first (one launch,
+        # `class_partition`) so that each class's launch walks its own pages only
+        self.partition = len(self.widths) > 1
+        self.class_table = torch.tensor(self.widths, dtype=torch.int32, device=dev).view(-1, 6)
         parts = splits * len(self.widths)
         self.part_m = torch.empty(bsz, h, parts, g, **f32)
         self.part_l = torch.empty(bsz, h, parts, g, **f32)
@@ -511,14 +525,20 @@ class BandDecodeWrapper:
         emulate = interpreting()
         dummy = arena.seg_ids
         parts = self.num_splits * len(self.widths)
+        partitioned = sel is not None and self.partition
+        offs = dummy
+        if partitioned:
+            ids, offs = class_partition(sel[0], sel[1], arena.seg_indptr, arena.seg_ids,
+                                        arena.headers, self.class_table, self.pages_per_seg)
+            sel = (ids, sel[1])
         for i, (k8, k4, k2, v8, v4, v2) in enumerate(self.widths):
             _band_decode_stage1[(bsz, h, self.num_splits)](
                 q_rot, arena.data, arena.data.view(torch.float16), arena.headers,
                 arena.seg_indptr, arena.seg_ids, dummy if sel is None else sel[0],
-                dummy if sel is None else sel[1], self.part_m, self.part_l, self.part_acc,
+                dummy if sel is None else sel[1], offs, self.part_m, self.part_l, self.part_acc,
                 h, self.num_splits, parts, i * self.num_splits,
                 self.pages_per_seg if sel is not None else arena.segment_tokens // self.block_n,
-                0 if sel is None else sel[0].shape[2],
+                0 if sel is None else sel[0].shape[2], i, len(self.widths),
                 G=g, D=d, BLOCK_N=PAGE_TOKENS if sel is not None else self.block_n,
                 HDR_W=HEADER_WIDTH, BASE_COL=HDR["base16"], STRIDE_COL=HDR["head_stride"],
                 KC=HDR["k_b8"], VC=HDR["v_b8"], K8=k8, K4=k4, K2=k2, V8=v8, V4=v4, V2=v2,
@@ -526,7 +546,7 @@ class BandDecodeWrapper:
                    (("K8", k8), ("K4", k4), ("K2", k2), ("V8", v8), ("V4", v4), ("V2", v2))},
                 BLOCK_G=max(16, triton.next_power_of_2(g)),
                 BLOCK_D=max(16, triton.next_power_of_2(d)), HAS_SELECT=sel is not None,
-                EXACT=self.exact, EMULATE=emulate, num_warps=self.num_warps,
+                PARTITIONED=partitioned, EXACT=self.exact, EMULATE=emulate, num_warps=self.num_warps,
                 num_stages=self.num_stages)
         _band_decode_stage2[(bsz * h,)](
             self.part_m, self.part_l, self.part_acc, *hot, self.o_rot, self.o_hot, self.lse,
