@@ -16,9 +16,11 @@ heads, head_dim 128; vocabulary of the tokenizer) for `--load-format dummy`.
 
 Systems (`--systems`): `dense` / `fp8` (SGLang's cache, bf16 / fp8_e4m3, attention backend
 `--dense-backend`), `dense_flashinfer` / `fp8_flashinfer` (the same with FlashInfer, so both of
-SGLang's GPU backends can be served in one run), `dense_eager` (no CUDA graphs), `mosaickv`,
-`mosaickv_graph` (MosaicKV with `decode_cuda_graph: breakable`), `mosaickv_full` (with
-`decode_cuda_graph: full`: the whole decode step in SGLang's CUDA graph) and `mosaickv_daemon` (MosaicKV
+SGLang's GPU backends can be served in one run), `dense_eager` (no CUDA graphs), `mosaickv`
+(the default config: on CUDA `decode_cuda_graph: auto` is the full decode graph), `mosaickv_eager`
+(`decode_cuda_graph: off`: every decode step eager), `mosaickv_graph` (MosaicKV with
+`decode_cuda_graph: breakable`), `mosaickv_full` (with `decode_cuda_graph: full`: the whole
+decode step in SGLang's CUDA graph) and `mosaickv_daemon` (MosaicKV
 with `daemon: process`: pages sealed by the recompression daemon's workers and swapped in at
 step boundaries; its rows carry the daemon's counters).
 """
@@ -53,7 +55,8 @@ SYSTEMS = {  # name -> what it adds to the common server arguments
     "fp8": ["--kv-cache-dtype", "fp8_e4m3", *NO_PREFILL_GRAPHS],  # SGLang's built-in FP8 cache
 }
 # MosaicKV systems: the config each one merges over --mosaickv-config
-MOSAICKV_SYSTEMS = {"mosaickv": {}, "mosaickv_graph": {"decode_cuda_graph": "breakable"},
+MOSAICKV_SYSTEMS = {"mosaickv": {}, "mosaickv_eager": {"decode_cuda_graph": "off"},
+                    "mosaickv_graph": {"decode_cuda_graph": "breakable"},
                     "mosaickv_full": {"decode_cuda_graph": "full"},
                     "mosaickv_daemon": {"daemon": "process"}}
 # The same dense/FP8 caches with FlashInfer's attention instead of --dense-backend, so both of

@@ -83,6 +83,9 @@ class GraphDecode:
         self.budget_pages = sel.budget_tokens // pt
         self.sink_pages, self.recent_pages = -(-sel.sink_tokens // pt), -(-sel.recent_tokens // pt)
         self.buckets: dict[int, _Bucket] = {}
+        # the kernels' float32 workspace, shared by every bucket (one graph replays at a time):
+        # the largest bucket's size, not the sum over buckets
+        self.workspace: dict[str, torch.Tensor] = {}
         self.bucket: _Bucket | None = None  # of the step being replayed (or captured)
         self.steps = 0  # replayed steps
         self.eager_steps = 0  # decode steps the graph refused (graph_refusal)
@@ -125,7 +128,8 @@ class GraphDecode:
         per_row = -(-self.budget_pages // self.width) if bk.selection is not None else None
         bk.wrapper.plan(self._arena(bk, 0), num_qo_heads, sm_scale=sm_scale,
                         width_classes=self.pool.store.width_classes,
-                        static_pages=self.row_pages, max_selected_pages=per_row)
+                        static_pages=self.row_pages, max_selected_pages=per_row,
+                        workspace=self.workspace)
 
     # ---- before each replay (host) ---------------------------------------------------------
     def graph_refusal(self, forward_batch, req_to_token) -> str | None:

@@ -84,6 +84,7 @@ def server_args(kv_backend: str = "mosaickv", mosaickv_config: Any = None, **kwa
     if kv_backend == "mosaickv":
         fields = argparse.Namespace(**{**_server_args_defaults(), **kwargs})
         _prepare(fields)
+        config = resolve_config(kwargs, config)
         _apply_backend_args(kwargs, config)
     args = ServerArgs(**kwargs)
     return _attach(args, kv_backend, config)
@@ -120,12 +121,35 @@ def _from_cli_args(original, cls, args: argparse.Namespace):
     if kv_backend == "mosaickv":
         try:
             _prepare(args)
-            _apply_backend_args(args, config or MosaicConfig())
+            config = resolve_config(args, config)
+            _apply_backend_args(args, config)
         except MosaicKVUnsupported as exc:
             raise SystemExit(f"error: {exc}") from None
     elif config is not None:
         logger.warning("--mosaickv-config is ignored without --kv-backend mosaickv")
     return _attach(original(cls, args), kv_backend, config)
+
+
+def resolve_config(args, config: MosaicConfig | None) -> MosaicConfig:
+    """The config a server runs with, its `auto` choices made from the server's arguments (a
+    Namespace or a dict), the same on every TP rank: `decode_cuda_graph: auto` is "full" on CUDA
+    with the Triton decode path, else "off". Auto falls back to "off" (logged) when the full
+    graph's own requirement fails (graph_hot_tokens below hot_tokens + 2 segments)."""
+    import dataclasses
+
+    import torch
+
+    config = config or MosaicConfig()
+    if config.decode_cuda_graph != "auto":
+        return config
+    device = args.get("device") if isinstance(args, dict) else getattr(args, "device", None)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    mode = "full" if device == "cuda" and config.decode_kernel in ("auto", "triton") else "off"
+    try:
+        return dataclasses.replace(config, decode_cuda_graph=mode)
+    except ValueError as exc:
+        logger.warning("MosaicKV: decode_cuda_graph 'auto' runs decode eagerly ('off'): %s", exc)
+        return dataclasses.replace(config, decode_cuda_graph="off")
 
 
 def _apply_backend_args(args, config: MosaicConfig) -> None:

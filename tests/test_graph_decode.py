@@ -195,3 +195,24 @@ def test_the_can_run_graph_hook_asks_the_backend():
     other = SimpleNamespace(attn_backend=SimpleNamespace())
     assert wiring._decode_graph_can_run(yes, other, batch) is True
     assert wiring._decode_graph_can_run(no, other, batch) is False
+
+
+def test_buckets_share_the_kernels_workspace(seed):
+    """The captured batch sizes replay one at a time, so their kernels' float32 workspace is
+    one set of buffers sized by the largest bucket (SGLang captures the largest first), not one
+    per bucket; a bucket planned before a larger one keeps its own (still valid) buffers."""
+    graph, _ = _backend("full", seed, (130,), DEVICE)
+    g = graph.graph
+    plans = {}
+    for bs in (4, 2, 1, 8):
+        bk = g.bucket_for(bs)
+        g.plan_bucket(bk, HQ, D ** -0.5)
+        plans[bs] = bk.wrapper
+    ptr = {bs: w.part_acc.untyped_storage().data_ptr() for bs, w in plans.items()}
+    assert ptr[4] == ptr[2] == ptr[1] != ptr[8], ptr
+    assert plans[2].part_acc.shape[0] == 2 * g.width and plans[8].part_acc.shape[0] == 8 * g.width
+    # splits from the selection's pages per row, not a row's capacity
+    from mosaickv_kernels.band_decode import MIN_PAGES_PER_SPLIT
+    per_row = -(-g.budget_pages // g.width)
+    assert plans[1].num_splits == max(1, per_row // MIN_PAGES_PER_SPLIT), \
+        (plans[1].num_splits, g.budget_pages, g.width)

@@ -356,7 +356,7 @@ def test_cuda_graph_backends_follow_decode_cuda_graph():
     back on; 'breakable' asks SGLang for the breakable decode graph and no prefill graph, and
     refuses full/tc_piecewise decode, any prefill graph and --debug-cuda-graph. 'disabled' (the
     CPU platform's choice) is accepted in both modes."""
-    off, brk = MosaicConfig(), MosaicConfig(decode_cuda_graph="breakable")
+    off, brk = MosaicConfig(decode_cuda_graph="off"), MosaicConfig(decode_cuda_graph="breakable")
     args = {}
     plugin._apply_backend_args(args, off)
     assert args["disable_cuda_graph"] is True and "cuda_graph_backend_decode" not in args
@@ -408,5 +408,26 @@ def test_breakable_config_resolves_through_sglang(tmp_path):
         == ("full", "disabled")
     args = plugin.server_args(model_path=str(tmp_path), device="cpu")
     assert str(args.cuda_graph_config.decode.backend) == "disabled"
+    assert getattr(args, plugin.CONFIG_ATTR).decode_cuda_graph == "off"  # 'auto' on the CPU
     with pytest.raises(plugin.MosaicKVUnsupported, match="'full' decode"):
         plugin.server_args(model_path=str(tmp_path), device="cpu", cuda_graph_backend_decode="full")
+
+
+def test_auto_decode_cuda_graph_is_full_on_cuda_with_the_triton_path(caplog):
+    """decode_cuda_graph 'auto' (the default) is resolved from the server's arguments, the same
+    on every rank: 'full' on CUDA with the Triton decode path, 'off' on the CPU or with the
+    reference decode; 'off' (logged) when the full graph's own requirement fails."""
+    assert MosaicConfig().decode_cuda_graph == "auto"
+    assert plugin.resolve_config({"device": "cuda"}, None).decode_cuda_graph == "full"
+    assert plugin.resolve_config({"device": "cpu"}, None).decode_cuda_graph == "off"
+    ref = MosaicConfig(decode_kernel="reference")
+    assert plugin.resolve_config({"device": "cuda"}, ref).decode_cuda_graph == "off"
+    explicit = MosaicConfig(decode_cuda_graph="breakable")
+    assert plugin.resolve_config({"device": "cuda"}, explicit) is explicit
+    big_hot = MosaicConfig(hot_tokens=1024)  # graph_hot_tokens (1024) < 1024 + 2 segments
+    with caplog.at_level("WARNING"):
+        assert plugin.resolve_config({"device": "cuda"}, big_hot).decode_cuda_graph == "off"
+    assert "graph_hot_tokens" in caplog.text
+    args = {}
+    plugin._apply_backend_args(args, plugin.resolve_config({"device": "cuda"}, None))
+    assert args["cuda_graph_backend_decode"] == "full" and "disable_cuda_graph" not in args

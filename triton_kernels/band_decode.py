@@ -374,7 +374,7 @@ class BandDecodeWrapper:
              num_kv_splits: int | None = None, max_selected_pages: int | None = None,
              block_tokens: int | None = None, num_warps: int = 4, num_stages: int = 2,
              exact: bool = True, width_classes: list[tuple[int, ...]] | None = None,
-             static_pages: int | None = None) -> None:
+             static_pages: int | None = None, workspace: dict | None = None) -> None:
         """Read the batch structure of `arena` (any layer of the batch: they share it).
 
         Without selection stage 1 reads blocks of up to `block_tokens` tokens (default 128, the
@@ -387,6 +387,9 @@ class BandDecodeWrapper:
         `static_pages`: plan for up to that many pages per row without reading the arena's
         lists (a CUDA graph's plan: the lists change in place between replays, rows may be
         empty, and `run` counts no pages on the host; the caller counts them).
+        `workspace`: a dict of float32 buffers shared by wrappers that never run at once (the
+        CUDA graphs of several batch sizes, replayed one at a time): each takes views of the
+        buffers, grown to the largest plan, instead of its own.
         """
         if not isinstance(arena, PackedArena):
             raise TypeError(f"plan: arena must be a PackedArena, got {type(arena).__name__}")
@@ -439,14 +442,25 @@ class BandDecodeWrapper:
         self.partition = len(self.widths) > 1
         self.class_table = torch.tensor(self.widths, dtype=torch.int32, device=dev).view(-1, 6)
         parts = splits * len(self.widths)
-        self.part_m = torch.empty(bsz, h, parts, g, **f32)
-        self.part_l = torch.empty(bsz, h, parts, g, **f32)
-        self.part_acc = torch.empty(bsz, h, parts, g, d, **f32)
-        self.hot = (torch.empty(bsz, h, g, **f32), torch.empty(bsz, h, g, **f32),
-                    torch.empty(bsz, h, g, d, **f32))
-        self.o_rot = torch.empty(bsz, h, g, d, **f32)
-        self.o_hot = torch.empty(bsz, h, g, d, **f32)
-        self.lse = torch.empty(bsz, h, g, **f32)
+
+        def buf(name: str, *shape: int) -> torch.Tensor:
+            if workspace is None:
+                return torch.empty(*shape, **f32)
+            n = 1
+            for x in shape:
+                n *= x
+            have = workspace.get(name)
+            if have is None or have.numel() < n:
+                have = workspace[name] = torch.empty(n, **f32)
+            return have[:n].view(*shape)
+
+        self.part_m = buf("part_m", bsz, h, parts, g)
+        self.part_l = buf("part_l", bsz, h, parts, g)
+        self.part_acc = buf("part_acc", bsz, h, parts, g, d)
+        self.hot = (buf("hot_m", bsz, h, g), buf("hot_l", bsz, h, g), buf("hot_acc", bsz, h, g, d))
+        self.o_rot = buf("o_rot", bsz, h, g, d)
+        self.o_hot = buf("o_hot", bsz, h, g, d)
+        self.lse = buf("lse", bsz, h, g)
         self._planned = True
 
     def _check_arena(self, arena: PackedArena) -> None:
