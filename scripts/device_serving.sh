@@ -4,7 +4,8 @@
 # .device/server/server-flashinfer.tar.xz (the server imports flashinfer even with the triton
 # backend), .device/tok.tar.xz (the SmolLM2 tokenizer files, xz) and, for GPU_TESTS=1,
 # .device/pytest_site.tar.xz (pytest, trimmed to fit the 64 MiB carry) or .device/pytest (wheels).
-# GPU_TEST_FILES overrides the test files. Unpacks; starts in the background the GPU work that must end
+# GPU_TEST_FILES overrides the test files; GPU_TESTS=gate runs every GPU test file through
+# scripts/gpu_tests.py instead, $OUT/gpu-tests.json being the gate's evidence (`record` it here). Unpacks; starts in the background the GPU work that must end
 # before any measurement (GPU_TESTS=1: the kernel/decode tests; SEAL_BENCH=1: the sealing
 # benchmark, both at once) while the servers start; then the serving benchmark (dense SGLang, triton backend,
 # vs MosaicKV) on a Llama-3.1-8B-shaped dummy-weight model; then, with DAEMON_BENCH=1, the
@@ -61,7 +62,7 @@ if [ -n "${leftover// }" ]; then
 fi
 rm -f /tmp/bg_done
 (
-  if [ "${GPU_TESTS:-0}" = 1 ]; then
+  if [ "${GPU_TESTS:-0}" != 0 ]; then
     # pytest from .device/pytest_site.tar.xz (trimmed to fit the carry: recipe in docs/device.md),
     # else from the wheels in .device/pytest
     mkdir -p /tmp/pytest_site
@@ -69,6 +70,12 @@ rm -f /tmp/bg_done
     else python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pytest_site \
         .device/pytest/*.whl; fi
     t1=$SECONDS
+    if [ "$GPU_TESTS" = gate ]; then  # every GPU test file, the gate's JSON (scripts/gpu_tests.py)
+      PYTHONPATH="/tmp/pytest_site:$PYTHONPATH" python3 scripts/gpu_tests.py run \
+          --out "$OUT/gpu-tests.json" --jobs "${JOBS:-4}" --limit-s "${TESTS_LIMIT_S:-300}" \
+          > "$OUT/gpu_tests.log" 2>&1
+      echo "GPU test gate (rc $?) in $((SECONDS - t1)) s: $(grep -E 'passed|failed' "$OUT/gpu_tests.log" | tail -1)" > "$OUT/gpu_tests.summary"
+    else
     PYTHONPATH="/tmp/pytest_site:$PYTHONPATH" timeout "${TESTS_LIMIT_S:-200}" python3 -m pytest \
         -q -p no:cacheprovider -W ignore ${GPU_TEST_FILES:-tests/test_band_pack_kernel.py \
         tests/test_band_unpack_kernel.py tests/test_page_select_kernel.py \
@@ -76,6 +83,7 @@ rm -f /tmp/bg_done
         tests/test_packed_decode.py tests/test_pack_install.py tests/test_extend_attention.py} \
         > "$OUT/gpu_tests.log" 2>&1
     echo "GPU tests (rc $?) in $((SECONDS - t1)) s: $(tail -1 "$OUT/gpu_tests.log")" > "$OUT/gpu_tests.summary"
+    fi
   fi &
   # SEAL_BENCH=1: at the same time as the tests (and the servers' start-up): its times share the
   # GPU with them; the runs inside it are still side by side. SEAL_ARGS: more seal_bench flags.

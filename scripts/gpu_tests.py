@@ -74,6 +74,8 @@ CPU_ONLY = {
     "tests/test_basis_fit.py": "resolve_fit_solver on a torch.device('cuda') value only",
     "tests/test_sm90_compile.py": "compiles the kernels for sm_90 without a GPU",
     "tests/test_gpu_tests_script.py": "this runner's converter and lists",
+    "tests/test_plugin_hooks.py": "resolves decode_cuda_graph 'auto' for a device named 'cuda' "
+                                  "(argument values only)",
 }
 # A test file "names CUDA" when it matches this (tests/test_gpu_tests_script.py).
 NAMES_CUDA = r"mark\.gpu|cuda\.is_available|[\"']cuda[\"']"
