@@ -95,12 +95,13 @@ def request_reads(pool, page_ids: torch.Tensor, seq_len: int):
     pages sharing a basis block (numpy arrays), each run's BasisPair, the hot pages of the
     rest). A sealed set that is not a prefix is repaired first (`pool.seal_prefix_now`)."""
     pages = page_ids.numpy()
-    n, runs, run_bases = _sealed_runs(pool, pages, seq_len)
-    hot = pool.hot_page_of[page_ids[n:]]
-    if bool((hot < 0).any()) and pool.seal_prefix_now(pages.tolist()):  # not a prefix
+    hot_of = pool.hot_page_of.numpy()  # the host map, read in place (numpy: ~10x torch's
+    n, runs, run_bases = _sealed_runs(pool, pages, seq_len)  # indexing cost at these sizes)
+    hot = hot_of[pages[n:]]
+    if (hot < 0).any() and pool.seal_prefix_now(pages.tolist()):  # not a prefix
         n, runs, run_bases = _sealed_runs(pool, pages, seq_len)
-        hot = pool.hot_page_of[page_ids[n:]]
-    return n, runs, run_bases, hot
+        hot = pool.hot_page_of.numpy()[pages[n:]]
+    return n, runs, run_bases, torch.from_numpy(hot)
 
 
 def readable(pool, pages: torch.Tensor) -> bool:
@@ -111,9 +112,10 @@ def readable(pool, pages: torch.Tensor) -> bool:
 
 def hot_slots(hot_pages: torch.Tensor, page_size: int, count: int) -> torch.Tensor:
     """The hot-buffer rows of a request's first `count` hot tokens, from its hot pages."""
-    if bool((hot_pages < 0).any()):
+    hot = hot_pages.numpy()
+    if (hot < 0).any():
         raise RuntimeError("MosaicKV: read of a logical page that is neither hot nor sealed")
-    return (hot_pages[:, None] * page_size + torch.arange(page_size)).flatten()[:count]
+    return torch.from_numpy((hot[:, None] * page_size + np.arange(page_size)).ravel()[:count])
 
 
 class PackedDecode:
