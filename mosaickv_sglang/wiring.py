@@ -212,17 +212,17 @@ def _decode_graph_can_run(original, self, forward_batch):
 
 def register_backends() -> None:
     """Attention backend + radix-cache backend names (idempotent: processes re-run plugins)."""
-    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     from .radix import radix_cache_factory
 
+    @register_attention_backend("mosaickv")  # SGLang's registry decorator (re-registers: same)
     def create_mosaickv_backend(runner):
         from .backend import MosaicAttnBackend
 
         return MosaicAttnBackend(runner)
 
-    ATTENTION_BACKENDS["mosaickv"] = create_mosaickv_backend
     if get_radix_cache_factory("mosaickv") is None:
         register_radix_cache_backend("mosaickv", radix_cache_factory)
 

@@ -96,6 +96,7 @@ def test_register_registers_exactly_the_expected_hooks(monkeypatch):
 def test_other_sglang_names_resolve():
     # registries read by the availability check; helpers of the refusals and the platform
     for target in ("sglang.srt.layers.attention.attention_registry.ATTENTION_BACKENDS",
+                   "sglang.srt.layers.attention.attention_registry.register_attention_backend",
                    "sglang.srt.mem_cache.registry.get_radix_cache_factory",
                    "sglang.srt.configs.hybrid_arch.mambaish_config",
                    "sglang.srt.model_executor.cuda_graph_config.Backend.DISABLED",
