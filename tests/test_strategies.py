@@ -88,8 +88,28 @@ def expected_nbytes(strat: Strategy, kind: str, h: int, s: int, d: int) -> float
 def test_spec_list_covers_every_registered_strategy():
     covered = {parse_strategy(s).name for s in SPECS}
     assert covered == set(strategy_names())
-    # ids are positions in the registry, stable and distinct (headers carry them)
-    assert sorted(strategy_id(n) for n in strategy_names()) == list(range(len(strategy_names())))
+    # ids are fixed per strategy (headers carry them), distinct, independent of import order
+    assert {n: strategy_id(n) for n in strategy_names()} == \
+        {"lowbit": 0, "band": 1, "dense": 2, "mask": 3, "topr": 4}
+
+
+def test_a_strategy_registers_only_with_its_own_fixed_id():
+    from mosaickv_sglang.codec.strategies.base import register
+
+    class NoId(Strategy):
+        name = "no_id_test"
+
+    class Taken(Strategy):
+        name = "taken_id_test"
+        id = 1  # band's
+
+    with pytest.raises(ValueError, match="needs its own fixed `id`"):
+        register(NoId)
+    with pytest.raises(ValueError, match="id 1 is strategy 'band'"):
+        register(Taken)
+    assert "no_id_test" not in strategy_names() and "taken_id_test" not in strategy_names()
+    with pytest.raises(ValueError, match="unknown strategy"):
+        strategy_id("no_id_test")
 
 
 @pytest.mark.parametrize("kind", ("k", "v"))

@@ -22,6 +22,7 @@ UNIT = 64  # band widths are per this many channels
 @register
 class Band(Strategy):
     name = "band"
+    id = 1  # fixed: segment headers carry it
     params = {"b8": (int, 8), "b4": (int, 24), "b2": (int, 16), "group": (int, 64)}
     default_rot = True
 

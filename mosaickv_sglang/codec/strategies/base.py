@@ -32,6 +32,9 @@ class Encoded:
 
 class Strategy(ABC):
     name: ClassVar[str]
+    #: the id segment headers carry (`strategy_id`): fixed per strategy, never reused, so a
+    #: header means the same whatever else is registered or in which order modules import
+    id: ClassVar[int]
     #: parameter name -> (type, default); `rot` (use the SVD basis) is common to every strategy.
     params: ClassVar[dict[str, tuple[type, object]]] = {}
     default_rot: ClassVar[bool] = True
@@ -103,6 +106,12 @@ def _checked(name: str, key: str, typ: type, value):
 def register(cls: type[Strategy]) -> type[Strategy]:
     if cls.name in _REGISTRY:
         raise ValueError(f"strategy '{cls.name}' registered twice")
+    sid = cls.__dict__.get("id")
+    if not isinstance(sid, int) or isinstance(sid, bool) or sid < 0:
+        raise ValueError(f"strategy '{cls.name}' needs its own fixed `id` (an int >= 0)")
+    taken = {other.id: other.name for other in _REGISTRY.values()}
+    if sid in taken:
+        raise ValueError(f"strategy '{cls.name}': id {sid} is strategy '{taken[sid]}''s")
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -112,7 +121,10 @@ def strategy_names() -> list[str]:
 
 
 def strategy_id(name: str) -> int:
-    return strategy_names().index(name)
+    """The fixed id a segment header carries for strategy `name`."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy '{name}'; known: {strategy_names()}")
+    return _REGISTRY[name].id
 
 
 def parse_strategy(spec: str | Strategy) -> Strategy:

@@ -11,6 +11,7 @@ from .values import check_format, decode_values, encode_values
 @register
 class Dense(Strategy):
     name = "dense"
+    id = 2  # fixed: segment headers carry it
     params = {"val": (str, "bf16")}
     default_rot = False
 

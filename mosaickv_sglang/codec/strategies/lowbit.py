@@ -64,6 +64,7 @@ def channel_groups_pv(codes, scale, zero, p) -> torch.Tensor:
 @register
 class LowBit(Strategy):
     name = "lowbit"
+    id = 0  # fixed: segment headers carry it
     params = {"bits": (int, 4), "group": (int, 32), "k_axis": (str, "channel"),
               "v_axis": (str, "token")}
     default_rot = False

@@ -12,6 +12,7 @@ from .values import check_format, decode_values, encode_values
 @register
 class ChannelMask(Strategy):
     name = "mask"
+    id = 3  # fixed: segment headers carry it
     params = {"r": (int, 16), "val": (str, "bf16")}
     default_rot = False
 

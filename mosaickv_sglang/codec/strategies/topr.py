@@ -17,6 +17,7 @@ from .values import check_format, decode_values, encode_values
 @register
 class TopR(Strategy):
     name = "topr"
+    id = 4  # fixed: segment headers carry it
     params = {"r": (int, 16), "val": (str, "bf16"), "index": (str, "auto")}
     default_rot = True
 
