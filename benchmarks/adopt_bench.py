@@ -49,7 +49,7 @@ from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.daemon.channel import Channel, ChannelSpec, dump, load
 from mosaickv_sglang.daemon.client import SlotCopy, fill_slots
-from mosaickv_sglang.segment_store import SegmentStore
+from mosaickv_sglang.serving.segment_store import SegmentStore
 
 SHAPES = {"small": (4, 2, 64), "llama8b": (32, 8, 128)}  # layers, KV heads, head_dim
 

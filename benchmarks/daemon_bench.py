@@ -4,7 +4,7 @@ how many pages per second does the daemon seal, against what batch-128 decode pr
 Pool-level, without SGLang (runs where only torch is installed): a hot buffer of random K/V pages
 on --device, the real `DaemonClient` (worker processes, shared-memory slots, the same codec) and
 a simulated scheduler loop. One step = fixed device work calibrated to --step-ms (a GEMM loop on
-the scheduler's thread) + the step boundary the server runs: the pool's own `adopt()` (one
+the scheduler's thread) + the step boundary the server runs: the pool's own `step_boundary()` (one
 install, then reads and copies within `daemon_boundary_share` of the step, --share) on a
 stand-in pool whose installs go into a real SegmentStore, then the step's new pages submitted.
 By default the boundary runs after the device work is done (a host-bound step: every host
@@ -60,10 +60,10 @@ from mosaickv_sglang.codec.seal import gather_pages, seal_group, worst_page_byte
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 import mosaickv_sglang.daemon.channel as channel_mod
-import mosaickv_sglang.segment_store as store_mod
-from mosaickv_sglang.daemon.adopt import adopt
+import mosaickv_sglang.serving.segment_store as store_mod
+from mosaickv_sglang.daemon.boundary import step_boundary
 from mosaickv_sglang.daemon.client import DaemonClient, SlotCopy
-from mosaickv_sglang.segment_store import SegmentStore, use_pack_kernel
+from mosaickv_sglang.serving.segment_store import SegmentStore, use_pack_kernel
 
 # saturated with the workers this busy (or more), they bound the throughput; below it pages wait
 # in the step boundary (to be loaded, installed or copied into a slot within its budget)
@@ -299,7 +299,7 @@ def main() -> None:
     inline_fit_ms = (time.perf_counter() - t0) * 1e3
 
     def install(jobs, results) -> int:
-        """What the pool does with ready jobs' pages (`results`, as adopt() took them): into
+        """What the pool does with ready jobs' pages (`results`, as step_boundary() took them): into
         the arena in one batch, store pages taken in a ring (the oldest released when it comes
         round again). Returns pages installed."""
         nonlocal bases
@@ -323,11 +323,11 @@ def main() -> None:
         return sum(len(job.pages) for job in jobs)
 
     class BenchPool:
-        """What adopt() uses of MosaicKVPool: installs into the store above, every job
+        """What step_boundary() uses of MosaicKVPool: installs into the store above, every job
         installable (one page each, no request order), no backpressure (pages over
         --max-pending are dropped before submitting), no swap log, and a hot buffer of
         --hot-pages of which the pending pages are taken (large by default: the boundary
-        budget stays on; within twice the watermark adopt() lifts it, as in the server)."""
+        budget stays on; within twice the watermark step_boundary() lifts it, as in the server)."""
         daemon, num_hot_pages = client, args.hot_pages
         swaps = SimpleNamespace(flush=lambda rank: None)
         installable = staticmethod(lambda job, with_pages=(): True)
@@ -335,7 +335,7 @@ def main() -> None:
 
         def __init__(self):
             self.cfg = cfg
-            self.position_rule = cfg.read_rule == "position"  # adopt()'s relief depends on it
+            self.position_rule = cfg.read_rule == "position"  # step_boundary()'s relief depends on it
 
         @property
         def free_hot_pages(self):
@@ -354,11 +354,11 @@ def main() -> None:
     state = {"page": 0, "credit": 0.0, "dropped": 0, "done": 0, "installed": 0}
 
     def boundary(produce: bool) -> tuple[float, float]:
-        """The scheduler's step boundary (the pool's adopt()), then the step's new pages
+        """The scheduler's step boundary (the pool's step_boundary()), then the step's new pages
         submitted (in the server, by the forward that filled them). Returns (adopt, submit)
         seconds."""
         t = time.perf_counter()
-        adopt(pool)
+        step_boundary(pool)
         t_submit = time.perf_counter()
         if produce:
             state["credit"] += args.pages_per_step

@@ -41,8 +41,8 @@ from mosaickv_sglang.config import MosaicConfig  # noqa: E402
 def build(ctx: int, bs: int, layers: int, kv_heads: int, head_dim: int, device: str,
           cfg: MosaicConfig, chunk: int, seed: int):
     """(backend, pool, req_to_token) with `bs` requests of `ctx` tokens written and sealed."""
-    from mosaickv_sglang.backend import MosaicAttnBackend
-    from mosaickv_sglang.pool import MosaicKVPool
+    from mosaickv_sglang.serving.backend import MosaicAttnBackend
+    from mosaickv_sglang.serving.pool import MosaicKVPool
 
     ps = cfg.segment_tokens
     width = -(-(ctx + 2 * ps) // ps) * ps  # token slots per request: the prompt and the decode

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from mosaickv_sglang.config import MosaicConfig
-from mosaickv_sglang.packed_decode import PackedDecode, StepProfiler
+from mosaickv_sglang.serving.packed_decode import PackedDecode, StepProfiler
 
 
 def stand_in(batch: int, context: int, layers: int, page_size: int, cfg: MosaicConfig):
@@ -101,7 +101,7 @@ def main() -> None:
           f"over {args.reps}")
     # the full decode graph's tables for the same batch (GraphDecode.prepare), the model's
     # context length being the request's (its rows per request)
-    from mosaickv_sglang.graph_decode import GraphDecode
+    from mosaickv_sglang.serving.graph_decode import GraphDecode
 
     graph = GraphDecode(plan.pool, args.context, plan.timer)
     graph.bucket_for(args.batch)

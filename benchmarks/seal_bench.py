@@ -41,7 +41,7 @@ from mosaickv_sglang.codec.seal import BasisPair, fit_bases, gather_pages, seal_
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.codec.timing import PhaseTimer, phase
 from mosaickv_sglang.config import FIT_SOLVERS, MosaicConfig
-from mosaickv_sglang.segment_store import SegmentStore
+from mosaickv_sglang.serving.segment_store import SegmentStore
 
 PHASES = ("read", "fit_bases", "gather", "choose_encode", "page_meta", "bookkeeping", "install")
 

@@ -182,7 +182,7 @@ def band_pack(d: int):
     V); the pairs (K_i, V_i) cover every K and every V width set of the default candidates."""
     from mosaickv_kernels.band_pack import pack_layout
     from mosaickv_sglang.codec.arena import HEADER_WIDTH
-    from mosaickv_sglang.segment_store import band_widths
+    from mosaickv_sglang.serving.segment_store import band_widths
 
     pairs = _pairs()
     ks = list(dict.fromkeys(k for k, _ in pairs))

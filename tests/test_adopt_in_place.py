@@ -17,7 +17,7 @@ from mosaickv_sglang.codec.seal import seal_group
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.daemon.channel import Channel, ChannelSpec, dump, load
-from mosaickv_sglang.segment_store import SegmentStore
+from mosaickv_sglang.serving.segment_store import SegmentStore
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim > 0:DeprecationWarning")

@@ -17,11 +17,11 @@ from mosaickv_sglang.codec.attention import decode_attention
 from conftest import repro
 from mosaickv_sglang.codec.arena import HDR
 from mosaickv_sglang.config import MosaicConfig
-from mosaickv_sglang.daemon import adopt as adopt_mod
-from mosaickv_sglang.daemon.adopt import agree, agree_state
+from mosaickv_sglang.daemon import boundary as boundary_mod
+from mosaickv_sglang.daemon.boundary import agree, agree_state
 from mosaickv_sglang.daemon.channel import ResultTooLarge, dump, load
-from mosaickv_sglang.pool import MosaicKVPool
-from mosaickv_sglang.segment_store import SegmentStore
+from mosaickv_sglang.serving.pool import MosaicKVPool
+from mosaickv_sglang.serving.segment_store import SegmentStore
 
 PS, H, D, LAYERS = 128, 2, 64, 2
 BLOCK = 4 * PS  # 4 pages per basis block: a request of 6 pages spans two blocks
@@ -72,7 +72,7 @@ def settle(pool, timeout=120.0):
     """Adopt until nothing is pending (what the scheduler loop does every iteration)."""
     deadline = time.time() + timeout
     while pool.pending or pool.daemon.open_jobs():
-        pool.adopt()
+        pool.step_boundary()
         assert time.time() < deadline, pool.daemon.stats()
         time.sleep(0.02)
 
@@ -273,9 +273,9 @@ def test_a_step_boundary_spreads_daemon_work_over_steps(pools):
         write(a, slots, seed=r)
         assert a.seal_request(slots, len(slots)) == 3
     assert not client.inflight  # submitting copies nothing: the boundaries do
-    a.adopt()
+    a.step_boundary()
     assert len(client.inflight) == 1 and client.budget.ops == 1  # one job copied, one waits
-    a.adopt()
+    a.step_boundary()
     assert len(client.inflight) == 2
     deadline = time.time() + 120
     while sum(w.results_conn.poll(0) for w in client.workers) < 2:  # both workers sent a page
@@ -284,7 +284,7 @@ def test_a_step_boundary_spreads_daemon_work_over_steps(pools):
     ops = []
     while client.open_jobs() and time.time() < deadline:
         read, installed = client.counters.worker_pages, client.counters.adopted_pages
-        a.adopt()
+        a.step_boundary()
         ops.append((client.counters.worker_pages - read, client.counters.adopted_pages - installed))
         assert client.budget.ops <= 1, ops
     assert ops[0][0] >= 2 and ops[0][1] == 0, ops  # two finished pages waiting: both read
@@ -300,7 +300,7 @@ def test_a_low_hot_buffer_lifts_the_boundary_budget(pools):
         slots = torch.arange((1 + 4 * r) * PS, (4 + 4 * r) * PS)
         write(a, slots, seed=r)
         a.seal_request(slots, len(slots))
-    assert a.adopt() == 0 and not a.sealed  # nothing sealed inline: 19 >= 12 free
+    assert a.step_boundary() == 0 and not a.sealed  # nothing sealed inline: 19 >= 12 free
     assert len(a.daemon.inflight) == 2 and a.daemon.budget.ops == 2  # both jobs in one boundary
     assert a.daemon.stats()["boundary"]["unbounded_boundaries"] == 1
     deadline = time.time() + 120
@@ -308,7 +308,7 @@ def test_a_low_hot_buffer_lifts_the_boundary_budget(pools):
         a.daemon.collect()
         assert time.time() < deadline
         time.sleep(0.02)
-    assert a.adopt() == 6  # both ready jobs in one boundary, not one per boundary
+    assert a.step_boundary() == 6  # both ready jobs in one boundary, not one per boundary
     assert len(a.sealed) == 6 and a.daemon.counters.sync_seals_backpressure == 0
 
 
@@ -333,7 +333,7 @@ def test_results_read_in_place_hold_their_slots_until_installed_or_dropped(pools
         assert st["held_slots"] == 3 and st["free_slots"] == 8 - 3
         if drop:
             a.release_pages(job.pages)  # the request ended before the install
-        installed = a.adopt()
+        installed = a.step_boundary()
         assert installed == (0 if drop else 3)
         st = a.daemon.stats()
         assert st["held_slots"] == 0 and st["free_slots"] == 8, (r, st)
@@ -358,7 +358,7 @@ def test_a_job_a_worker_failed_on_is_sealed_here_beside_a_batch_of_results(pools
         assert time.time() < deadline, a.daemon.stats()
         time.sleep(0.02)
     a.daemon.ready_jobs()[0].error = "injected"
-    assert a.adopt() == 8
+    assert a.step_boundary() == 8
     st = a.stats()["daemon"]
     assert st["sync_seals_fallback"] == 4 and st["adopted_pages"] == 4, st
     same_pages(a, b)
@@ -386,7 +386,7 @@ def test_killed_worker_is_restarted_and_nothing_is_lost(pools):
         p.seal_request(slots, len(slots))
     settle_deadline = time.time() + 60
     while not a.daemon.inflight and time.time() < settle_deadline:  # sent to the worker
-        a.adopt()
+        a.step_boundary()
     os.kill(a.daemon.workers[0].proc.pid, signal.SIGKILL)
     settle(a)
     same_pages(a, b)
@@ -457,7 +457,7 @@ def test_backpressure_seals_oldest_pages_inline_when_hot_buffer_runs_low(pools):
         slots = torch.arange(PS, 7 * PS)  # 6 pages (jobs of 4 + 2): 2 hot pages left
         write(a, slots, seed=6)
         a.seal_request(slots, len(slots))
-        assert a.adopt() == 0  # nothing came back, but the oldest job was sealed here
+        assert a.step_boundary() == 0  # nothing came back, but the oldest job was sealed here
         assert len(a.sealed) == a.daemon.counters.sync_seals_backpressure == 4
         assert len(a.free_hot_pages) == 6
         # a forward's first-layer write that finds no free hot page seals the next job inline
@@ -471,7 +471,7 @@ def test_backpressure_seals_oldest_pages_inline_when_hot_buffer_runs_low(pools):
             os.kill(pid, signal.SIGCONT)
     deadline = time.time() + 120
     while a.daemon.inflight:  # the stopped worker's late results come back and are dropped
-        a.adopt()
+        a.step_boundary()
         assert time.time() < deadline
         time.sleep(0.02)
     # the first job was sealed inline before any boundary copied it out (nothing to discard); the
@@ -567,13 +567,13 @@ def test_a_later_basis_block_is_not_adopted_before_an_earlier_one(pools):
             a.daemon.collect()
             assert time.time() < deadline
             time.sleep(0.02)
-        a.adopt()
+        a.step_boundary()
         assert a.request_view(0, slots)[0] == []  # block 1 waits for block 0: nothing sealed yet
         assert len(a.daemon.open_jobs()) == 2
         os.kill(pid, signal.SIGCONT)
         deadline = time.time() + 120
         while a.daemon.open_jobs():
-            a.adopt()
+            a.step_boundary()
             pages, *_ = a.request_view(0, slots)  # a prefix at every step (else this raises)
             assert time.time() < deadline
             time.sleep(0.02)
@@ -645,7 +645,7 @@ def test_random_steps_keep_every_requests_sealed_pages_a_prefix(pools, seed, bat
             a.seal_request(slots_of(req), req["tokens"])
         if live and rng.random() < 0.15:
             drop(rng.choice(live))  # aborted mid-run
-        a.adopt()
+        a.step_boundary()
         # the client's ready set is exactly its open jobs that are ready (adopt reads only it)
         assert set(a.daemon.ready) == {j.id for j in a.daemon.open_jobs() if j.ready}, repro(seed)
         for req in live:
@@ -664,7 +664,7 @@ def test_install_batches_wait_for_pages_or_age_and_keep_request_order():
     to `pages` pages (the first job always); a job whose earlier pages are in an earlier job of
     the batch goes with it, one whose earlier pages are not ready stays; with the hot buffer
     low (None) all installable go."""
-    from mosaickv_sglang.daemon.adopt import install_batch
+    from mosaickv_sglang.daemon.boundary import install_batch
 
     def job(i, pages, needs=(), agreed_at=0):
         return SimpleNamespace(id=i, pages=pages, needs=list(needs), agreed_at=agreed_at)
@@ -750,13 +750,13 @@ def test_ranks_check_their_open_jobs_and_share_a_broken_daemon(tmp_path):
 
 
 def test_a_broken_daemon_on_another_rank_makes_this_rank_seal_inline(pools, monkeypatch):
-    """What adopt() does when agree_state reports a broken daemon elsewhere (tested above)."""
+    """What step_boundary() does when agree_state reports a broken daemon elsewhere (tested above)."""
     a = pools("process")
     slots = torch.arange(PS, 5 * PS)
     write(a, slots, seed=8)
     assert a.seal_request(slots, len(slots)) == 4 and not a.sealed
-    monkeypatch.setattr(adopt_mod, "agree_state", lambda jobs, broken, group: True)
-    a.adopt()
+    monkeypatch.setattr(boundary_mod, "agree_state", lambda jobs, broken, group: True)
+    a.step_boundary()
     assert a.daemon.broken and len(a.sealed) == 4 and not a.daemon.open_jobs()
     more = torch.arange(5 * PS, 7 * PS)
     write(a, more, seed=9)

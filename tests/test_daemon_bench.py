@@ -1,5 +1,5 @@
 """benchmarks/daemon_bench.py end to end on the CPU (small shape): the step boundary it times is
-the pool's adopt() (installing adopted pages into a SegmentStore, reads and copies within the
+the pool's step_boundary() (installing adopted pages into a SegmentStore, reads and copies within the
 boundary share), and its JSON carries the breakdown."""
 import json
 import os

@@ -16,9 +16,9 @@ import torch
 from conftest import repro
 from mosaickv_sglang.codec.arena import HDR
 from mosaickv_sglang.config import MosaicConfig
-from mosaickv_sglang.daemon import adopt as adopt_mod
-from mosaickv_sglang.pool import MosaicKVPool
-from mosaickv_sglang.segment_store import SegmentStore
+from mosaickv_sglang.daemon import boundary as boundary_mod
+from mosaickv_sglang.serving.pool import MosaicKVPool
+from mosaickv_sglang.serving.segment_store import SegmentStore
 from test_daemon import attend, one_thread, same_pages, settle, write  # noqa: F401 (fixture)
 
 PS, H, D, LAYERS = 128, 2, 64, 2
@@ -179,9 +179,9 @@ def test_a_step_boundary_spreads_daemon_work_over_steps(pools):
         write(a, slots, seed=r)
         assert a.seal_request(slots, len(slots)) == 3
     assert not client.inflight  # submitting copies nothing: the boundaries do
-    a.adopt()
+    a.step_boundary()
     assert len(client.inflight) == 1 and client.budget.ops == 1  # one job copied, one waits
-    a.adopt()
+    a.step_boundary()
     assert len(client.inflight) == 2
     deadline = time.time() + 120
     while sum(w.results_conn.poll(0) for w in client.workers) < 2:  # both workers sent a page
@@ -190,7 +190,7 @@ def test_a_step_boundary_spreads_daemon_work_over_steps(pools):
     ops = []
     while client.open_jobs() and time.time() < deadline:
         read, installed = client.counters.worker_pages, client.counters.adopted_pages
-        a.adopt()
+        a.step_boundary()
         ops.append((client.counters.worker_pages - read, client.counters.adopted_pages - installed))
         assert client.budget.ops <= 1, ops
     assert ops[0][0] >= 2 and ops[0][1] == 0, ops  # two finished pages waiting: both read
@@ -210,7 +210,7 @@ def test_a_low_hot_buffer_lifts_the_boundary_budget(pools):
         slots = torch.arange((1 + 4 * r) * PS, (4 + 4 * r) * PS)
         write(a, slots, seed=r)
         a.seal_request(slots, len(slots))
-    assert a.adopt() == 0 and not a.sealed  # nothing sealed inline
+    assert a.step_boundary() == 0 and not a.sealed  # nothing sealed inline
     assert len(a.daemon.inflight) == 2 and a.daemon.budget.ops == 2  # both jobs in one boundary
     assert a.daemon.stats()["boundary"]["unbounded_boundaries"] == 1
     deadline = time.time() + 120
@@ -218,7 +218,7 @@ def test_a_low_hot_buffer_lifts_the_boundary_budget(pools):
         a.daemon.collect()
         assert time.time() < deadline
         time.sleep(0.02)
-    assert a.adopt() == 6  # both ready jobs in one boundary, not one per boundary
+    assert a.step_boundary() == 6  # both ready jobs in one boundary, not one per boundary
     assert len(a.sealed) == 6 and a.daemon.counters.sync_seals_backpressure == 0
     assert a.kept_hot == set(a.sealed) and len(a.free_hot_pages) == 19  # still low: read dense
 
@@ -245,7 +245,7 @@ def test_results_read_in_place_hold_their_slots_until_installed_or_dropped(pools
         assert st["held_slots"] == 3 and st["free_slots"] == 8 - 3
         if drop:
             a.release_pages(job.pages)  # the request ended before the install
-        installed = a.adopt()
+        installed = a.step_boundary()
         assert installed == (0 if drop else 3)
         st = a.daemon.stats()
         assert st["held_slots"] == 0 and st["free_slots"] == 8, (r, st)
@@ -270,7 +270,7 @@ def test_a_job_a_worker_failed_on_is_sealed_here_beside_a_batch_of_results(pools
         assert time.time() < deadline, a.daemon.stats()
         time.sleep(0.02)
     a.daemon.ready_jobs()[0].error = "injected"
-    assert a.adopt() == 8
+    assert a.step_boundary() == 8
     st = a.stats()["daemon"]
     assert st["sync_seals_fallback"] == 4 and st["adopted_pages"] == 4, st
     assert {5, 6, 7, 8} <= a.kept_hot  # the results keep their hot copies
@@ -290,7 +290,7 @@ def test_backpressure_seals_oldest_pages_inline_when_hot_buffer_runs_low(pools):
         slots = torch.arange(PS, 7 * PS)  # 6 pages (jobs of 4 + 2): 2 hot pages left
         write(a, slots, seed=6)
         a.seal_request(slots, len(slots))
-        assert a.adopt() == 0 and not a.sealed  # under the watermark, and nothing sealed here
+        assert a.step_boundary() == 0 and not a.sealed  # under the watermark, and nothing sealed here
         assert a.daemon.counters.sync_seals_backpressure == 0 and len(a.free_hot_pages) == 2
         assert len(a.daemon.inflight) == 2  # the budget lifted: both jobs sent at that boundary
         # 7 new pages, 2 free: the third finds none and the oldest job (4 pages) is sealed; the
@@ -305,7 +305,7 @@ def test_backpressure_seals_oldest_pages_inline_when_hot_buffer_runs_low(pools):
             os.kill(pid, signal.SIGCONT)
     deadline = time.time() + 120
     while a.daemon.inflight:  # the stopped worker's late results come back and are dropped
-        a.adopt()
+        a.step_boundary()
         assert time.time() < deadline
         time.sleep(0.02)
     # both jobs went to the stopped worker before they were sealed here: both results dropped
@@ -328,7 +328,7 @@ def test_a_page_needed_before_its_result_arrives_is_sealed_here_and_the_result_d
             write(p, slots, seed=3)
             p.seal_request(slots, len(slots))
         assert sorted(a.pending) == [1, 2, 3, 4] and not a.sealed and not b.sealed
-        a.adopt()
+        a.step_boundary()
         assert len(a.daemon.inflight) == 1  # sent to the stopped worker
         n = 4 * PS + LAG  # the request grows: its token at n reads pages 1..4 compressed
         full = torch.arange(PS, PS + n + 1)
@@ -346,7 +346,7 @@ def test_a_page_needed_before_its_result_arrives_is_sealed_here_and_the_result_d
             os.kill(pid, signal.SIGCONT)
     deadline = time.time() + 120
     while a.daemon.counters.discarded_pages < 4:  # the late result comes back and is dropped
-        a.adopt()
+        a.step_boundary()
         assert time.time() < deadline, a.daemon.stats()
         time.sleep(0.02)
     assert a.daemon.counters.discarded_pages == 4
@@ -447,13 +447,13 @@ def test_a_later_basis_block_is_not_adopted_before_an_earlier_one(pools):
             a.daemon.collect()
             assert time.time() < deadline
             time.sleep(0.02)
-        a.adopt()
+        a.step_boundary()
         assert not a.sealed  # block 1 waits for block 0: nothing installed yet
         assert len(a.daemon.open_jobs()) == 2
         os.kill(pid, signal.SIGCONT)
         deadline = time.time() + 120
         while a.daemon.open_jobs():
-            a.adopt()
+            a.step_boundary()
             k = a.sealed_prefix(pages)
             assert not any(p in a.sealed for p in pages[k:]), k  # a prefix at every step
             assert time.time() < deadline
@@ -533,7 +533,7 @@ def test_random_steps_keep_every_requests_sealed_pages_a_prefix(pools, seed, bat
             a.seal_request(slots_of(req), req["tokens"])
         if live and rng.random() < 0.15:
             drop(rng.choice(live))  # aborted mid-run
-        a.adopt()
+        a.step_boundary()
         # the client's ready set is exactly its open jobs that are ready (adopt reads only it)
         assert set(a.daemon.ready) == {j.id for j in a.daemon.open_jobs() if j.ready}, repro(seed)
         for req in live:
@@ -550,13 +550,13 @@ def test_random_steps_keep_every_requests_sealed_pages_a_prefix(pools, seed, bat
 
 
 def test_a_broken_daemon_on_another_rank_makes_this_rank_seal_inline(pools, monkeypatch):
-    """What adopt() does when agree_state reports a broken daemon elsewhere (tested above)."""
+    """What step_boundary() does when agree_state reports a broken daemon elsewhere (tested above)."""
     a = pools("process", daemon_lag_tokens=LAG)
     slots = torch.arange(PS, 5 * PS)
     write(a, slots, seed=8)
     assert a.seal_request(slots, len(slots)) == 4 and not a.sealed
-    monkeypatch.setattr(adopt_mod, "agree_state", lambda jobs, broken, group: True)
-    a.adopt()
+    monkeypatch.setattr(boundary_mod, "agree_state", lambda jobs, broken, group: True)
+    a.step_boundary()
     assert a.daemon.broken and len(a.sealed) == 4 and not a.daemon.open_jobs()
     more = torch.arange(5 * PS, 7 * PS)
     write(a, more, seed=9)

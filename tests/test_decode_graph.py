@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import write_requests
-from mosaickv_sglang import wiring
+from mosaickv_sglang.integration import wiring
 from mosaickv_sglang.config import MosaicConfig
 
 
@@ -58,8 +58,8 @@ PS, H, HQ, D, LAYERS = 128, 2, 4, 64, 2
 def _backend(decode_kernel, seed, lengths):
     """A MosaicKV pool with `lengths` requests written and sealed (request rows 1.., row 0 is
     the padding row as in SGLang), and its attention backend."""
-    from mosaickv_sglang.backend import MosaicAttnBackend
-    from mosaickv_sglang.pool import MosaicKVPool
+    from mosaickv_sglang.serving.backend import MosaicAttnBackend
+    from mosaickv_sglang.serving.pool import MosaicKVPool
 
     cfg = MosaicConfig(hot_tokens=0, basis_block_tokens=256, decode_kernel=decode_kernel,
                        sink_candidates=["band:b8=64,b4=0,b2=0,group=32"],

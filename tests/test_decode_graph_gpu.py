@@ -24,9 +24,9 @@ PS, H, HQ, D, LAYERS = 128, 2, 4, 64, 2
 def _backend(seed: int, lengths, device: str):
     """A MosaicKV pool on `device` with `lengths` requests written and sealed (request rows
     1.., row 0 the padding row as in SGLang), decoded by the packed Triton kernels."""
-    from mosaickv_sglang.backend import MosaicAttnBackend
+    from mosaickv_sglang.serving.backend import MosaicAttnBackend
     from mosaickv_sglang.config import MosaicConfig
-    from mosaickv_sglang.pool import MosaicKVPool
+    from mosaickv_sglang.serving.pool import MosaicKVPool
 
     cfg = MosaicConfig(hot_tokens=0, basis_block_tokens=256, decode_kernel="triton",
                        sink_candidates=["band:b8=64,b4=0,b2=0,group=32"],

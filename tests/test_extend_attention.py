@@ -4,7 +4,7 @@ GQA and MHA, fp32 and (on a GPU, where SDPA takes its flash kernel) bf16."""
 import pytest
 import torch
 
-from mosaickv_sglang.backend import extend_attention
+from mosaickv_sglang.serving.backend import extend_attention
 
 from conftest import assert_rel_close
 

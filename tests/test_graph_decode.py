@@ -29,8 +29,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024):
     """A pool with `lengths` requests written and sealed (request rows 1..; row 0 is SGLang's
     padding row) and its backend, decode_cuda_graph `mode`, on the packed Triton kernels."""
-    from mosaickv_sglang.backend import MosaicAttnBackend
-    from mosaickv_sglang.pool import MosaicKVPool
+    from mosaickv_sglang.serving.backend import MosaicAttnBackend
+    from mosaickv_sglang.serving.pool import MosaicKVPool
 
     # one K and one V candidate: with the sink/rescue band, 4 width classes to launch (the
     # interpreter runs each launch; the default candidates make 16)
@@ -163,8 +163,8 @@ def test_the_frozen_layouts_refuse_another(seed):
 
 def test_full_graph_needs_the_kernel_path(seed):
     with pytest.raises(ValueError, match="needs decode_kernel 'triton'"):
-        from mosaickv_sglang.backend import MosaicAttnBackend
-        from mosaickv_sglang.pool import MosaicKVPool
+        from mosaickv_sglang.serving.backend import MosaicAttnBackend
+        from mosaickv_sglang.serving.pool import MosaicKVPool
 
         cfg = MosaicConfig(decode_kernel="reference", decode_cuda_graph="full")
         pool = MosaicKVPool(8 * PS, PS, torch.bfloat16, H, D, LAYERS, "cpu", False,
@@ -178,7 +178,7 @@ def test_full_graph_needs_the_kernel_path(seed):
 def test_the_can_run_graph_hook_asks_the_backend():
     """wiring._decode_graph_can_run: SGLang's answer first; a MosaicKV backend's refusal makes a
     batch eager; other backends (no graph_refusal) are untouched."""
-    from mosaickv_sglang import wiring
+    from mosaickv_sglang.integration import wiring
 
     asked = []
 

@@ -16,9 +16,9 @@ from conftest import repro
 from mosaickv_sglang.codec.basis import fit_basis
 from mosaickv_sglang.codec.layer import Candidates, seal_segments
 from mosaickv_sglang.config import MosaicConfig
-from mosaickv_sglang.packed_decode import PackedDecode
-from mosaickv_sglang.pool import MosaicKVPool
-from mosaickv_sglang.segment_store import SegmentStore
+from mosaickv_sglang.serving.packed_decode import PackedDecode
+from mosaickv_sglang.serving.pool import MosaicKVPool
+from mosaickv_sglang.serving.segment_store import SegmentStore
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim > 0:DeprecationWarning")

@@ -9,8 +9,8 @@ import torch
 from conftest import repro
 from mosaickv_sglang.codec.attention import PageReads, decode_attention
 from mosaickv_sglang.config import MosaicConfig
-from mosaickv_sglang.packed_decode import PackedDecode
-from mosaickv_sglang.pool import MosaicKVPool
+from mosaickv_sglang.serving.packed_decode import PackedDecode
+from mosaickv_sglang.serving.pool import MosaicKVPool
 
 PS, H, HQ, D, LAYERS = 128, 2, 4, 64, 2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mosaickv_sglang import platform_cpu, plugin
+from mosaickv_sglang.integration import platform_cpu, plugin
 from mosaickv_sglang.config import MosaicConfig
 
 LAUNCH = [sys.executable, "-m", "sglang.launch_server"]
@@ -38,34 +38,34 @@ _BCG = "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend." 
 # moved to another seam must be changed here too.
 EXPECTED_HOOKS = {
     "sglang.srt.server_args.ServerArgs.add_cli_args":
-        ("AFTER", "mosaickv_sglang.plugin._add_cli_args"),
+        ("AFTER", "mosaickv_sglang.integration.plugin._add_cli_args"),
     "sglang.srt.server_args.ServerArgs.from_cli_args":
-        ("AROUND", "mosaickv_sglang.plugin._from_cli_args"),
+        ("AROUND", "mosaickv_sglang.integration.plugin._from_cli_args"),
     "sglang.srt.server_args.ServerArgs.check_server_args":
-        ("AFTER", "mosaickv_sglang.plugin._check_server_args"),
+        ("AFTER", "mosaickv_sglang.integration.plugin._check_server_args"),
     "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size":
-        ("AFTER", "mosaickv_sglang.wiring._compute_cell_size"),
+        ("AFTER", "mosaickv_sglang.integration.wiring._compute_cell_size"),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool":
-        ("AROUND", "mosaickv_sglang.wiring._build_token_to_kv_pool"),
+        ("AROUND", "mosaickv_sglang.integration.wiring._build_token_to_kv_pool"),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure":
-        ("AFTER", "mosaickv_sglang.wiring._cap_running_requests"),
+        ("AFTER", "mosaickv_sglang.integration.wiring._cap_running_requests"),
     "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids":
-        ("AROUND", "mosaickv_sglang.wiring._release_page_ids"),
+        ("AROUND", "mosaickv_sglang.integration.wiring._release_page_ids"),
     "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear":
-        ("AFTER", "mosaickv_sglang.wiring._allocator_clear"),
+        ("AFTER", "mosaickv_sglang.integration.wiring._allocator_clear"),
     "sglang.srt.models.utils.enable_fused_set_kv_buffer":
-        ("AROUND", "mosaickv_sglang.wiring._fused_set_kv_buffer"),
+        ("AROUND", "mosaickv_sglang.integration.wiring._fused_set_kv_buffer"),
     "sglang.srt.utils.common.support_triton":
-        ("AROUND", "mosaickv_sglang.wiring._support_triton"),
+        ("AROUND", "mosaickv_sglang.integration.wiring._support_triton"),
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state":
-        ("AFTER", "mosaickv_sglang.wiring._internal_state"),
+        ("AFTER", "mosaickv_sglang.integration.wiring._internal_state"),
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
-        ("BEFORE", "mosaickv_sglang.wiring._adopt_daemon_results"),
+        ("BEFORE", "mosaickv_sglang.integration.wiring._daemon_step_boundary"),
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner."
-    "can_run_graph": ("AROUND", "mosaickv_sglang.wiring._decode_graph_can_run"),
-    f"{_BCG}._alloc_full_buffer": ("AROUND", "mosaickv_sglang.wiring._graph_per_field"),
-    f"{_BCG}._slice_output": ("AROUND", "mosaickv_sglang.wiring._graph_per_field"),
-    f"{_BCG}._copy_output_to_buffer": ("AROUND", "mosaickv_sglang.wiring._graph_copy"),
+    "can_run_graph": ("AROUND", "mosaickv_sglang.integration.wiring._decode_graph_can_run"),
+    f"{_BCG}._alloc_full_buffer": ("AROUND", "mosaickv_sglang.integration.wiring._graph_per_field"),
+    f"{_BCG}._slice_output": ("AROUND", "mosaickv_sglang.integration.wiring._graph_per_field"),
+    f"{_BCG}._copy_output_to_buffer": ("AROUND", "mosaickv_sglang.integration.wiring._graph_copy"),
 }
 
 
@@ -143,8 +143,8 @@ def test_platform_overrides_real_seams():
 def test_entry_points_discoverable():
     plugins = {ep.name: ep for ep in entry_points(group="sglang.srt.plugins")}
     platforms = {ep.name: ep for ep in entry_points(group="sglang.srt.platforms")}
-    assert plugins["mosaickv"].value == "mosaickv_sglang.plugin:register"
-    assert platforms["mosaickv_cpu"].value == "mosaickv_sglang.platform_cpu:activate"
+    assert plugins["mosaickv"].value == "mosaickv_sglang.integration.plugin:register"
+    assert platforms["mosaickv_cpu"].value == "mosaickv_sglang.integration.platform_cpu:activate"
     assert plugins["mosaickv"].load() is plugin.register
     assert platforms["mosaickv_cpu"].load() is platform_cpu.activate
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mosaickv_sglang.config import MosaicConfig
-from mosaickv_sglang.pool import MosaicKVPool
+from mosaickv_sglang.serving.pool import MosaicKVPool
 
 PS, H, D, LAYERS = 128, 2, 64, 2
 
@@ -93,7 +93,7 @@ def test_seal_and_reuse_counts_by_position():
 
 
 def test_a_hot_buffer_smaller_than_one_prefill_chunk_is_refused_at_start_up():
-    from mosaickv_sglang.pool import hot_buffer_requests
+    from mosaickv_sglang.serving.pool import hot_buffer_requests
     assert hot_buffer_requests(8192, 128, 8192, 131072, 0.05) == 1  # one chunk, nothing beside
     with pytest.raises(ValueError, match=r"hot_buffer_fraction.*--chunked-prefill-size 8192"):
         hot_buffer_requests(8064, 128, 8192, 131072, 0.05)
@@ -114,7 +114,7 @@ def test_a_hot_buffer_smaller_than_one_prefill_chunk_is_refused_at_start_up():
 def test_running_requests_are_capped_to_what_the_hot_buffer_carries(caplog):
     """The H200 crash of 2026-11-30 (32768-token chunk, 32768-token buffer, 3 requests: the third
     prefill found the buffer full) is a start-up error now; a derived limit is lowered, logged."""
-    from mosaickv_sglang.pool import cap_running_requests, hot_buffer_requests
+    from mosaickv_sglang.serving.pool import cap_running_requests, hot_buffer_requests
     fit = hot_buffer_requests(32768, 128, 32768, 33792, 0.25)
     assert fit == 1
     with pytest.raises(ValueError, match=r"--max-running-requests 3 does not fit.*<= 1"):
@@ -132,8 +132,8 @@ def test_the_configure_hook_hands_the_cap_to_the_scheduler():
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigResult
 
     from mosaickv_sglang.config import MosaicConfig
-    from mosaickv_sglang.pool import MosaicKVPool
-    from mosaickv_sglang.wiring import _cap_running_requests
+    from mosaickv_sglang.serving.pool import MosaicKVPool
+    from mosaickv_sglang.integration.wiring import _cap_running_requests
 
     pool = object.__new__(MosaicKVPool)
     pool.running_requests_fit, pool.page_size, pool.cfg = 132, 128, MosaicConfig()

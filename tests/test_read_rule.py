@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from mosaickv_sglang.backend import chunk_attention
+from mosaickv_sglang.serving.backend import chunk_attention
 from mosaickv_sglang.config import MosaicConfig
-from mosaickv_sglang.pool import MosaicKVPool
+from mosaickv_sglang.serving.pool import MosaicKVPool
 
 PS, H, D, LAYERS = 128, 2, 64, 2
 

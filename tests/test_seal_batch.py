@@ -10,7 +10,7 @@ from mosaickv_sglang.codec.basis import fit_basis
 from mosaickv_sglang.codec.layer import DENSE, Candidates, _choose_batch, seal_segments
 from mosaickv_sglang.codec.seal import fit_bases, gather_pages, page_kv, seal_group, solve_split
 from mosaickv_sglang.config import MosaicConfig
-from mosaickv_sglang.segment_store import SegmentStore
+from mosaickv_sglang.serving.segment_store import SegmentStore
 
 H, S, D = 2, 128, 64
 

@@ -11,7 +11,7 @@ from mosaickv_sglang.codec.arena import BlockLayout
 from mosaickv_sglang.codec.basis import fit_basis
 from mosaickv_sglang.codec.layer import Candidates, seal_segments
 from mosaickv_sglang.config import MosaicConfig
-from mosaickv_sglang.segment_store import AdoptRows, SegmentStore
+from mosaickv_sglang.serving.segment_store import AdoptRows, SegmentStore
 
 H, S, D, N = 2, 128, 64, 12
 
@@ -194,7 +194,7 @@ def test_adopting_a_batch_by_kernel_equals_adopting_each_page_by_torch(seed, mon
     page by page: blocks, headers, page metadata. A page no arena has room for is left out
     (None, its blocks given back) and the batch's other pages still land; a page outside the
     store's tables is refused before anything is written (the kernel writes by address)."""
-    from mosaickv_sglang import segment_store as store_mod
+    from mosaickv_sglang.serving import segment_store as store_mod
     from mosaickv_sglang.codec.arena import META_FIELDS, pack_page
     from mosaickv_sglang.codec.seal import seal_group, worst_page_bytes
     from mosaickv_sglang.codec.strategies import parse_strategy
@@ -245,7 +245,7 @@ def test_prepare_adoption_builds_the_staging_ring_and_runs_the_copy_kernel_once(
     """The daemon's start prepares adoption (no Triton compile in the step of the first adopted
     page): with the pack kernel the staging ring exists afterwards and one real `copy_rows`
     launch ran (its scratch element copied); without it there is nothing to prepare."""
-    from mosaickv_sglang import segment_store as store_mod
+    from mosaickv_sglang.serving import segment_store as store_mod
 
     launches = []
     real = store_mod.copy_rows
@@ -275,7 +275,7 @@ def test_each_new_decode_width_class_is_logged_once(caplog, seed):
 
     segs = _segments(seed)
     store = _store(1 << 24)
-    with caplog.at_level(logging.INFO, logger="mosaickv_sglang.segment_store"):
+    with caplog.at_level(logging.INFO, logger="mosaickv_sglang.serving.segment_store"):
         store.install(0, list(range(N)), segs)
         store.install(0, list(range(N)), segs)  # the same layouts again: nothing new
     lines = [r.getMessage() for r in caplog.records if "adds decode width class" in r.getMessage()]

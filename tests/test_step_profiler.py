@@ -51,9 +51,9 @@ def _prefill(profile_every: int):
 
     import torch
 
-    from mosaickv_sglang.backend import MosaicAttnBackend
+    from mosaickv_sglang.serving.backend import MosaicAttnBackend
     from mosaickv_sglang.config import MosaicConfig
-    from mosaickv_sglang.pool import MosaicKVPool
+    from mosaickv_sglang.serving.pool import MosaicKVPool
 
     ps, h, hq, d, layers, n = 128, 2, 4, 64, 2, 300
     cfg = MosaicConfig(hot_tokens=0, decode_kernel="reference",

@@ -27,7 +27,7 @@ def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
         return original(self, sizes=sizes, **kwargs)
     from sglang.srt.runtime_context import get_parallel
 
-    from .pool import MosaicKVPool, hot_buffer_requests
+    from ..serving.pool import MosaicKVPool, hot_buffer_requests
 
     hot = MosaicKVPool.hot_pages_for(sizes.max_total_num_tokens, self.pool_page_size,
                                      cfg.hot_buffer_fraction) * self.pool_page_size
@@ -57,7 +57,7 @@ def _cap_running_requests(result, self, *args, **kwargs):
     """AFTER KVCacheConfigurator.configure: a MosaicKV pool's scheduler runs at most as many
     requests as its hot buffer carries beside a prefill chunk (`cap_running_requests`); the
     same on every TP rank (same sizes, same arguments)."""
-    from .pool import MosaicKVPool, cap_running_requests
+    from ..serving.pool import MosaicKVPool, cap_running_requests
 
     pool = result.token_to_kv_pool
     if not isinstance(pool, MosaicKVPool):
@@ -81,7 +81,7 @@ def _compute_cell_size(result, self, kvc, num_layers):
         return result
     from sglang.srt.runtime_context import get_parallel
 
-    from .pool import cell_fraction
+    from ..serving.pool import cell_fraction
 
     frac = cell_fraction(cfg, kvc.model_config.get_num_kv_heads(get_parallel().attn_tp_size),
                          kvc.model_config.head_dim)
@@ -92,7 +92,7 @@ def _compute_cell_size(result, self, kvc, num_layers):
 
 def _release_page_ids(original, self, *page_ids):
     """AROUND PagedTokenToKVPoolAllocator._release_page_ids: the pool drops freed pages."""
-    from .pool import MosaicKVPool
+    from ..serving.pool import MosaicKVPool
 
     pool = self.get_kvcache()
     if isinstance(pool, MosaicKVPool):
@@ -103,7 +103,7 @@ def _release_page_ids(original, self, *page_ids):
 
 def _allocator_clear(result, self):
     """AFTER PagedTokenToKVPoolAllocator.clear (e.g. /flush_cache): every page is free again."""
-    from .pool import MosaicKVPool
+    from ..serving.pool import MosaicKVPool
 
     pool = self.get_kvcache()
     if isinstance(pool, MosaicKVPool):
@@ -117,7 +117,7 @@ def _fused_set_kv_buffer(original, forward_batch) -> bool:
     the pool's logical -> hot-buffer translation."""
     from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
-    from .pool import MosaicKVPool
+    from ..serving.pool import MosaicKVPool
 
     if isinstance(get_token_to_kv_pool(), MosaicKVPool):
         return False
@@ -180,7 +180,7 @@ def _support_triton(original, backend: str) -> bool:
 
 def _internal_state(result, self, recv_req):
     """AFTER Scheduler.get_internal_state: MosaicKV stats in /get_server_info."""
-    from .pool import MosaicKVPool
+    from ..serving.pool import MosaicKVPool
 
     pool = self.token_to_kv_pool_allocator.get_kvcache()
     if isinstance(pool, MosaicKVPool):
@@ -188,14 +188,14 @@ def _internal_state(result, self, recv_req):
     return result
 
 
-def _adopt_daemon_results(self, *args, **kwargs):
+def _daemon_step_boundary(self, *args, **kwargs):
     """BEFORE Scheduler.get_next_batch_to_run: the daemon's step-boundary adoption point (runs
     once per loop iteration, no forward in progress); agreed across TP ranks on the CPU group."""
-    from .pool import MosaicKVPool
+    from ..serving.pool import MosaicKVPool
 
     pool = self.token_to_kv_pool_allocator.get_kvcache()
     if isinstance(pool, MosaicKVPool) and pool.daemon is not None:
-        pool.adopt(self.tp_cpu_group if self.server_args.tp_size > 1 else None)
+        pool.step_boundary(self.tp_cpu_group if self.server_args.tp_size > 1 else None)
     return None
 
 
@@ -215,11 +215,11 @@ def register_backends() -> None:
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from .radix import radix_cache_factory
+    from ..serving.radix import radix_cache_factory
 
     @register_attention_backend("mosaickv")  # SGLang's registry decorator (re-registers: same)
     def create_mosaickv_backend(runner):
-        from .backend import MosaicAttnBackend
+        from ..serving.backend import MosaicAttnBackend
 
         return MosaicAttnBackend(runner)
 
@@ -243,7 +243,7 @@ HOOKS = {
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state":
         (_internal_state, HookType.AFTER),
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
-        (_adopt_daemon_results, HookType.BEFORE),
+        (_daemon_step_boundary, HookType.BEFORE),
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner."
     "can_run_graph": (_decode_graph_can_run, HookType.AROUND),
     **{f"{_BCG}.{name}": (hook, HookType.AROUND) for name, hook in (

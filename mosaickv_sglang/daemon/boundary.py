@@ -84,7 +84,7 @@ def agree_state(jobs: list, broken: bool, group=None) -> bool:
     return bool(any_broken)
 
 
-def adopt(pool, group=None) -> int:
+def step_boundary(pool, group=None) -> int:
     """One step boundary: install a batch of agreed ready jobs (`install_batch`), apply
     backpressure (see MosaicKVPool._relieve) if free hot pages fell under the watermark, then
     let the client read results and fill slots within the boundary's budget (budget.py; without

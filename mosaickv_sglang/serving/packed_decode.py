@@ -28,10 +28,10 @@ from mosaickv_kernels.basis_rotate import BasisTable, basis_pointers
 from mosaickv_kernels.page_select import RowSelection
 from mosaickv_kernels.row_merge import merge_rows
 
-from .codec.arena import PackedArena
-from .codec.attention import PageReads, decode_attention
-from .codec.basis import kernel_transform
-from .codec.timing import StepProfiler
+from ..codec.arena import PackedArena
+from ..codec.attention import PageReads, decode_attention
+from ..codec.basis import kernel_transform
+from ..codec.timing import StepProfiler
 
 logger = logging.getLogger(__name__)
 

@@ -34,18 +34,18 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from .codec.arena import ArenaPage
-from .codec.attention import PageReads
-from .codec.basis import unrotate
-from .codec.layer import Candidates, CompressedLayer, segment_bytes
-from .codec.pages import build_page_meta
-from .codec.seal import (BasisPair, SealedPage, fit_block_bases, gather_pages, seal_group,
+from ..codec.arena import ArenaPage
+from ..codec.attention import PageReads
+from ..codec.basis import unrotate
+from ..codec.layer import Candidates, CompressedLayer, segment_bytes
+from ..codec.pages import build_page_meta
+from ..codec.seal import (BasisPair, SealedPage, fit_block_bases, gather_pages, seal_group,
                          seal_pages,
                          worst_encoded_bytes, worst_page_bytes)
-from .codec.strategies import parse_strategy
-from .codec.timing import StepProfiler
-from .config import MosaicConfig, check_fits, fit_rescue
-from .daemon.swaplog import SwapLog
+from ..codec.strategies import parse_strategy
+from ..codec.timing import StepProfiler
+from ..config import MosaicConfig, check_fits, fit_rescue
+from ..daemon.swaplog import SwapLog
 from .segment_store import SegmentStore
 
 logger = logging.getLogger(__name__)
@@ -254,7 +254,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.dense_window = mosaic_config.hot_tokens + (
             mosaic_config.daemon_lag_tokens if self.daemon is not None and self.position_rule
             else 0)
-        self.swaps = SwapLog() if self.daemon is not None else None  # flushed by adopt()
+        self.swaps = SwapLog() if self.daemon is not None else None  # flushed by step_boundary()
         logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense), "
                     "arena blocks written by %s", size, hot_pages * page_size,
                     self._hot_capacity_bytes() / 1e6,
@@ -782,7 +782,7 @@ class MosaicKVPool(MHATokenToKVPool):
 
     # ---- daemon -------------------------------------------------------------------------
     def _start_daemon(self):
-        from .daemon.client import DaemonClient, SlotCopy
+        from ..daemon.client import DaemonClient, SlotCopy
 
         per_layer = worst_page_bytes(self.cfg, self.head_num, self.head_dim, self.dense)
         bases = self.layer_num * 2 * self.head_num * self.head_dim * self.head_dim * 2
@@ -798,14 +798,14 @@ class MosaicKVPool(MHATokenToKVPool):
                             self.k_buffer[0].dtype, self.device, self.dense.spec, result_bytes,
                             self._slot_copy, self.store.reads_host)
 
-    def adopt(self, tp_group=None) -> int:
+    def step_boundary(self, tp_group=None) -> int:
         """Step boundary (the scheduler hook): install what every rank has ready, relieve the
         hot buffer if it runs low. Returns the number of pages installed."""
         if self.daemon is None:
             return 0
-        from .daemon.adopt import adopt
+        from ..daemon.boundary import step_boundary
 
-        return adopt(self, tp_group)
+        return step_boundary(self, tp_group)
 
     def _finish(self, jobs: list, results: list[list] | None = None,
                 keep_hot: bool | None = None) -> int:

@@ -49,7 +49,7 @@ from sglang.srt.platforms.interface import SRTPlatform
 logger = logging.getLogger(__name__)
 
 ENV_OPT_IN = "MOSAICKV_CPU_PLATFORM"
-PLATFORM_CLASS = "mosaickv_sglang.platform_cpu.MosaicCpuPlatform"
+PLATFORM_CLASS = "mosaickv_sglang.integration.platform_cpu.MosaicCpuPlatform"
 
 
 def activate() -> str | None:

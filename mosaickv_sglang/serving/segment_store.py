@@ -44,13 +44,13 @@ from mosaickv_kernels.band_pack import pack_layout
 from mosaickv_kernels.page_select import PackedPageMeta
 from mosaickv_kernels.row_copy import COPY, WIDEN, copy_rows
 
-from .codec.arena import (ALIGN, HDR, HEADER_WIDTH, META_FIELDS, PLAN_FIELDS, ArenaPage,
+from ..codec.arena import (ALIGN, HDR, HEADER_WIDTH, META_FIELDS, PLAN_FIELDS, ArenaPage,
                           BlockLayout, band_channels, block_views, layout_of, packable,
                           tensor_parts, write_blocks)
-from .codec.layer import Segment, own_storage
-from .codec.pages import PageMeta
-from .codec.strategies.band import Band
-from .config import PACK_KERNELS
+from ..codec.layer import Segment, own_storage
+from ..codec.pages import PageMeta
+from ..codec.strategies.band import Band
+from ..config import PACK_KERNELS
 
 logger = logging.getLogger(__name__)
 

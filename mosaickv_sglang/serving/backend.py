@@ -22,7 +22,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import eager_on_graph
 
-from .codec.attention import decode_attention
+from ..codec.attention import decode_attention
 from .graph_decode import GraphDecode, band_pairs
 from .packed_decode import PackedDecode, host_batch
 from .pool import MosaicKVPool

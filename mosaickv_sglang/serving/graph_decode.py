@@ -33,7 +33,7 @@ from mosaickv_kernels.basis_rotate import BasisTable, basis_pointers
 from mosaickv_kernels.page_select import RowSelection
 from mosaickv_kernels.row_merge import merge_rows
 
-from .codec.arena import PackedArena
+from ..codec.arena import PackedArena
 from .packed_decode import host_batch, host_seq_lens, hot_slots, readable, request_reads
 
 logger = logging.getLogger(__name__)

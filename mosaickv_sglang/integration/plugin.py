@@ -21,7 +21,7 @@ cannot honour are refused at startup with an error naming the flag or the model 
 
 Programmatic (``sglang.Engine(**kwargs)`` rejects unknown kwargs)::
 
-    from mosaickv_sglang.plugin import Engine, server_args
+    from mosaickv_sglang.integration.plugin import Engine, server_args
     engine = Engine(model_path=M, mosaickv_config={"hot_tokens": 128})     # kv_backend="mosaickv"
     # or: sglang.Engine(server_args=server_args(model_path=M, mosaickv_config=...))
 """
@@ -35,7 +35,7 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from . import wiring
-from .config import MosaicConfig, check_fits
+from ..config import MosaicConfig, check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _check_server_args(result, self):
             f"MosaicKV is half-configured (attention_backend={self.attention_backend!r}, "
             f"radix_cache_backend={self.radix_cache_backend!r}, config "
             f"{'set' if get_config(self) else 'missing'}): use --kv-backend mosaickv, or "
-            f"mosaickv_sglang.plugin.server_args()/Engine() from Python")
+            f"mosaickv_sglang.integration.plugin.server_args()/Engine() from Python")
     _refuse_flags(self)
     _refuse_cuda_graphs(self, get_config(self))
     model_config = self.get_model_config()
