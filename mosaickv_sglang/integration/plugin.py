@@ -130,6 +130,11 @@ def _from_cli_args(original, cls, args: argparse.Namespace):
     return _attach(original(cls, args), kv_backend, config)
 
 
+def _arg(args, key: str):
+    """One of SGLang's arguments, from a Namespace or a dict of ServerArgs fields (None: unset)."""
+    return args.get(key) if isinstance(args, dict) else getattr(args, key, None)
+
+
 def resolve_config(args, config: MosaicConfig | None) -> MosaicConfig:
     """The config a server runs with, its `auto` choices made from the server's arguments (a
     Namespace or a dict), the same on every TP rank: `decode_cuda_graph: auto` is "full" on CUDA
@@ -142,8 +147,7 @@ def resolve_config(args, config: MosaicConfig | None) -> MosaicConfig:
     config = config or MosaicConfig()
     if config.decode_cuda_graph != "auto":
         return config
-    device = args.get("device") if isinstance(args, dict) else getattr(args, "device", None)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _arg(args, "device") or ("cuda" if torch.cuda.is_available() else "cpu")
     mode = "full" if device == "cuda" and config.decode_kernel in ("auto", "triton") else "off"
     try:
         return dataclasses.replace(config, decode_cuda_graph=mode)
@@ -154,7 +158,7 @@ def resolve_config(args, config: MosaicConfig | None) -> MosaicConfig:
 
 def _apply_backend_args(args, config: MosaicConfig) -> None:
     """What --kv-backend mosaickv implies for SGLang's own arguments (a Namespace or a dict)."""
-    page = getattr(args, "page_size", None) if not isinstance(args, dict) else args.get("page_size")
+    page = _arg(args, "page_size")
     if page not in (None, 1, config.segment_tokens):
         raise MosaicKVUnsupported(f"--page-size {page}: MosaicKV pages are segments, so the page "
                                   f"size is segment_tokens={config.segment_tokens}")
