@@ -161,7 +161,7 @@ def run_point(ctx: int, bs: int, args, cfg: MosaicConfig) -> dict:
     row = {"context": ctx, "batch": bs, "layers": args.layers, "built_s": round(built_s, 1),
            "host_ms": sorted(host)[len(host) // 2],
            "mosaickv_ms_per_layer": mosaic_ms / args.layers,
-           "width_classes": len(pool.store.width_classes),
+           "layouts": len(pool.store.layouts),
            "rows_per_request": backend.graph.width,
            "sealed_ratio": pool.stats().get("sealed_ratio")}
     if args.profile:
@@ -216,7 +216,7 @@ def main() -> None:
             row = run_point(ctx, bs, args, cfg)
             out["rows"].append(row)
             print(f"ctx {ctx} batch {bs}: MosaicKV {row['mosaickv_ms_per_layer']:.4f} ms/layer "
-                  f"(host {row['host_ms']:.2f} ms/step, {row['width_classes']} width classes), "
+                  f"(host {row['host_ms']:.2f} ms/step, {row['layouts']} layouts), "
                   f"dense SDPA {row['dense_ms_per_layer']:.4f} ms/layer "
                   f"(HBM floor {row['dense_floor_ms']:.4f}): {row['mosaickv_over_dense']:.2f}x "
                   f"[built in {row['built_s']} s]", flush=True)

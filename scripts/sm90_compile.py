@@ -177,6 +177,45 @@ def select_rows(context_tokens: int):
               -(-sel.sink_tokens // pt), -(-sel.recent_tokens // pt))
 
 
+def graph_decode(d: int, select: bool):
+    """GraphDecode.attend (the full decode graph): q into each reached row's K basis, the page
+    bounds written request-major and the top pages per request (`select`), stage 1 over the
+    selected pages (every layout through its plan) with the hot tokens as one more split,
+    stage 2 into the layer's bf16 output."""
+    from kernel_bench import synth_page_meta
+    from mosaickv_kernels.page_select import page_bounds as bounds, select_page_list
+    from mosaickv_kernels.request_decode import DecodeTables, RequestDecode
+    from mosaickv_sglang.config import MosaicConfig
+
+    cfg = MosaicConfig()
+    arena, hq = _arena(d)
+    h, w, bs = arena.num_kv_heads, 2, 2
+    pps = SEGMENT // cfg.page_tokens
+    row_pages = cfg.basis_block_tokens // cfg.page_tokens
+    dec = RequestDecode()
+    dec.plan(batch=bs, rows_per_request=w, row_pages=row_pages, pages_per_seg=pps,
+             num_kv_heads=h, num_qo_heads=hq, head_dim=d, max_selected=16 if select else None,
+             sm_scale=d ** -0.5, device="cpu")
+    i32 = dict(dtype=torch.int32)
+    indptr = torch.tensor([0, 2, 2, 2, 2], **i32)
+    seg_ids = torch.arange(2, **i32)
+    req_pages = torch.tensor([2 * pps, 0], **i32)
+    ptrs = torch.zeros(bs * w, dtype=torch.int64)
+    q = torch.randn(bs, hq, d, dtype=torch.bfloat16)
+    q_rot, q_s = dec.queries(q, ptrs, 0, req_pages)
+    sel = {}
+    if select:
+        meta = synth_page_meta(arena, cfg.select.meta_channels)
+        b = bounds(q_rot, meta, indptr, seg_ids, row_pages, rows_per_out=w)
+        ids, counts = select_page_list(b, req_pages, 4, 1, 2)
+        sel = dict(page_ids=ids, page_counts=counts)
+    buf = torch.zeros(4 * SEGMENT, h, d, dtype=torch.bfloat16)
+    tables = DecodeTables(arena.data, arena.headers, arena.plans, indptr, seg_ids, req_pages,
+                          buf, buf, torch.zeros(bs, 40, dtype=torch.long),
+                          torch.full((bs,), 40, **i32))
+    dec.run(q_rot, q_s, tables, ptrs, 0, torch.empty(bs, hq, d, dtype=torch.bfloat16), **sel)
+
+
 def band_pack(d: int):
     """SegmentStore's install with pack_kernel: one pack_layout per layout, two launches (K,
     V); the pairs (K_i, V_i) cover every K and every V width set of the default candidates."""
@@ -264,6 +303,12 @@ SCENARIOS = [
     *(Scenario(f"select {n // 1024}K", ("page_select._select_top_pages",
                                         "page_select._rows_from_requests"),
                lambda n=n: select_rows(n)) for n in (32768, 131072, 524288)),
+    *(Scenario(f"graph decode d{d}{' select' if sel else ''}",
+               ("request_decode._request_queries", "request_decode._request_decode_stage1",
+                "request_decode._request_decode_stage2")
+               + (("page_select._page_bounds", "page_select._select_top_pages") if sel else ()),
+               lambda d=d, sel=sel: graph_decode(d, sel))
+      for d in (128, 64) for sel in (True, False)),
     Scenario("pack d128", ("band_pack._pack_kind",), lambda: band_pack(128)),
     Scenario("pack d64", ("band_pack._pack_kind",), lambda: band_pack(64)),
     Scenario("unpack d128", ("band_unpack._unpack_segments",), lambda: band_unpack(128)),

@@ -52,6 +52,21 @@ def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024
     return backend, pool
 
 
+def _same_tables(plan, bk, width: int, n: int, why) -> None:
+    """Each real request's compressed pages and hot rows: the graph bucket's equal the eager
+    step plan's (rows appended request by request there; the hot tokens on a request's last
+    row)."""
+    row_req = plan.row_req.tolist()
+    indptr, ids = plan.seg_indptr.tolist(), plan.seg_ids.tolist()
+    g_indptr, g_ids = bk.seg_indptr.tolist(), bk.seg_ids.tolist()
+    for b in range(n):
+        rows = [r for r, x in enumerate(row_req) if x == b]
+        pages = [p for r in rows for p in ids[indptr[r]:indptr[r + 1]]]
+        assert pages == g_ids[g_indptr[b * width]:g_indptr[(b + 1) * width]], why
+        hot = plan.hot_index[rows[-1], :int(plan.hot_lens[rows[-1]])].tolist()
+        assert hot == bk.hot_rows[b, :int(bk.hot_lens[b])].tolist(), why
+
+
 def _state(pool):
     return (sorted(pool.sealed), pool.hot_page_of.clone().cpu(), sorted(pool.free_hot_pages))
 
@@ -70,9 +85,12 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
         seq_lens=torch.full((bs,), fill, device=device), seq_lens_cpu=torch.full((bs,), fill),
         out_cache_loc=torch.zeros(bs, dtype=torch.long, device=device),
         forward_mode=ForwardMode.DECODE)
-    # fp32 queries (the kernels take them; the output then is fp32 too): the two paths differ
-    # by float reassociation only (~3e-7 of the largest output, measured), where one hot token
-    # missed moved it by 1.5e-4
+    # fp32 queries (the kernels take them; the output then is fp32 too). The eager kernels'
+    # products split q in two bf16 halves (~2^-17 relative per product), the graph's are tf32x3
+    # (~float32): the two differ by up to ~3e-5 of the largest output (measured), so outputs are
+    # compared at 1e-4 and the tables the graph reads are compared with the eager plan's exactly
+    # (a hot token missed moved an output by ~1.5e-4); the graph's kernels are checked against
+    # their float32 reference in test_request_decode_kernel.py
     q_in = torch.zeros(LAYERS, bs, HQ * D, device=device)
     k_in = torch.zeros(LAYERS, bs, H, D, dtype=torch.bfloat16, device=device)
     v_in = torch.zeros_like(k_in)
@@ -122,7 +140,8 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
         assert torch.isfinite(got).all(), (i, repro(seed))
         for j, w in enumerate(want):
             err = float((got[j, :n] - w).abs().max())
-            assert err <= 1e-5 * float(w.abs().max()), (i, j, err, repro(seed))
+            assert err <= 1e-4 * float(w.abs().max()), (i, j, err, repro(seed))
+        _same_tables(eager.packed.step, graph.graph.bucket, graph.graph.width, n, (i, repro(seed)))
         e, g = _state(pool_e), _state(pool_g)
         assert e[0] == g[0] and torch.equal(e[1][1:], g[1][1:]) and e[2] == g[2], (i, repro(seed))
     assert len(pool_g.sealed) > sum(m // PS for m in lengths), repro(seed)  # sealed on the way
@@ -207,12 +226,16 @@ def test_buckets_share_the_kernels_workspace(seed):
     for bs in (4, 2, 1, 8):
         bk = g.bucket_for(bs)
         g.plan_bucket(bk, HQ, D ** -0.5)
-        plans[bs] = bk.wrapper
+        plans[bs] = bk.decoder
     ptr = {bs: w.part_acc.untyped_storage().data_ptr() for bs, w in plans.items()}
     assert ptr[4] == ptr[2] == ptr[1] != ptr[8], ptr
-    assert plans[2].part_acc.shape[0] == 2 * g.width and plans[8].part_acc.shape[0] == 8 * g.width
-    # splits from the selection's pages per row, not a row's capacity
-    from mosaickv_kernels.band_decode import MIN_PAGES_PER_SPLIT
-    per_row = -(-g.budget_pages // g.width)
-    assert plans[1].num_splits == max(1, per_row // MIN_PAGES_PER_SPLIT), \
+    assert plans[2].part_acc.shape[0] == 2 and plans[8].part_acc.shape[0] == 8
+    assert plans[2].q_rot.shape[0] == 2 * g.width
+    bounds = {bs: g.buckets[bs].bounds.untyped_storage().data_ptr() for bs in plans}
+    assert bounds[4] == bounds[2] == bounds[1] != bounds[8], bounds
+    # splits from the pages a request's selection lists at most, not its capacity
+    from mosaickv_kernels.request_decode import MIN_PAGES_PER_SPLIT
+    selected = g.budget_pages + g.sink_pages + g.recent_pages
+    assert plans[1].max_selected == selected
+    assert plans[1].num_splits <= max(1, selected // MIN_PAGES_PER_SPLIT), \
         (plans[1].num_splits, g.budget_pages, g.width)

@@ -32,6 +32,12 @@ ALLOWED_SPILL_BYTES = {
     # (exact=False) ones, 1 of the 8 d64 ones (b8=4,b4=60 for K and V, with selection: 40).
     # A larger spill, or a spill in another kernel, is a regression to look at.
     "band_decode._band_decode_stage1": 64,
+    # The decode graph's stage 1 dequantizes every layout through gathers of its per-channel
+    # plan (pointer tiles of 64-bit addresses) and holds q and the row's accumulator: at
+    # head_dim 128 with 8 warps and 16-token units it sits at 255 registers and spills 64 bytes
+    # (36 stored, 28 loaded; with 4 warps or 32-token units 340-1456; the raw-basis accumulator in
+    # registers instead of the split's workspace slot 1400+).
+    "request_decode._request_decode_stage1": 64,
 }
 
 

@@ -63,8 +63,8 @@ def _page_bounds(
     Q,  # fp32 [B, H, G, D] in the K basis (any positive scale)
     CHANNELS, LO, HI, REST,  # PackedPageMeta tensors
     SEG_INDPTR, SEG_IDS,  # int32 [B+1], [S]
-    OUT,  # fp32 [B, H, P_out]; -inf past the request's pages
-    H, P_out,
+    OUT,  # fp32 [B / RPO, H, P_out]; -inf past the request's pages
+    H, P_out, RPO, P_row,  # RPO rows per output line, row r at columns (r % RPO) * P_row
     G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PPS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -101,15 +101,19 @@ def _page_bounds(
     bound = tl.where(mask_g[:, None], bound, float("-inf"))
     best = tl.max(bound, 0)
     best = tl.where(valid, best, float("-inf"))
-    tl.store(OUT + (b * H + h) * P_out + offs_p, best, mask=offs_p < P_out)
+    tl.store(OUT + ((b // RPO) * H + h) * P_out + (b % RPO) * P_row + offs_p, best,
+             mask=offs_p < P_row)
 
 
 def page_bounds(q_rot: torch.Tensor, meta: PackedPageMeta, seg_indptr: torch.Tensor,
                 seg_ids: torch.Tensor, max_pages: int, out: torch.Tensor | None = None,
-                block_pages: int = 64) -> torch.Tensor:
+                block_pages: int = 64, rows_per_out: int = 1) -> torch.Tensor:
     """q_rot fp32 [B, H, G, D] (queries in the K basis) -> float32 [B, H, max_pages]: per page of
     each request (in token order, the arena's segment lists) the largest bound over the group's
-    query heads; -inf past a request's pages."""
+    query heads; -inf past a request's pages. With `rows_per_out` = W > 1 the B rows are W
+    consecutive rows per request (position blocks of `max_pages` pages each) and the output is
+    request-major, [B / W, H, W * max_pages]: row w of request b at columns
+    [w * max_pages, (w + 1) * max_pages)."""
     if q_rot.dtype != torch.float32 or q_rot.dim() != 4 or not q_rot.is_contiguous():
         raise ValueError(f"page_bounds: q_rot must be contiguous float32 [B, H, G, D], got "
                          f"{q_rot.dtype} {tuple(q_rot.shape)}")
@@ -120,12 +124,20 @@ def page_bounds(q_rot: torch.Tensor, meta: PackedPageMeta, seg_indptr: torch.Ten
                          f"{tuple(meta.lo.shape)}; q_rot has H={h}")
     if seg_indptr.numel() != bsz + 1:
         raise ValueError(f"page_bounds: seg_indptr has {seg_indptr.numel()} entries for B={bsz}")
+    rpo = rows_per_out
+    if rpo < 1 or bsz % rpo:
+        raise ValueError(f"page_bounds: {bsz} rows are not whole groups of rows_per_out={rpo}")
+    shape = (bsz // rpo, h, max(rpo * max_pages, 1))
     if out is None:
-        out = torch.empty(bsz, h, max(max_pages, 1), dtype=torch.float32, device=q_rot.device)
+        out = torch.empty(*shape, dtype=torch.float32, device=q_rot.device)
+    elif rpo > 1 and (tuple(out.shape) != shape or not out.is_contiguous()):
+        raise ValueError(f"page_bounds: out must be contiguous {list(shape)}, got "
+                         f"{tuple(out.shape)}")
     if max_pages:
         grid = (bsz, h, triton.cdiv(max_pages, block_pages))
         _page_bounds[grid](q_rot, meta.channels, meta.lo, meta.hi, meta.rest_norm, seg_indptr,
-                           seg_ids, out, h, out.shape[2], G=g, D=d, M=m,
+                           seg_ids, out, h, out.shape[2], rpo,
+                           max_pages if rpo > 1 else out.shape[2], G=g, D=d, M=m,
                            PPS=meta.pages_per_segment, BLOCK_G=triton.next_power_of_2(g),
                            BLOCK_P=block_pages, BLOCK_M=triton.next_power_of_2(m),
                            BLOCK_D=triton.next_power_of_2(d), num_warps=4)

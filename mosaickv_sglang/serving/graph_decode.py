@@ -4,19 +4,21 @@ Under ``decode_cuda_graph: "full"`` each layer's MosaicKV attention is recorded 
 SGLang captures per batch size, so a replay launches nothing from Python. What that takes:
 
 * **A fixed row layout.** Request b's w-th basis block is row ``b * W + w`` (W: the blocks a
-  request of the model's context length can have). Rows are position blocks, so a row's place
-  in its request, the selection's gather of rows into one line per request and the merge of a
-  request's rows never change; rows a request does not reach, and padded requests, are empty.
+  request of the model's context length can have). Rows are position blocks, so row w holds the
+  request's pages [w * row_pages, (w + 1) * row_pages): a request's pages are one list in
+  position order whatever its rows, and a page's row is its index over row_pages.
 * **Per-step tables written in place, before the replay** (`prepare`, host side, from the same
   sealed/hot state and the same per-request reads as the eager plan, `packed_decode.request_reads`):
   each row's segments (a CSR list into a fixed-size buffer), its bases' address, each request's
-  hot-buffer rows, each request's page count for the selection.
-* **Kernels that read in place with grids fixed per batch size**: `rotate_rows` (bases by
-  address), the indexed hot partial, one stage-1 launch per width class of the candidate
-  layouts (registered up front: `SegmentStore.freeze_layouts`), the selection always on (a
-  request within the budget keeps all its pages), a split count fixed at capture.
-* Empty rows give lse -inf and weigh nothing in the merge; a padded request reads the padding
-  page's token 0 (slot 0, which its row wrote), so its output is finite.
+  hot-buffer rows and its compressed page count.
+* **Five launches per layer with grids fixed per batch size** (`request_decode`): q into every
+  reached row's K basis; the page bounds over the rows, written request-major, and the top pages
+  per request (the selection always on: a request within the budget keeps all its pages); one
+  stage-1 launch over each request's selected pages, every layout in one compiled variant (the
+  per-channel plan, no width classes), rows' V accumulators rotated back as the row changes, the
+  hot tokens as one more split; one merge writing the layer's output.
+* Padded requests have no pages and read the padding page's token 0 (slot 0, which their row
+  wrote), so their output is finite.
 
 A batch holding a page the kernel cannot read runs eagerly (`graph_refusal`, counted in stats).
 """
@@ -28,12 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mosaickv_kernels.band_decode import BandDecodeWrapper
-from mosaickv_kernels.basis_rotate import BasisTable, basis_pointers
-from mosaickv_kernels.page_select import RowSelection
-from mosaickv_kernels.row_merge import merge_rows
+from mosaickv_kernels.basis_rotate import basis_pointers
+from mosaickv_kernels.page_select import page_bounds, select_page_list
+from mosaickv_kernels.request_decode import DecodeTables, RequestDecode
 
-from ..codec.arena import PackedArena
 from .packed_decode import host_batch, host_seq_lens, hot_slots, readable, request_reads
 
 logger = logging.getLogger(__name__)
@@ -44,17 +44,15 @@ class _Bucket:
     """The static tables and the kernels' plan of one captured batch size."""
     bs: int
     rows: int  # bs * W
-    row_req: torch.Tensor  # int64 [R]: b for row b * W + w
-    req_rows: torch.Tensor  # int64 [bs, W]
-    reqs: torch.Tensor  # int64 [bs]
     seg_indptr: torch.Tensor  # int32 [R + 1]
     seg_ids: torch.Tensor  # int32 [R * block_pages]
     basis_ptrs: torch.Tensor  # int64 [R]
-    hot_rows: torch.Tensor  # int64 [R, hot_cap]
-    hot_lens: torch.Tensor  # int32 [R]
-    selection: RowSelection | None
-    wrapper: BandDecodeWrapper
+    hot_rows: torch.Tensor  # int64 [bs, hot_cap]
+    hot_lens: torch.Tensor  # int32 [bs]
+    req_pages: torch.Tensor  # int32 [bs]: compressed 32-token pages of each request
+    decoder: RequestDecode
     keep: list  # the bases tensors this step's addresses point into
+    bounds: torch.Tensor | None = None  # fp32 [bs, H, W * row_pages] (selection)
 
 
 def band_pairs(cfg) -> list[tuple[str, str]]:
@@ -101,34 +99,37 @@ class GraphDecode:
             return self.buckets[bs]
         dev, w = self.pool.device, self.width
         r = bs * w
-        i64 = dict(dtype=torch.long, device=dev)
-        row_req = torch.arange(bs, **i64).repeat_interleave(w)
-        selection = None
-        if self.cfg.select.enabled:
-            selection = RowSelection(row_req.tolist(), [self.row_pages] * r, dev)
-        bk = _Bucket(bs, r, row_req, torch.arange(r, **i64).view(bs, w), torch.arange(bs, **i64),
-                     torch.zeros(r + 1, dtype=torch.int32, device=dev),
-                     torch.zeros(max(r * self.block_pages, 1), dtype=torch.int32, device=dev),
-                     torch.zeros(r, **i64), torch.zeros(r, self.hot_cap, **i64),
-                     torch.zeros(r, dtype=torch.int32, device=dev), selection,
-                     BandDecodeWrapper(), [])
+        i32 = dict(dtype=torch.int32, device=dev)
+        bk = _Bucket(bs, r, torch.zeros(r + 1, **i32),
+                     torch.zeros(max(r * self.block_pages, 1), **i32),
+                     torch.zeros(r, dtype=torch.long, device=dev),
+                     torch.zeros(bs, self.hot_cap, dtype=torch.long, device=dev),
+                     torch.zeros(bs, **i32), torch.zeros(bs, **i32), RequestDecode(), [])
         self.buckets[bs] = bk
         return bk
 
     def plan_bucket(self, bk: _Bucket, num_qo_heads: int, sm_scale: float) -> None:
         """The kernels' plan of a bucket (splits, workspace), once: at its first forward, which
         SGLang runs as a warm-up before the capture."""
-        if bk.wrapper._planned:
+        if bk.decoder._planned:
             return
-        # Splits from the pages a row reads on average under selection (a request's budget over
-        # its W rows), not from what a row could hold: sized by the row's capacity, a 32K step
-        # at batch 1 had 15 splits x 16 classes = 240 parts per (row, head) to merge, 86 us of a
-        # 300 us layer on an H200 (results/h200_2026-12-04_full_graph). A row holding more of
-        # the selection walks more pages per split (same result).
-        per_row = -(-self.budget_pages // self.width) if bk.selection is not None else None
-        bk.wrapper.plan(self._arena(bk, 0), num_qo_heads, sm_scale=sm_scale,
-                        width_classes=self.pool.store.width_classes,
-                        static_pages=self.row_pages, max_selected_pages=per_row,
+        pool, w = self.pool, self.width
+        selected = None
+        if self.cfg.select.enabled:
+            selected = min(w * self.row_pages,
+                           self.budget_pages + self.sink_pages + self.recent_pages)
+            # in the shared workspace too (one graph replays at a time)
+            shape = (bk.bs, pool.head_num, w * self.row_pages)
+            n = shape[0] * shape[1] * shape[2]
+            have = self.workspace.get("bounds")
+            if have is None or have.numel() < n:
+                have = self.workspace["bounds"] = torch.empty(n, dtype=torch.float32,
+                                                              device=pool.device)
+            bk.bounds = have[:n].view(shape)
+        bk.decoder.plan(batch=bk.bs, rows_per_request=w, row_pages=self.row_pages,
+                        pages_per_seg=self.pps, num_kv_heads=pool.head_num,
+                        num_qo_heads=num_qo_heads, head_dim=pool.head_dim,
+                        max_selected=selected, sm_scale=sm_scale, device=pool.device,
                         workspace=self.workspace)
 
     # ---- before each replay (host) ---------------------------------------------------------
@@ -158,7 +159,6 @@ class GraphDecode:
         r, block = bk.rows, self.block_pages
         counts = np.zeros(r, dtype=np.int32)
         id_chunks = []
-        # the hot tokens ride on each request's row 0 (rows b * W): only those rows are written
         hot_rows = torch.zeros(bk.bs, self.hot_cap, dtype=torch.long)
         hot_lens = torch.zeros(bk.bs, dtype=torch.int32)
         wholes: list = [None] * r
@@ -189,64 +189,55 @@ class GraphDecode:
             req_pages[i] = n * self.pps
             total_pages += n * self.pps
         hot_lens[rows:] = 1  # padded requests: the padding page's token 0 (hot row 0)
-        counts = torch.from_numpy(counts)
         indptr = torch.zeros(r + 1, dtype=torch.int32)
-        indptr[1:] = counts.cumsum(0)
+        indptr[1:] = torch.from_numpy(counts).cumsum(0)
         ids = np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int32)
         bk.seg_indptr.copy_(indptr)
         if len(ids):
             bk.seg_ids[:len(ids)].copy_(torch.from_numpy(ids.astype(np.int32)))
         ptrs, bk.keep = basis_pointers(wholes, pool.device)
         bk.basis_ptrs.copy_(ptrs)
-        bk.hot_rows[::w].copy_(hot_rows)
-        bk.hot_lens[::w].copy_(hot_lens)
-        if bk.selection is not None:  # rows are position blocks: row w starts at w * row_pages
-            lo = (torch.arange(r, dtype=torch.int32) % w) * self.row_pages
-            bk.selection.req_pages.copy_(req_pages)
-            bk.selection.hi.copy_(lo + counts * self.pps)
+        bk.hot_rows.copy_(hot_rows)
+        bk.hot_lens.copy_(hot_lens)
+        bk.req_pages.copy_(req_pages)
         self.bucket = bk
         self.steps += 1
         self.request_steps += rows
         layers, h = pool.layer_num, pool.head_num
         self.pages_available += total_pages * h * layers
-        if bk.selection is None:
+        if not self.cfg.select.enabled:
             self.pages_read_unselected += total_pages * h * layers
 
     # ---- per layer (recorded in the graph) ------------------------------------------------
     def attend(self, q: torch.Tensor, layer, out: torch.Tensor) -> None:
         """q [bs, Hq, D] -> out [bs, Hq, D]: device work only, on the bucket's tables."""
-        bk = self.bucket
-        local = layer.layer_id - self.pool.start_layer
+        bk, pool = self.bucket, self.pool
+        local, h = layer.layer_id - pool.start_layer, pool.head_num
         self.plan_bucket(bk, q.shape[1], layer.scaling)
-        arena = self._arena(bk, local)
-        wrapper = bk.wrapper
-        q_rows = q[bk.row_req]
-        queries = wrapper.queries(q_rows, arena)
+        dec = bk.decoder
+        q_rot, q_s = dec.queries(q, bk.basis_ptrs, local * h, bk.req_pages)
         sel = {}
-        if bk.selection is not None:
-            sel = dict(zip(("page_ids", "page_counts"), wrapper.select(
-                q_rows, arena, self.pool.store.meta[local], budget_pages=self.budget_pages,
-                sink_pages=self.sink_pages, recent_pages=self.recent_pages,
-                rows=bk.selection, queries=queries)))
-        o_rows = wrapper.run(q_rows, arena, out_dtype=torch.float32, queries=queries, **sel)
-        merge_rows(o_rows, wrapper.lse.view(bk.rows, q.shape[1]), bk.req_rows, bk.reqs, out)
+        if bk.bounds is not None:
+            bounds = page_bounds(q_rot, pool.store.meta[local], bk.seg_indptr, bk.seg_ids,
+                                 self.row_pages, out=bk.bounds, rows_per_out=self.width)
+            sel = dict(zip(("page_ids", "page_counts"), select_page_list(
+                bounds, bk.req_pages, self.budget_pages, self.sink_pages, self.recent_pages)))
+        dec.run(q_rot, q_s, self.tables(bk, local), bk.basis_ptrs, (pool.layer_num + local) * h,
+                out, **sel)
 
-    def _arena(self, bk: _Bucket, local: int) -> PackedArena:
-        pool, store, h = self.pool, self.pool.store, self.pool.head_num
-        basis = BasisTable(bk.basis_ptrs, local * h, (pool.layer_num + local) * h)
-        return PackedArena(store.data[local], store.headers[local], bk.seg_indptr, bk.seg_ids,
-                           None, None, pool.k_buffer[local], pool.v_buffer[local], bk.hot_lens,
-                           store.plans, segment_tokens=pool.page_size,
-                           page_tokens=self.cfg.page_tokens, payload={"codes": 0, "scales": 0},
-                           min_group=store.min_group, basis=basis, hot_rows=bk.hot_rows)
+    def tables(self, bk: _Bucket, local: int) -> DecodeTables:
+        pool, store = self.pool, self.pool.store
+        return DecodeTables(store.data[local], store.headers[local], store.plans, bk.seg_indptr,
+                            bk.seg_ids, bk.req_pages, pool.k_buffer[local], pool.v_buffer[local],
+                            bk.hot_rows, bk.hot_lens)
 
     def stats(self) -> dict:
         """Steps replayed and refused, and the selection's pages over replayed steps (one host
         sync per bucket, for stats)."""
         read = self.pages_read_unselected
         for bk in self.buckets.values():
-            if bk.wrapper._pages_selected is not None:
-                read += int(bk.wrapper._pages_selected)
+            if bk.decoder.read is not None:
+                read += int(bk.decoder.read.sum())
         return {"graph_steps": self.steps, "graph_request_steps": self.request_steps,
                 "graph_eager_steps": self.eager_steps, "buckets": sorted(self.buckets),
                 "rows_per_request": self.width,

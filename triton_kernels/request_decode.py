@@ -1,0 +1,472 @@
+"""Decode attention per request over its position-block rows, in few launches: the decode CUDA
+graph's attention.
+
+A request of the serving pool is read as W *rows*, one per basis block of `row_pages` 32-token
+pages (row w holds the request's pages [w * row_pages, (w + 1) * row_pages)), plus its hot tokens
+(bf16, raw basis, read in place through a row table). Each row has its own K and V bases (bf16
+[D, D] read transforms, by address: `basis_rotate.BasisTable`). Three launches per layer, plus
+the selection's two (`page_select.page_bounds` over the rows, written request-major, and
+`select_page_list` per request):
+
+1. `queries`: per (row, KV head) q scaled by sm_scale, rotated into the row's K basis
+   (q_rot = q_s @ R_k^T), and q_s itself (for the hot tokens); rows a request does not reach are
+   skipped (their bases are never read).
+2. `run` stage 1, one program per (request, KV head, split) over a contiguous share of the
+   request's selected pages (ascending, so rows come in order), all G query heads at once: each
+   page's K and V tiles dequantized through the layout's per-channel plan (`band_unpack`'s
+   gathers: every layout in one compiled variant, no width classes), scores against the page's
+   row's q_rot, an online softmax whose accumulator is in the row's V basis and is rotated back
+   (acc @ R_v) into a raw-basis accumulator when the row changes. The extra split `num_splits`
+   reads the hot tokens (raw basis). Every part is in the raw basis.
+3. stage 2, one program per (request, KV head): log-sum-exp merge of the parts, written to the
+   output in its dtype. Pages read are counted on the device (one atomic add per program).
+
+Products are tf32x3 tensor-core dots (~float32 accuracy). `request_decode_reference` is the
+torch version of 1-3 on the same inputs.
+
+    dec = RequestDecode()
+    dec.plan(batch=4, rows_per_request=W, row_pages=128, pages_per_seg=4, num_kv_heads=8,
+             num_qo_heads=32, head_dim=128, max_selected=138, sm_scale=0.088, device="cuda")
+    q_rot, q_s = dec.queries(q, basis_ptrs, k_offset, req_pages)       # per layer
+    dec.run(q_rot, q_s, tables, basis_ptrs, v_offset, out, page_ids=ids, page_counts=counts)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .band_unpack import PLAN_ROW, _unpack_kind
+from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
+
+PAGE_TOKENS = 32
+MIN_PAGES_PER_SPLIT = 4
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 8
+
+
+@triton.jit
+def _request_queries(
+    Q,  # [B, Hq, D] any float dtype, rows stride_b apart (heads and channels contiguous)
+    PTRS,  # int64 [B * W]: each row's bf16 bases tensor (0: the identity)
+    REQ_PAGES,  # int32 [B]: the request's compressed pages
+    Q_ROT, Q_S,  # fp32 [B * W, H, G, D], [B, H, G, D]
+    k_offset, H, G, W, row_pages, sm_scale, stride_b,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per (row, KV head, BLOCK_N output channels)."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    b = r // W
+    w = r % W
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_g < G)[:, None]
+    src = Q + b * stride_b + (h * G + offs_g)[:, None] * D
+    out = ((r * H + h) * G + offs_g)[:, None] * D
+    if w == 0:
+        q_n = tl.load(src + offs_n[None, :], mask=mask, other=0.0).to(tl.float32) * sm_scale
+        tl.store(Q_S + ((b * H + h) * G + offs_g)[:, None] * D + offs_n[None, :], q_n, mask=mask)
+    if w * row_pages < tl.load(REQ_PAGES + b):  # a row the request reaches
+        addr = tl.load(PTRS + r)
+        if addr == 0:
+            y = tl.load(src + offs_n[None, :], mask=mask, other=0.0).to(tl.float32) * sm_scale
+        else:
+            x = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32) * sm_scale
+            mat = addr.to(tl.pointer_type(tl.bfloat16)) + (k_offset + h) * D * D
+            rt = tl.load(mat + offs_n[None, :] * D + offs_d[:, None])  # R^T[j, n] = R[n, j]
+            y = tl.dot(x, rt.to(tl.float32), input_precision="tf32x3")
+        tl.store(Q_ROT + out + offs_n[None, :], y, mask=mask)
+
+
+@triton.jit
+def _flush(acc_rot, m_flushed, m, addr, v_offset, h, ACC, rows, mask_g, offs_d,
+           D: tl.constexpr, BLOCK_J: tl.constexpr):
+    """ACC[rows] = ACC[rows] * exp(m_flushed - m) + acc_rot @ R_v (just acc_rot @ R_v at the
+    first flush, m_flushed = -inf), R_v the row's V read transform (bf16 [D, D] at `addr`; 0:
+    the identity), BLOCK_J output channels at a time: the raw-basis accumulator lives in the
+    split's workspace slot, not in registers (stage 1 sits at the register limit without it).
+    The caller orders these stores before the next flush's reads (a CTA barrier)."""
+    keep = (m_flushed > float("-inf"))[:, None]
+    scale = tl.exp(m_flushed - m)[:, None]
+    mat = addr.to(tl.pointer_type(tl.bfloat16)) + (v_offset + h) * D * D
+    for j0 in tl.static_range(0, D, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        if addr == 0:
+            r = (offs_d[:, None] == offs_j[None, :]).to(tl.float32)
+        else:
+            r = tl.load(mat + offs_d[:, None] * D + offs_j[None, :],
+                        mask=(offs_d < D)[:, None], other=0.0).to(tl.float32)
+        part = tl.dot(acc_rot, r, input_precision="tf32x3")
+        at = ACC + rows[:, None] * D + offs_j[None, :]
+        part += tl.where(keep, tl.load(at, mask=mask_g[:, None], other=0.0) * scale, 0.0)
+        tl.store(at, part, mask=mask_g[:, None])
+
+
+@triton.jit
+def _request_decode_stage1(
+    Q_ROT, Q_S,  # fp32 [B * W, H, G, D] (row's K basis), [B, H, G, D] (raw); pre-scaled
+    ARENA_U8, ARENA_F16, HEADERS, PLANS,  # the layer's arena, headers, layout plans
+    SEG_INDPTR, SEG_IDS,  # int32 [B * W + 1], [S]: each row's segments in position order
+    PAGE_IDS, PAGE_COUNTS,  # int32 [B, H, K] ascending, [B, H] (HAS_SELECT), else unused
+    REQ_PAGES,  # int32 [B]
+    PTRS,  # int64 [B * W]: each row's bases tensor
+    HOT_K, HOT_V, HOT_ROWS, HOT_LENS,  # bf16 [N, H, D] x2, int64 [B, T], int32 [B]
+    PART_M, PART_L, PART_ACC,  # fp32 [B, H, NP, G], [B, H, NP, G], [B, H, NP, G, D]
+    v_offset, H, G, W, row_pages, pps, max_sel, num_splits, hot_t,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+    HDR_W: tl.constexpr, PLAN_W: tl.constexpr, BASE_COL: tl.constexpr, STRIDE_COL: tl.constexpr,
+    LAYOUT_COL: tl.constexpr, K_GROUP_COL: tl.constexpr, V_GROUP_COL: tl.constexpr,
+    R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
+    R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, SUB: tl.constexpr, HAS_SELECT: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    bh = b * H + h
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < G
+    mask_gd = mask_g[:, None] & (offs_d < D)[None, :]
+    rows = (bh * (num_splits + 1) + split) * G + offs_g  # this program's part
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    if split == num_splits:  # the hot tokens, raw basis, read in place
+        q = tl.load(Q_S + (bh * G + offs_g)[:, None] * D + offs_d[None, :], mask=mask_gd,
+                    other=0.0)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        n = tl.load(HOT_LENS + b)
+        for start in range(0, n, BLOCK_N):
+            tok = start + offs_n
+            ok = tok < n
+            row = tl.load(HOT_ROWS + b * hot_t + tok, mask=ok, other=0)
+            at = row[:, None] * (H * D) + h * D + offs_d[None, :]
+            okd = ok[:, None] & (offs_d < D)[None, :]
+            k = tl.load(HOT_K + at, mask=okd, other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(HOT_V + at, mask=okd, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")
+            m = m_new
+        tl.store(PART_ACC + rows[:, None] * D + offs_d[None, :], acc, mask=mask_gd)
+    else:
+        if HAS_SELECT:
+            count = tl.load(PAGE_COUNTS + bh)
+        else:
+            count = tl.load(REQ_PAGES + b)
+        per_split = tl.cdiv(count, num_splits)
+        start = split * per_split
+        end = tl.minimum(start + per_split, count)
+        seg0 = tl.load(SEG_INDPTR + b * W)
+        q = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # the current row's V basis
+        cur = -1  # the current row
+        m_flushed = tl.full([BLOCK_G], float("-inf"), tl.float32)  # m at the last flush
+        for unit in range(start * SUB, end * SUB):  # SUB units of BLOCK_N tokens per page
+            i = unit // SUB
+            if HAS_SELECT:
+                page = tl.load(PAGE_IDS + bh * max_sel + i)
+            else:
+                page = i
+            w = page // row_pages
+            if w != cur:
+                if cur >= 0:
+                    _flush(acc, m_flushed, m, tl.load(PTRS + b * W + cur), v_offset, h,
+                           PART_ACC, rows, mask_g, offs_d, D, BLOCK_J)
+                    tl.debug_barrier()
+                    m_flushed = m
+                    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+                q = tl.load(Q_ROT + ((b * W + w) * H * G + h * G + offs_g)[:, None] * D +
+                            offs_d[None, :], mask=mask_gd, other=0.0)
+                cur = w
+            seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
+            hdr = HEADERS + seg * HDR_W
+            base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
+            plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)
+            tok = (page % pps) * (SUB * BLOCK_N) + (unit % SUB) * BLOCK_N + offs_n
+            k = _unpack_kind(ARENA_U8, ARENA_F16, plan, base, tl.load(hdr + K_GROUP_COL), tok,
+                             offs_d, D, PLAN_W, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
+                             R_GROUP)
+            s = tl.dot(q, tl.trans(k), input_precision="tf32x3")  # [G, N]
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = _unpack_kind(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base,
+                             tl.load(hdr + V_GROUP_COL), tok, offs_d, D, PLAN_W, R_CODE, R_ROW,
+                             R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")
+            m = m_new
+        if cur >= 0:
+            _flush(acc, m_flushed, m, tl.load(PTRS + b * W + cur), v_offset, h, PART_ACC, rows,
+                   mask_g, offs_d, D, BLOCK_J)
+        else:  # no pages: an empty part (weight 0 in the merge, but finite)
+            tl.store(PART_ACC + rows[:, None] * D + offs_d[None, :],
+                     tl.zeros([BLOCK_G, BLOCK_D], tl.float32), mask=mask_gd)
+    tl.store(PART_M + rows, m, mask=mask_g)
+    tl.store(PART_L + rows, l, mask=mask_g)
+
+
+@triton.jit
+def _request_decode_stage2(
+    PART_M, PART_L, PART_ACC,  # stage 1's parts (raw basis)
+    OUT,  # [B, Hq, D] (any float dtype)
+    PAGE_COUNTS, READ,  # int32 [B, H], int64 [1]: pages read, summed here (HAS_SELECT)
+    H, G, num_parts,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SELECT: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < G
+    mask_gd = mask_g[:, None] & (offs_d < D)[None, :]
+    m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for s in range(num_parts):
+        part = (bh * num_parts + s) * G + offs_g
+        m_all = tl.maximum(m_all, tl.load(PART_M + part, mask=mask_g, other=float("-inf")))
+    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_tot = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(num_parts):
+        part = (bh * num_parts + s) * G + offs_g
+        wgt = tl.exp(tl.load(PART_M + part, mask=mask_g, other=float("-inf")) - m_ref)
+        l_tot += wgt * tl.load(PART_L + part, mask=mask_g, other=0.0)
+        acc += wgt[:, None] * tl.load(PART_ACC + part[:, None] * D + offs_d[None, :],
+                                      mask=mask_gd, other=0.0)
+    l_tot = tl.where(mask_g & (l_tot > 0), l_tot, 1.0)
+    tl.store(OUT + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
+             (acc / l_tot[:, None]).to(OUT.dtype.element_ty), mask=mask_gd)
+    if HAS_SELECT:
+        tl.atomic_add(READ, tl.load(PAGE_COUNTS + bh).to(tl.int64))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@dataclass
+class DecodeTables:
+    """What a step reads besides q: the layer's arena and the step's tables (device tensors)."""
+    data: torch.Tensor  # uint8 [N]: the layer's arena
+    headers: torch.Tensor  # int32 [S, HEADER_WIDTH]
+    plans: torch.Tensor  # int32 [layouts, 2, PLAN_W, D]
+    seg_indptr: torch.Tensor  # int32 [B * W + 1]
+    seg_ids: torch.Tensor  # int32 [>= seg_indptr[-1]]
+    req_pages: torch.Tensor  # int32 [B]: compressed 32-token pages of each request
+    hot_k: torch.Tensor  # bf16 [N, H, D]: the layer's hot buffer
+    hot_v: torch.Tensor
+    hot_rows: torch.Tensor  # int64 [B, T]: request b's hot token t is row hot_rows[b, t]
+    hot_lens: torch.Tensor  # int32 [B]
+
+
+class RequestDecode:
+    """plan (host: shapes, splits, workspace; once per batch size) then, per layer, `queries`
+    and `run` (launches only, no host sync: what a CUDA graph records)."""
+
+    def __init__(self):
+        self._planned = False
+        self.read = None  # int64 [1] on the device: (page, KV head) pairs the runs read
+
+    def plan(self, *, batch: int, rows_per_request: int, row_pages: int, pages_per_seg: int,
+             num_kv_heads: int, num_qo_heads: int, head_dim: int, max_selected: int | None,
+             sm_scale: float, device, num_splits: int | None = None,
+             workspace: dict | None = None, num_warps: int = 8, block_tokens: int = 16) -> None:
+        """`max_selected`: pages per (request, KV head) a run's selection lists at most (None:
+        runs read every page, `run` without a selection); `workspace`: float32 buffers shared by
+        plans that never run at once (the decode graphs of several batch sizes)."""
+        h, d = num_kv_heads, head_dim
+        if num_qo_heads % h:
+            raise ValueError(f"plan: {num_qo_heads} query heads do not group evenly over {h} KV "
+                             f"heads")
+        if d < 32 or d & (d - 1):
+            raise ValueError(f"plan: head_dim {d} must be a power of two >= 32")
+        if row_pages % pages_per_seg:
+            raise ValueError(f"plan: a row's {row_pages} pages are not whole segments of "
+                             f"{pages_per_seg} pages")
+        dev = torch.device(device)
+        g = num_qo_heads // h
+        most = max_selected if max_selected is not None else rows_per_request * row_pages
+        if num_splits is None:
+            want = -(-PROGRAMS_PER_SM * _num_sms(dev) // max(batch * h, 1))
+            num_splits = max(1, min(want, max(1, most // MIN_PAGES_PER_SPLIT), MAX_SPLITS))
+        if not 1 <= num_splits <= 1024:
+            raise ValueError(f"plan: num_splits={num_splits} must be in [1, 1024]")
+        self.batch, self.width, self.row_pages, self.pps = batch, rows_per_request, row_pages, \
+            pages_per_seg
+        self.kv_heads, self.num_qo_heads, self.group, self.head_dim = h, num_qo_heads, g, d
+        self.max_selected, self.sm_scale, self.device = max_selected, float(sm_scale), dev
+        self.num_splits, self.num_warps = num_splits, num_warps
+        if block_tokens not in (16, 32):
+            raise ValueError(f"plan: block_tokens={block_tokens} must be 16 or 32")
+        self.block_n = block_tokens
+        parts = num_splits + 1
+
+        def buf(name: str, *shape: int) -> torch.Tensor:
+            n = 1
+            for x in shape:
+                n *= x
+            if workspace is None:
+                return torch.empty(n, dtype=torch.float32, device=dev).view(*shape)
+            have = workspace.get(name)
+            if have is None or have.numel() < n:
+                have = workspace[name] = torch.empty(n, dtype=torch.float32, device=dev)
+            return have[:n].view(*shape)
+
+        self.q_rot = buf("q_rot", batch * rows_per_request, h, g, d)
+        self.q_s = buf("q_s", batch, h, g, d)
+        self.part_m = buf("part_m", batch, h, parts, g)
+        self.part_l = buf("part_l", batch, h, parts, g)
+        self.part_acc = buf("part_acc", batch, h, parts, g, d)
+        if self.read is None or self.read.device != dev:
+            self.read = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._planned = True
+
+    def queries(self, q: torch.Tensor, basis_ptrs: torch.Tensor, k_offset: int,
+                req_pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Hq, D] -> (q_rot fp32 [B * W, H, G, D]: sm_scale q in each reached row's K
+        basis, q_s fp32 [B, H, G, D]: sm_scale q). One launch."""
+        self._check_q(q)
+        b, h, g, d, w = self.batch, self.kv_heads, self.group, self.head_dim, self.width
+        if basis_ptrs.dtype != torch.int64 or tuple(basis_ptrs.shape) != (b * w,):
+            raise ValueError(f"queries: basis_ptrs must be int64 [{b * w}], got "
+                             f"{basis_ptrs.dtype} {tuple(basis_ptrs.shape)}")
+        block_n = min(d, 64)
+        _request_queries[(b * w, h, d // block_n)](
+            q, basis_ptrs, req_pages, self.q_rot, self.q_s, k_offset, h, g, w, self.row_pages,
+            self.sm_scale, q.stride(0), D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
+            num_warps=4)
+        return self.q_rot, self.q_s
+
+    def run(self, q_rot: torch.Tensor, q_s: torch.Tensor, tables: DecodeTables,
+            basis_ptrs: torch.Tensor, v_offset: int, out: torch.Tensor, *,
+            page_ids: torch.Tensor | None = None,
+            page_counts: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of every request over its selected pages (`page_ids` int32 [B, H, K]
+        ascending, the first `page_counts` [B, H] valid; none: every compressed page) and its
+        hot tokens, written into `out` [B, Hq, D]. Two launches."""
+        if not self._planned:
+            raise RuntimeError("run: call plan() first")
+        b, h, g, d = self.batch, self.kv_heads, self.group, self.head_dim
+        if (page_ids is None) != (page_counts is None):
+            raise ValueError("run: page_ids and page_counts go together")
+        has_select = page_ids is not None
+        if has_select and (page_ids.dtype != torch.int32 or page_ids.dim() != 3 or
+                           tuple(page_ids.shape[:2]) != (b, h) or not page_ids.is_contiguous()):
+            raise ValueError(f"run: page_ids must be contiguous int32 [{b}, {h}, K], got "
+                             f"{page_ids.dtype} {tuple(page_ids.shape)}")
+        if tuple(out.shape) != (b, self.num_qo_heads, d) or not out.is_contiguous():
+            raise ValueError(f"run: out must be contiguous [{b}, {self.num_qo_heads}, {d}], got "
+                             f"{tuple(out.shape)}")
+        if tables.seg_indptr.numel() != b * self.width + 1:
+            raise ValueError(f"run: seg_indptr has {tables.seg_indptr.numel()} entries for "
+                             f"{b} x {self.width} rows")
+        dummy = tables.req_pages
+        block_d = triton.next_power_of_2(d)
+        _request_decode_stage1[(b, h, self.num_splits + 1)](
+            q_rot, q_s, tables.data, tables.data.view(torch.float16), tables.headers,
+            tables.plans, tables.seg_indptr, tables.seg_ids,
+            page_ids if has_select else dummy, page_counts if has_select else dummy,
+            tables.req_pages, basis_ptrs, tables.hot_k, tables.hot_v, tables.hot_rows,
+            tables.hot_lens, self.part_m, self.part_l, self.part_acc,
+            v_offset, h, g, self.width, self.row_pages, self.pps,
+            page_ids.shape[2] if has_select else 0, self.num_splits, tables.hot_rows.shape[1],
+            D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK_J=32,
+            HDR_W=HEADER_WIDTH, PLAN_W=len(PLAN_FIELDS), BASE_COL=HDR["base16"],
+            STRIDE_COL=HDR["head_stride"], LAYOUT_COL=HDR["layout"],
+            K_GROUP_COL=HDR["k_group"], V_GROUP_COL=HDR["v_group"], R_CODE=PLAN_ROW["code"],
+            R_ROW=PLAN_ROW["row"], R_SHIFT=PLAN_ROW["shift"], R_MASK=PLAN_ROW["mask"],
+            R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"], R_GROUP=PLAN_ROW["group_bytes"],
+            BLOCK_N=self.block_n, SUB=PAGE_TOKENS // self.block_n, HAS_SELECT=has_select,
+            num_warps=self.num_warps)
+        _request_decode_stage2[(b * h,)](
+            self.part_m, self.part_l, self.part_acc, out,
+            page_counts if has_select else dummy, self.read, h, g, self.num_splits + 1, D=d,
+            BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, HAS_SELECT=has_select,
+            num_warps=4)
+        return out
+
+    def _check_q(self, q: torch.Tensor) -> None:
+        if not self._planned:
+            raise RuntimeError("queries: call plan() first")
+        want = (self.batch, self.num_qo_heads, self.head_dim)
+        if tuple(q.shape) != want or q.stride()[1:] != (self.head_dim, 1) or \
+                not q.is_floating_point() or q.device != self.device:
+            raise ValueError(f"queries: q must be a float tensor {list(want)} on {self.device} "
+                             f"with heads and channels contiguous, got {q.dtype} "
+                             f"{tuple(q.shape)} strides {q.stride()} on {q.device}")
+
+
+def request_decode_reference(q: torch.Tensor, tables: DecodeTables, wholes: list,
+                             layer: int, layers: int, rows_per_request: int, row_pages: int,
+                             pages_per_seg: int, sm_scale: float, page_ids=None,
+                             page_counts=None) -> torch.Tensor:
+    """Torch oracle of queries + run (float32 [B, Hq, D]), request by request on the host:
+    each selected page decoded from the arena bytes through its layout plan
+    (`band_unpack.decode_rotated_reference`), scored against q in its row's K basis, its V
+    rotated back through the row's V basis, one softmax with the hot tokens. `wholes[r]`: row
+    r's bf16 bases tensor [2 * layers, H, D, D] (None: the identity)."""
+    from .band_unpack import decode_rotated_reference
+
+    b_n, hq, d = q.shape
+    h = tables.hot_k.shape[1]
+    g = hq // h
+    out = torch.zeros(b_n, hq, d)
+    segs = tables.seg_ids.long()
+    indptr = tables.seg_indptr.cpu().long()
+    arena = _arena_view(tables, pages_per_seg * PAGE_TOKENS)
+    for b in range(b_n):
+        n_pages = int(tables.req_pages[b])
+        seg0 = int(indptr[b * rows_per_request])
+        qs = q[b].float().cpu().view(h, g, d) * sm_scale
+        n_hot = int(tables.hot_lens[b])
+        hot = tables.hot_rows[b, :n_hot].long()
+        for hh in range(h):
+            if page_ids is None:
+                pages = list(range(n_pages))
+            else:
+                pages = page_ids[b, hh, :int(page_counts[b, hh])].tolist()
+            scores, values = [], []
+            for p in pages:
+                w = p // row_pages
+                whole = wholes[b * rows_per_request + w]
+                k_rot, v_rot = decode_rotated_reference(arena, segs[seg0 + p // pages_per_seg]
+                                                        .view(1).int())
+                t0 = (p % pages_per_seg) * PAGE_TOKENS
+                kr = k_rot[0, hh, t0:t0 + PAGE_TOKENS].float().cpu()
+                vr = v_rot[0, hh, t0:t0 + PAGE_TOKENS].float().cpu()
+                if whole is None:
+                    rk = rv = torch.eye(d)
+                else:
+                    mats = whole.reshape(-1, d, d).float().cpu()
+                    rk, rv = mats[layer * h + hh], mats[(layers + layer) * h + hh]
+                scores.append((qs[hh] @ rk.T) @ kr.T)
+                values.append(vr @ rv)
+            kh = tables.hot_k[hot, hh].float().cpu()
+            vh = tables.hot_v[hot, hh].float().cpu()
+            s = torch.cat(scores + [qs[hh] @ kh.T], 1)
+            v = torch.cat(values + [vh], 0)
+            out[b, hh * g:(hh + 1) * g] = torch.softmax(s, 1) @ v
+    return out
+
+
+def _arena_view(tables: DecodeTables, segment_tokens: int):
+    """The tables as a PackedArena, for `decode_rotated_reference` (which reads data, headers,
+    plans and the segment size only)."""
+    from .layout import PackedArena
+    dev = tables.data.device
+    return PackedArena(tables.data, tables.headers, torch.zeros(2, dtype=torch.int32, device=dev),
+                       tables.seg_ids, None, None, tables.hot_k[:1, :, None],
+                       tables.hot_v[:1, :, None], torch.zeros(1, dtype=torch.int32, device=dev),
+                       tables.plans, segment_tokens=segment_tokens, page_tokens=PAGE_TOKENS,
+                       payload={})
