@@ -295,6 +295,8 @@ class RequestDecode:
             raise ValueError(f"plan: a row's {row_pages} pages are not whole segments of "
                              f"{pages_per_seg} pages")
         dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # "cuda" names the current device
+            dev = torch.device("cuda", torch.cuda.current_device())
         g = num_qo_heads // h
         most = max_selected if max_selected is not None else rows_per_request * row_pages
         if num_splits is None:
