@@ -64,7 +64,9 @@ def _check(graph, bk, pool, q, local, seed, page_ids=None, page_counts=None):
     got = out.cpu()
     assert torch.isfinite(got).all(), repro(seed)
     err = float((got - want).abs().max())
-    assert err <= 2e-5 * float(want.abs().max()), (local, err, repro(seed))
+    # products split q (or p) in two bf16 halves (~2^-17 relative each, `dot_exact`): ~2e-5 of
+    # the largest output measured; a wrong page, row basis or token moves it by 1e-2 or more
+    assert err <= 1e-4 * float(want.abs().max()), (local, err, repro(seed))
     return got
 
 

@@ -38,10 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .band_unpack import PLAN_ROW, _unpack_kind
+from .band_unpack import PLAN_ROW
+from .common import dot_exact, interpreting
 from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
 
 PAGE_TOKENS = 32
+HOT_TOKENS = 64  # hot tokens per stage-1 iteration
+HOT_SPLIT_TOKENS = 128  # hot tokens per hot split at most (graph_hot_tokens / this splits)
 MIN_PAGES_PER_SPLIT = 4
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 8
@@ -83,8 +86,35 @@ def _request_queries(
 
 
 @triton.jit
+def _kind_codes(U8, F16, plan, base, group, tok0, tok, offs_d, D: tl.constexpr,
+                R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr,
+                R_MASK: tl.constexpr, R_SCALE: tl.constexpr, R_ZERO: tl.constexpr,
+                R_GROUP: tl.constexpr):
+    """One kind (K or V) of one unit of tokens `tok` (all in the token group of `tok0`): its
+    codes [N, D] as bf16 (integers <= 255: exact) read through the layout's per-channel plan,
+    and the group's scale and zero per channel [D] (float32; 0 for dropped channels), so that
+    x[n, c] = codes[n, c] * scale[c] + zero[c]."""
+    code = tl.load(plan + R_CODE * D + offs_d)
+    row = tl.load(plan + R_ROW * D + offs_d)
+    shift = tl.load(plan + R_SHIFT * D + offs_d)
+    bits = tl.load(plan + R_MASK * D + offs_d)
+    keep = bits != 0
+    raw = tl.load(U8 + base + code[None, :] + tok[:, None] * row[None, :], mask=keep[None, :],
+                  other=0)
+    # through float32: the interpreter casts an int straight to bf16 wrongly; exact on a GPU
+    codes = ((raw.to(tl.int32) >> shift[None, :]) & bits[None, :]).to(tl.float32).to(tl.bfloat16)
+    goff = (tok0 // group) * tl.load(plan + R_GROUP * D + offs_d)
+    f16 = F16 + base // 2
+    scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + offs_d) + goff) // 2, mask=keep,
+                    other=0.0).to(tl.float32)
+    zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + offs_d) + goff) // 2, mask=keep,
+                   other=0.0).to(tl.float32)
+    return codes, scale, zero
+
+
+@triton.jit
 def _flush(acc_rot, m_flushed, m, addr, v_offset, h, ACC, rows, mask_g, offs_d,
-           D: tl.constexpr, BLOCK_J: tl.constexpr):
+           D: tl.constexpr, BLOCK_J: tl.constexpr, EMULATE: tl.constexpr):
     """ACC[rows] = ACC[rows] * exp(m_flushed - m) + acc_rot @ R_v (just acc_rot @ R_v at the
     first flush, m_flushed = -inf), R_v the row's V read transform (bf16 [D, D] at `addr`; 0:
     the identity), BLOCK_J output channels at a time: the raw-basis accumulator lives in the
@@ -96,11 +126,10 @@ def _flush(acc_rot, m_flushed, m, addr, v_offset, h, ACC, rows, mask_g, offs_d,
     for j0 in tl.static_range(0, D, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         if addr == 0:
-            r = (offs_d[:, None] == offs_j[None, :]).to(tl.float32)
+            r = (offs_d[:, None] == offs_j[None, :]).to(tl.bfloat16)
         else:
-            r = tl.load(mat + offs_d[:, None] * D + offs_j[None, :],
-                        mask=(offs_d < D)[:, None], other=0.0).to(tl.float32)
-        part = tl.dot(acc_rot, r, input_precision="tf32x3")
+            r = tl.load(mat + offs_d[:, None] * D + offs_j[None, :])
+        part = dot_exact(acc_rot, r, EMULATE)
         at = ACC + rows[:, None] * D + offs_j[None, :]
         part += tl.where(keep, tl.load(at, mask=mask_g[:, None], other=0.0) * scale, 0.0)
         tl.store(at, part, mask=mask_g[:, None])
@@ -116,48 +145,53 @@ def _request_decode_stage1(
     PTRS,  # int64 [B * W]: each row's bases tensor
     HOT_K, HOT_V, HOT_ROWS, HOT_LENS,  # bf16 [N, H, D] x2, int64 [B, T], int32 [B]
     PART_M, PART_L, PART_ACC,  # fp32 [B, H, NP, G], [B, H, NP, G], [B, H, NP, G, D]
-    v_offset, H, G, W, row_pages, pps, max_sel, num_splits, hot_t,
-    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+    v_offset, H, G, W, row_pages, pps, max_sel, num_splits, hot_splits, hot_t,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
     HDR_W: tl.constexpr, PLAN_W: tl.constexpr, BASE_COL: tl.constexpr, STRIDE_COL: tl.constexpr,
     LAYOUT_COL: tl.constexpr, K_GROUP_COL: tl.constexpr, V_GROUP_COL: tl.constexpr,
     R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
     R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, SUB: tl.constexpr, HAS_SELECT: tl.constexpr,
+    BLOCK_N: tl.constexpr, SUB: tl.constexpr, HOT_N: tl.constexpr, HAS_SELECT: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
+    """Programs (request, KV head, split): splits [0, num_splits) share the request's selected
+    pages, [num_splits, num_splits + hot_splits) its hot tokens. Products: q (or p) split in two
+    bf16 halves against exact bf16 operands (codes, cache entries, bases): `dot_exact`."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     bh = b * H + h
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
     mask_g = offs_g < G
-    mask_gd = mask_g[:, None] & (offs_d < D)[None, :]
-    rows = (bh * (num_splits + 1) + split) * G + offs_g  # this program's part
+    rows = (bh * (num_splits + hot_splits) + split) * G + offs_g  # this program's part
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
-    if split == num_splits:  # the hot tokens, raw basis, read in place
-        q = tl.load(Q_S + (bh * G + offs_g)[:, None] * D + offs_d[None, :], mask=mask_gd,
-                    other=0.0)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if split >= num_splits:  # a share of the hot tokens, raw basis, read in place
+        offs_t = tl.arange(0, HOT_N)
+        q = tl.load(Q_S + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
+                    mask=mask_g[:, None], other=0.0)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
         n = tl.load(HOT_LENS + b)
-        for start in range(0, n, BLOCK_N):
-            tok = start + offs_n
-            ok = tok < n
+        per = tl.cdiv(tl.cdiv(n, hot_splits), HOT_N) * HOT_N
+        lo = (split - num_splits) * per
+        hi = tl.minimum(lo + per, n)
+        for start in range(lo, hi, HOT_N):
+            tok = start + offs_t
+            ok = tok < hi
             row = tl.load(HOT_ROWS + b * hot_t + tok, mask=ok, other=0)
             at = row[:, None] * (H * D) + h * D + offs_d[None, :]
-            okd = ok[:, None] & (offs_d < D)[None, :]
-            k = tl.load(HOT_K + at, mask=okd, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+            k = tl.load(HOT_K + at, mask=ok[:, None], other=0.0)
+            s = dot_exact(q, tl.trans(k), EMULATE)
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
-            v = tl.load(HOT_V + at, mask=okd, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")
+            v = tl.load(HOT_V + at, mask=ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + dot_exact(p, v, EMULATE)
             m = m_new
-        tl.store(PART_ACC + rows[:, None] * D + offs_d[None, :], acc, mask=mask_gd)
+        tl.store(PART_ACC + rows[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
     else:
         if HAS_SELECT:
             count = tl.load(PAGE_COUNTS + bh)
@@ -167,8 +201,9 @@ def _request_decode_stage1(
         start = split * per_split
         end = tl.minimum(start + per_split, count)
         seg0 = tl.load(SEG_INDPTR + b * W)
-        q = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # the current row's V basis
+        offs_n = tl.arange(0, BLOCK_N)
+        q = tl.zeros([BLOCK_G, D], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)  # the current row's V basis
         cur = -1  # the current row
         m_flushed = tl.full([BLOCK_G], float("-inf"), tl.float32)  # m at the last flush
         for unit in range(start * SUB, end * SUB):  # SUB units of BLOCK_N tokens per page
@@ -181,37 +216,42 @@ def _request_decode_stage1(
             if w != cur:
                 if cur >= 0:
                     _flush(acc, m_flushed, m, tl.load(PTRS + b * W + cur), v_offset, h,
-                           PART_ACC, rows, mask_g, offs_d, D, BLOCK_J)
+                           PART_ACC, rows, mask_g, offs_d, D, BLOCK_J, EMULATE)
                     tl.debug_barrier()
                     m_flushed = m
-                    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+                    acc = tl.zeros([BLOCK_G, D], tl.float32)
                 q = tl.load(Q_ROT + ((b * W + w) * H * G + h * G + offs_g)[:, None] * D +
-                            offs_d[None, :], mask=mask_gd, other=0.0)
+                            offs_d[None, :], mask=mask_g[:, None], other=0.0)
                 cur = w
             seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
             hdr = HEADERS + seg * HDR_W
             base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
             plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)
-            tok = (page % pps) * (SUB * BLOCK_N) + (unit % SUB) * BLOCK_N + offs_n
-            k = _unpack_kind(ARENA_U8, ARENA_F16, plan, base, tl.load(hdr + K_GROUP_COL), tok,
-                             offs_d, D, PLAN_W, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
-                             R_GROUP)
-            s = tl.dot(q, tl.trans(k), input_precision="tf32x3")  # [G, N]
+            tok0 = (page % pps) * (SUB * BLOCK_N) + (unit % SUB) * BLOCK_N
+            tok = tok0 + offs_n
+            kc, ks, kz = _kind_codes(ARENA_U8, ARENA_F16, plan, base, tl.load(hdr + K_GROUP_COL),
+                                     tok0, tok, offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK,
+                                     R_SCALE, R_ZERO, R_GROUP)
+            vc, vs, vz = _kind_codes(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base,
+                                     tl.load(hdr + V_GROUP_COL), tok0, tok, offs_d, D, R_CODE,
+                                     R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP)
+            # q . k = (q * scale) . codes + q . zero
+            s = dot_exact(q * ks[None, :], tl.trans(kc), EMULATE) + \
+                tl.sum(q * kz[None, :], 1)[:, None]
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
-            v = _unpack_kind(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base,
-                             tl.load(hdr + V_GROUP_COL), tok, offs_d, D, PLAN_W, R_CODE, R_ROW,
-                             R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")
+            # p . v = (p . codes) * scale + sum(p) * zero
+            pv = dot_exact(p, vc, EMULATE) * vs[None, :] + tl.sum(p, 1)[:, None] * vz[None, :]
+            acc = acc * alpha[:, None] + pv
             m = m_new
         if cur >= 0:
             _flush(acc, m_flushed, m, tl.load(PTRS + b * W + cur), v_offset, h, PART_ACC, rows,
-                   mask_g, offs_d, D, BLOCK_J)
+                   mask_g, offs_d, D, BLOCK_J, EMULATE)
         else:  # no pages: an empty part (weight 0 in the merge, but finite)
             tl.store(PART_ACC + rows[:, None] * D + offs_d[None, :],
-                     tl.zeros([BLOCK_G, BLOCK_D], tl.float32), mask=mask_gd)
+                     tl.zeros([BLOCK_G, D], tl.float32), mask=mask_g[:, None])
     tl.store(PART_M + rows, m, mask=mask_g)
     tl.store(PART_L + rows, l, mask=mask_g)
 
@@ -280,11 +320,14 @@ class RequestDecode:
 
     def plan(self, *, batch: int, rows_per_request: int, row_pages: int, pages_per_seg: int,
              num_kv_heads: int, num_qo_heads: int, head_dim: int, max_selected: int | None,
-             sm_scale: float, device, num_splits: int | None = None,
-             workspace: dict | None = None, num_warps: int = 8, block_tokens: int = 16) -> None:
+             sm_scale: float, device, num_splits: int | None = None, hot_tokens: int = 1024,
+             workspace: dict | None = None, num_warps: int = 4, block_tokens: int = 32,
+             maxnreg: int | None = None) -> None:
         """`max_selected`: pages per (request, KV head) a run's selection lists at most (None:
-        runs read every page, `run` without a selection); `workspace`: float32 buffers shared by
-        plans that never run at once (the decode graphs of several batch sizes)."""
+        runs read every page, `run` without a selection); `hot_tokens`: hot tokens a request
+        may have (the hot rows' table width), read by cdiv(hot_tokens, 128) splits;
+        `workspace`: float32 buffers shared by plans that never run at once (the decode graphs
+        of several batch sizes)."""
         h, d = num_kv_heads, head_dim
         if num_qo_heads % h:
             raise ValueError(f"plan: {num_qo_heads} query heads do not group evenly over {h} KV "
@@ -312,7 +355,9 @@ class RequestDecode:
         if block_tokens not in (16, 32):
             raise ValueError(f"plan: block_tokens={block_tokens} must be 16 or 32")
         self.block_n = block_tokens
-        parts = num_splits + 1
+        self.launch = {} if maxnreg is None else {"maxnreg": maxnreg}  # stage 1's register cap
+        self.hot_splits = max(1, -(-hot_tokens // HOT_SPLIT_TOKENS))
+        parts = num_splits + self.hot_splits
 
         def buf(name: str, *shape: int) -> torch.Tensor:
             n = 1
@@ -374,27 +419,29 @@ class RequestDecode:
             raise ValueError(f"run: seg_indptr has {tables.seg_indptr.numel()} entries for "
                              f"{b} x {self.width} rows")
         dummy = tables.req_pages
-        block_d = triton.next_power_of_2(d)
-        _request_decode_stage1[(b, h, self.num_splits + 1)](
+        parts = self.num_splits + self.hot_splits
+        _request_decode_stage1[(b, h, parts)](
             q_rot, q_s, tables.data, tables.data.view(torch.float16), tables.headers,
             tables.plans, tables.seg_indptr, tables.seg_ids,
             page_ids if has_select else dummy, page_counts if has_select else dummy,
             tables.req_pages, basis_ptrs, tables.hot_k, tables.hot_v, tables.hot_rows,
             tables.hot_lens, self.part_m, self.part_l, self.part_acc,
             v_offset, h, g, self.width, self.row_pages, self.pps,
-            page_ids.shape[2] if has_select else 0, self.num_splits, tables.hot_rows.shape[1],
-            D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK_J=32,
+            page_ids.shape[2] if has_select else 0, self.num_splits, self.hot_splits,
+            tables.hot_rows.shape[1],
+            D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_J=32,
             HDR_W=HEADER_WIDTH, PLAN_W=len(PLAN_FIELDS), BASE_COL=HDR["base16"],
             STRIDE_COL=HDR["head_stride"], LAYOUT_COL=HDR["layout"],
             K_GROUP_COL=HDR["k_group"], V_GROUP_COL=HDR["v_group"], R_CODE=PLAN_ROW["code"],
             R_ROW=PLAN_ROW["row"], R_SHIFT=PLAN_ROW["shift"], R_MASK=PLAN_ROW["mask"],
             R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"], R_GROUP=PLAN_ROW["group_bytes"],
-            BLOCK_N=self.block_n, SUB=PAGE_TOKENS // self.block_n, HAS_SELECT=has_select,
-            num_warps=self.num_warps)
+            BLOCK_N=self.block_n, SUB=PAGE_TOKENS // self.block_n, HOT_N=HOT_TOKENS,
+            HAS_SELECT=has_select, EMULATE=interpreting(), num_warps=self.num_warps,
+            **self.launch)
         _request_decode_stage2[(b * h,)](
             self.part_m, self.part_l, self.part_acc, out,
-            page_counts if has_select else dummy, self.read, h, g, self.num_splits + 1, D=d,
-            BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, HAS_SELECT=has_select,
+            page_counts if has_select else dummy, self.read, h, g, parts, D=d,
+            BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=d, HAS_SELECT=has_select,
             num_warps=4)
         return out
 
