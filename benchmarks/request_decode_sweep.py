@@ -1,6 +1,6 @@
 """Where the decode graph's stage 1 spends its time: `RequestDecode.run` (stage 1 + stage 2) on a
 real sealed pool (decode_step_bench's build: the default config, the chooser's layout mix), timed
-with CUDA events for several plans (splits, warps, token units), with empty selections (the
+inside a CUDA graph for several plans (splits, warps, token units), with empty selections (the
 fixed cost), and `band_unpack.unpack_segments` over the same number of (page, head) pairs (the
 cost of dequantizing and rotating them in parallel programs, no softmax).
 
@@ -19,23 +19,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_step_bench import build  # noqa: E402
+from decode_step_bench import build, time_graph  # noqa: E402
 from mosaickv_sglang.config import MosaicConfig  # noqa: E402
 
 
 def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return sorted(ts)[len(ts) // 2]
+    """us of one replay of `fn` captured in a CUDA graph (no launch overhead)."""
+    return time_graph(fn, reps, "cuda") * 1e3
 
 
 def point(ctx: int, bs: int, args) -> list[dict]:
@@ -84,9 +74,9 @@ def point(ctx: int, bs: int, args) -> list[dict]:
     rows = []
     base = dict(splits=dec.num_splits, warps=dec.num_warps, block=dec.block_n, maxnreg=None)
     variants = [base, {**base, "warps": 8}, {**base, "block": 16},
-                {**base, "maxnreg": 128}, {**base, "maxnreg": 168},
                 {**base, "splits": min(1024, 2 * dec.num_splits)},
-                {**base, "splits": max(1, dec.num_splits // 2)}]
+                {**base, "splits": max(1, dec.num_splits // 2)},
+                {**base, "splits": max(1, dec.num_splits // 4)}]
     for v in variants:
         dec.plan(batch=bs, rows_per_request=g.width, row_pages=g.row_pages, pages_per_seg=g.pps,
                  num_kv_heads=h, num_qo_heads=hq, head_dim=d, max_selected=ids.shape[2],

@@ -113,6 +113,26 @@ def _kind_codes(U8, F16, plan, base, group, tok0, tok, offs_d, D: tl.constexpr,
 
 
 @triton.jit
+def _unit(PAGE_IDS, SEG_IDS, HEADERS, bh, max_sel, seg0, pps, h, i, ok, HDR_W: tl.constexpr,
+          BASE_COL: tl.constexpr, STRIDE_COL: tl.constexpr, LAYOUT_COL: tl.constexpr,
+          K_GROUP_COL: tl.constexpr, V_GROUP_COL: tl.constexpr, HAS_SELECT: tl.constexpr):
+    """(page, byte base of the head's block, layout, K group, V group) of the i-th listed page;
+    nothing is read unless `ok` (stage 1 reads these one page ahead: four dependent loads off
+    the critical path)."""
+    if HAS_SELECT:
+        page = tl.load(PAGE_IDS + bh * max_sel + i, mask=ok, other=0)
+    else:
+        page = i
+    seg = tl.load(SEG_IDS + seg0 + page // pps, mask=ok, other=0).to(tl.int64)
+    hdr = HEADERS + seg * HDR_W
+    base = tl.load(hdr + BASE_COL, mask=ok, other=0).to(tl.int64) * 16 + \
+        h * tl.load(hdr + STRIDE_COL, mask=ok, other=0)
+    return (page, base, tl.load(hdr + LAYOUT_COL, mask=ok, other=0).to(tl.int64),
+            tl.load(hdr + K_GROUP_COL, mask=ok, other=1),
+            tl.load(hdr + V_GROUP_COL, mask=ok, other=1))
+
+
+@triton.jit
 def _flush(acc_rot, m_flushed, m, addr, v_offset, h, ACC, rows, mask_g, offs_d,
            D: tl.constexpr, BLOCK_J: tl.constexpr, EMULATE: tl.constexpr):
     """ACC[rows] = ACC[rows] * exp(m_flushed - m) + acc_rot @ R_v (just acc_rot @ R_v at the
@@ -206,12 +226,15 @@ def _request_decode_stage1(
         acc = tl.zeros([BLOCK_G, D], tl.float32)  # the current row's V basis
         cur = -1  # the current row
         m_flushed = tl.full([BLOCK_G], float("-inf"), tl.float32)  # m at the last flush
+        page_n, base_n, lay_n, kg_n, vg_n = _unit(
+            PAGE_IDS, SEG_IDS, HEADERS, bh, max_sel, seg0, pps, h, start, start < end, HDR_W,
+            BASE_COL, STRIDE_COL, LAYOUT_COL, K_GROUP_COL, V_GROUP_COL, HAS_SELECT)
         for unit in range(start * SUB, end * SUB):  # SUB units of BLOCK_N tokens per page
-            i = unit // SUB
-            if HAS_SELECT:
-                page = tl.load(PAGE_IDS + bh * max_sel + i)
-            else:
-                page = i
+            page, base, lay, kg, vg = page_n, base_n, lay_n, kg_n, vg_n
+            nxt = (unit + 1) // SUB
+            page_n, base_n, lay_n, kg_n, vg_n = _unit(
+                PAGE_IDS, SEG_IDS, HEADERS, bh, max_sel, seg0, pps, h, nxt, nxt < end, HDR_W,
+                BASE_COL, STRIDE_COL, LAYOUT_COL, K_GROUP_COL, V_GROUP_COL, HAS_SELECT)
             w = page // row_pages
             if w != cur:
                 if cur >= 0:
@@ -223,18 +246,14 @@ def _request_decode_stage1(
                 q = tl.load(Q_ROT + ((b * W + w) * H * G + h * G + offs_g)[:, None] * D +
                             offs_d[None, :], mask=mask_g[:, None], other=0.0)
                 cur = w
-            seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
-            hdr = HEADERS + seg * HDR_W
-            base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
-            plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)
+            plan = PLANS + lay * (2 * PLAN_W * D)
             tok0 = (page % pps) * (SUB * BLOCK_N) + (unit % SUB) * BLOCK_N
             tok = tok0 + offs_n
-            kc, ks, kz = _kind_codes(ARENA_U8, ARENA_F16, plan, base, tl.load(hdr + K_GROUP_COL),
-                                     tok0, tok, offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK,
-                                     R_SCALE, R_ZERO, R_GROUP)
-            vc, vs, vz = _kind_codes(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base,
-                                     tl.load(hdr + V_GROUP_COL), tok0, tok, offs_d, D, R_CODE,
-                                     R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP)
+            kc, ks, kz = _kind_codes(ARENA_U8, ARENA_F16, plan, base, kg, tok0, tok, offs_d, D,
+                                     R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP)
+            vc, vs, vz = _kind_codes(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg, tok0, tok,
+                                     offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
+                                     R_GROUP)
             # q . k = (q * scale) . codes + q . zero
             s = dot_exact(q * ks[None, :], tl.trans(kc), EMULATE) + \
                 tl.sum(q * kz[None, :], 1)[:, None]
@@ -262,31 +281,38 @@ def _request_decode_stage2(
     OUT,  # [B, Hq, D] (any float dtype)
     PAGE_COUNTS, READ,  # int32 [B, H], int64 [1]: pages read, summed here (HAS_SELECT)
     H, G, num_parts,
-    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SELECT: tl.constexpr,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_SELECT: tl.constexpr,
 ):
+    """One program per (request, KV head, BLOCK_C channels): the parts as one tile dimension
+    (their maxima and sums in one load, their accumulators BLOCK_P parts at a time)."""
     bh = tl.program_id(0).to(tl.int64)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_p = tl.arange(0, BLOCK_P)
     mask_g = offs_g < G
-    mask_gd = mask_g[:, None] & (offs_d < D)[None, :]
     m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for s in range(num_parts):
-        part = (bh * num_parts + s) * G + offs_g
-        m_all = tl.maximum(m_all, tl.load(PART_M + part, mask=mask_g, other=float("-inf")))
+    for p0 in range(0, num_parts, BLOCK_P):
+        pg = (bh * num_parts + p0 + offs_p[:, None]) * G + offs_g[None, :]
+        ok = ((p0 + offs_p) < num_parts)[:, None] & mask_g[None, :]
+        m_all = tl.maximum(m_all, tl.max(tl.load(PART_M + pg, mask=ok, other=float("-inf")), 0))
     m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_tot = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for s in range(num_parts):
-        part = (bh * num_parts + s) * G + offs_g
-        wgt = tl.exp(tl.load(PART_M + part, mask=mask_g, other=float("-inf")) - m_ref)
-        l_tot += wgt * tl.load(PART_L + part, mask=mask_g, other=0.0)
-        acc += wgt[:, None] * tl.load(PART_ACC + part[:, None] * D + offs_d[None, :],
-                                      mask=mask_gd, other=0.0)
+    acc = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        pg = (bh * num_parts + p0 + offs_p[:, None]) * G + offs_g[None, :]
+        ok = ((p0 + offs_p) < num_parts)[:, None] & mask_g[None, :]
+        wgt = tl.exp(tl.load(PART_M + pg, mask=ok, other=float("-inf")) - m_ref[None, :])
+        l_tot += tl.sum(wgt * tl.load(PART_L + pg, mask=ok, other=0.0), 0)
+        tile = tl.load(PART_ACC + pg[:, :, None] * D + offs_c[None, None, :],
+                       mask=ok[:, :, None], other=0.0)
+        acc += tl.sum(wgt[:, :, None] * tile, 0)
     l_tot = tl.where(mask_g & (l_tot > 0), l_tot, 1.0)
-    tl.store(OUT + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
-             (acc / l_tot[:, None]).to(OUT.dtype.element_ty), mask=mask_gd)
+    tl.store(OUT + (bh * G + offs_g)[:, None] * D + offs_c[None, :],
+             (acc / l_tot[:, None]).to(OUT.dtype.element_ty), mask=mask_g[:, None])
     if HAS_SELECT:
-        tl.atomic_add(READ, tl.load(PAGE_COUNTS + bh).to(tl.int64))
+        if tl.program_id(1) == 0:
+            tl.atomic_add(READ, tl.load(PAGE_COUNTS + bh).to(tl.int64))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -438,11 +464,12 @@ class RequestDecode:
             BLOCK_N=self.block_n, SUB=PAGE_TOKENS // self.block_n, HOT_N=HOT_TOKENS,
             HAS_SELECT=has_select, EMULATE=interpreting(), num_warps=self.num_warps,
             **self.launch)
-        _request_decode_stage2[(b * h,)](
+        block_c = min(d, 32)
+        _request_decode_stage2[(b * h, d // block_c)](
             self.part_m, self.part_l, self.part_acc, out,
             page_counts if has_select else dummy, self.read, h, g, parts, D=d,
-            BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=d, HAS_SELECT=has_select,
-            num_warps=4)
+            BLOCK_G=triton.next_power_of_2(g), BLOCK_C=block_c,
+            BLOCK_P=min(32, triton.next_power_of_2(parts)), HAS_SELECT=has_select, num_warps=4)
         return out
 
     def _check_q(self, q: torch.Tensor) -> None:
