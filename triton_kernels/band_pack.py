@@ -10,7 +10,7 @@ its basis (x_rot = x @ R^-1, one batched matmul on the caller's side, as `basis.
     pack_segments(arena, seg_list, k_rot, v_rot)    # k_rot/v_rot float32 [n, H, T, D]
     pack_layout(data, headers, seg_list, k_rot, v_rot, k_widths, v_widths)  # one layout
 
-The serving store (`mosaickv_sglang/segment_store.py`, `pack_kernel`) calls `pack_layout` per
+The serving store (`mosaickv_sglang/serving/segment_store.py`, `pack_kernel`) calls `pack_layout` per
 layout of an install batch on CUDA, with the chooser's own rotated K/V.
 
 Byte-exact with the codec on the CPU interpreter (IEEE division `div_rn`, round-half-even,
