@@ -85,12 +85,14 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
         seq_lens=torch.full((bs,), fill, device=device), seq_lens_cpu=torch.full((bs,), fill),
         out_cache_loc=torch.zeros(bs, dtype=torch.long, device=device),
         forward_mode=ForwardMode.DECODE)
-    # fp32 queries (the kernels take them; the output then is fp32 too). The eager kernels'
-    # products split q in two bf16 halves (~2^-17 relative per product), the graph's are tf32x3
-    # (~float32): the two differ by up to ~3e-5 of the largest output (measured), so outputs are
-    # compared at 1e-4 and the tables the graph reads are compared with the eager plan's exactly
-    # (a hot token missed moved an output by ~1.5e-4); the graph's kernels are checked against
-    # their float32 reference in test_request_decode_kernel.py
+    # fp32 queries (the kernels take them; the output then is fp32 too). Both paths' products
+    # split q (or p) in two bf16 halves (~2^-17 relative per product) but round different
+    # operands (the graph scores q * scale against codes per page, the eager kernel per band;
+    # the graph rotates a row's V accumulator once, the eager one per row): they differ by up to
+    # ~3e-5 of the largest output (measured), so outputs are compared at 1e-4 and the tables
+    # the graph reads are compared with the eager plan's exactly (a hot token missed moved an
+    # output by ~1.5e-4); the graph's kernels are checked against their float32 reference in
+    # test_request_decode_kernel.py
     q_in = torch.zeros(LAYERS, bs, HQ * D, device=device)
     k_in = torch.zeros(LAYERS, bs, H, D, dtype=torch.bfloat16, device=device)
     v_in = torch.zeros_like(k_in)
