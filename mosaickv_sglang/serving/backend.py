@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
@@ -52,34 +53,36 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kd: torch.Tensor,
                     vd: torch.Tensor, first: int, read: torch.Tensor, ja: int, page: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, per_page: bool = True) -> torch.Tensor:
     """A prefill chunk's attention under the read rule: q [Hq, n, D] for positions first ..
     first + n - 1; kc/vc [Hk, jc * page, D] the pages read compressed by the chunk's last token;
-    kd/vd [Hk, T, D] the dense tokens from position ja * page on; read [n] (int64) how many pages
-    each query reads compressed (>= ja). Query t reads kc's first read[t] pages and the dense
-    tokens from page read[t] up to itself -> [Hq, n, D]. When every query reads the same pages
-    compressed this is plain causal attention over (kc, kd); else a boolean mask over the two,
-    built for query blocks of bounded size."""
-    n, sc = q.shape[1], kc.shape[1]
-    if int(read[0]) == int(read[-1]) and int(read[0]) * page == sc:
-        return extend_attention(q, torch.cat([kc, kd], 1), torch.cat([vc, vd], 1), scale)
-    group = q.shape[0] // kc.shape[0]
-    keys = torch.cat([kc, kd], 1)
-    values = torch.cat([vc, vd], 1)
-    if group > 1:
-        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-    total = keys.shape[1]
-    idx = torch.arange(total, device=q.device)
-    pos = torch.arange(first, first + n, device=q.device)
-    read = read.to(q.device)
+    kd/vd [Hk, T, D] the dense tokens from position ja * page on; read [n] (int64, non-decreasing)
+    how many pages each query reads compressed (>= ja). Query t reads kc's first read[t] pages
+    and the dense tokens from page read[t] up to itself -> [Hq, n, D].
+
+    The queries go in runs that share read[t] and, with `per_page` (the position rule), their
+    own page (chunks are page aligned): one causal attention per run over exactly the keys its
+    queries read, [first read[t] compressed pages, dense tokens from page read[t] to the run's
+    last query]. So under the position rule a query's arithmetic (the keys' order and count in
+    the softmax and the P @ V reduction, the rows computed with it) depends on its position and
+    the K/V only, never on where the chunk starts or ends: the same bits whatever the chunking
+    (one masked call over the chunk's whole key range gave other float sums for the same query
+    under another chunking: docs/determinism.md). Under the chunk rule (every query reads `ja`
+    pages, per_page False) a chunk is one run, one causal call."""
+    n = q.shape[1]
+    read = read.tolist()
     out = torch.empty_like(q)
-    rows = max(1, (1 << 24) // max(total, 1))
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        j, t = read[r0:r1, None], pos[r0:r1, None]
-        mask = (idx < j * page) | ((idx >= sc + (j - ja) * page) & (idx <= sc + t - ja * page))
-        out[:, r0:r1] = scaled_dot_product_attention(q[None, :, r0:r1], keys[None], values[None],
-                                                     attn_mask=mask, scale=scale)[0]
+    r0 = 0
+    while r0 < n:
+        j, own = read[r0], (first + r0) // page
+        r1 = r0 + 1
+        while r1 < n and read[r1] == j and (not per_page or (first + r1) // page == own):
+            r1 += 1
+        lo, hi = (j - ja) * page, first + r1 - ja * page  # the run's dense keys in kd
+        keys = torch.cat([kc[:, :j * page], kd[:, lo:hi]], 1)
+        values = torch.cat([vc[:, :j * page], vd[:, lo:hi]], 1)
+        out[:, r0:r1] = extend_attention(q[:, r0:r1], keys, values, scale)
+        r0 = r1
     return out
 
 
@@ -154,7 +157,7 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             read = pool.chunk_reads(first, seq_len, ja)
             qi = q_[start:start + n_new].transpose(0, 1)  # [Hq, n_new, D]
             out = chunk_attention(qi, *(x.transpose(0, 1).to(q.dtype) for x in (kc, vc, kd, vd)),
-                                  first, read, ja, ps, layer.scaling)
+                                  first, read, ja, ps, layer.scaling, pool.position_rule)
             o_[start:start + n_new] = out.transpose(0, 1)
             start += n_new
             timer.lap("attention")
@@ -198,10 +201,21 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             logger.info(pool.summary())
         if timer is not None:
             timer.lap("seal")
-        pool.prepare_writes(loc)
+        graph = self.graph is not None and self.graph_rows is not None
+        if graph:  # writes map through the device table: the pages they write, from the host
+            # (req_to_token[req, seq_len - 1] is this step's slot: SGLang's alloc_for_decode);
+            # padded rows write slot 0, page 0 (SGLang's buffer registry zeroes their
+            # out_cache_loc on every replay: cuda_graph_buffer_registry.py, policy ZERO)
+            at = (np.asarray(lens, dtype=np.int64) - 1) // pool.page_size
+            pages = page_ids.numpy()[np.arange(len(lens)), at].astype(np.int64)
+            if rows < forward_batch.batch_size:
+                pages = np.append(pages, 0)
+            pool.map_write_pages(pages)
+        else:
+            pool.prepare_writes(loc)
         if timer is not None:
             timer.lap("writes")
-        if self.graph is not None and self.graph_rows is not None:
+        if graph:
             self.graph.prepare(forward_batch, req_to_token, rows, host)  # the replay's tables
             if timer is not None:
                 timer.lap("host_plan")

@@ -1,0 +1,45 @@
+"""A token's arithmetic does not depend on what was computed with it (docs/determinism.md).
+
+* a prefill chunk's attention (`chunk_attention`) gives every query the same bits whatever the
+  (page-aligned) chunk boundaries: a request's prompt computed in other chunks under load.
+"""
+import pytest
+import torch
+
+from mosaickv_sglang.serving.backend import chunk_attention
+
+PAGE, HQ, HK, D = 32, 4, 2, 16
+
+
+def _prefill(q, k, v, kz, vz, chunks, window):
+    """The prompt's attention output [HQ, T, D] computed chunk by chunk as the backend does:
+    each chunk reads compressed (kz, vz) the pages its last token reads compressed, and dense
+    (k, v) the tokens from the page its first token reads compressed on."""
+    rule = lambda t: max(t - window, 0) // PAGE  # noqa: E731
+    out, start = [], 0
+    for end in chunks:
+        ja, jc = rule(start), rule(end - 1)
+        read = torch.tensor([rule(t) for t in range(start, end)])
+        out.append(chunk_attention(q[:, start:end], kz[:, :jc * PAGE], vz[:, :jc * PAGE],
+                                   k[:, ja * PAGE:end], v[:, ja * PAGE:end], start, read, ja,
+                                   PAGE, 0.25))
+        start = end
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("window", [0, PAGE])
+def test_chunk_attention_does_not_depend_on_chunking(window, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = 9 * PAGE + 13
+    q = torch.randn(HQ, t, D, generator=g)
+    k, v = (torch.randn(HK, t, D, generator=g) for _ in range(2))
+    # the compressed pages' read-back: the dense K/V plus a codec's error
+    kz, vz = (x + 0.01 * torch.randn(x.shape, generator=g) for x in (k, v))
+    chunkings = [[t], [4 * PAGE, 8 * PAGE, t], [PAGE, 2 * PAGE, 5 * PAGE, t],
+                 [2 * PAGE, 3 * PAGE, t], [PAGE * i for i in range(1, 10)] + [t]]
+    want = _prefill(q, k, v, kz, vz, chunkings[0], window)
+    for chunks in chunkings[1:]:
+        got = _prefill(q, k, v, kz, vz, chunks, window)
+        differ = (got != want).any(0).any(-1).nonzero().flatten().tolist()
+        assert not differ, (f"seed {seed}, window {window}, chunks {chunks}: positions "
+                            f"{differ[:8]} differ from the whole prompt in one chunk")
