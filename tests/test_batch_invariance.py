@@ -1,11 +1,14 @@
 """A token's arithmetic does not depend on what was computed with it (docs/determinism.md).
 
 * a prefill chunk's attention (`chunk_attention`) gives every query the same bits whatever the
-  (page-aligned) chunk boundaries: a request's prompt computed in other chunks under load.
+  (page-aligned) chunk boundaries: a request's prompt computed in other chunks under load;
+* the CPU platform's linear layers (`platform_cpu.pad_rows`) give a row the same bits in a
+  batch of 1 as among 64 rows: a decode batch of 1 (alone) or of 12 (under load).
 """
 import pytest
 import torch
 
+from mosaickv_sglang.integration import platform_cpu
 from mosaickv_sglang.serving.backend import chunk_attention
 
 PAGE, HQ, HK, D = 32, 4, 2, 16
@@ -43,3 +46,21 @@ def test_chunk_attention_does_not_depend_on_chunking(window, seed):
         differ = (got != want).any(0).any(-1).nonzero().flatten().tolist()
         assert not differ, (f"seed {seed}, window {window}, chunks {chunks}: positions "
                             f"{differ[:8]} differ from the whole prompt in one chunk")
+
+
+@pytest.mark.parametrize("k_in,n_out", [(64, 512), (256, 64), (576, 960), (64, 49152)])
+def test_pad_rows_makes_a_row_independent_of_the_batch(k_in, n_out):
+    g = torch.Generator().manual_seed(k_in + n_out)
+    w = torch.randn(n_out, k_in, generator=g) * 0.1
+    x = torch.randn(64, k_in, generator=g)
+    linear = lambda rows: torch.nn.functional.linear(rows, w)  # noqa: E731
+    full = linear(x)
+    for m in range(1, 21):
+        for first in (0, 7):
+            got = platform_cpu.pad_rows(linear, x[first:first + m])
+            assert torch.equal(got, full[first:first + m]), (
+                f"[{k_in} -> {n_out}] rows {first}..{first + m - 1} alone differ from the same "
+                f"rows among 64: this CPU's GEMM kernels need more than "
+                f"MIN_GEMM_ROWS={platform_cpu.MIN_GEMM_ROWS} rows to be batch invariant")
+    # a 3-D input keeps its shape
+    assert platform_cpu.pad_rows(linear, x[:3].view(1, 3, k_in)).shape == (1, 3, n_out)

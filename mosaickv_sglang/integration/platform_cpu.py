@@ -30,6 +30,9 @@ What the platform changes, in 0.5.17:
   allocator with its two Triton kernels (``alloc_extend_kernel``, ``alloc_decode_kernel``)
   replaced by vectorized torch (the stock ones fail on a CPU unless ``TRITON_INTERPRET=1``).
   0.5.17 uses the paged allocator for every OOT platform, also with ``--page-size 1``.
+* ``init_backend`` (each model worker): batch-invariant linear layers (`batch_invariant_linears`):
+  a token's hidden states, K/V and logits are the same bits in a decode batch of 1 or of 12, as
+  a greedy request's output must not depend on its neighbours (docs/determinism.md).
 """
 from __future__ import annotations
 
@@ -160,6 +163,52 @@ def torch_paged_allocator_cls() -> type:
     return TorchPagedTokenToKVPoolAllocator
 
 
+# MKL (2024.2, AVX2) computes a row of x @ W.T with other bits when x has 1, 2, 3, 5, 6, 7, 9, 10
+# or 11 rows than the same row in a larger x; from 12 rows on (and at 4 and 8) a row's bits do not
+# depend on how many rows came with it or on their values (measured on the shapes of the tiny
+# Llama and SmolLM2-135M, 1 and 2 threads, 1 to 512 rows at several offsets).
+MIN_GEMM_ROWS = 16
+
+
+def pad_rows(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """fn(x, ...) for a row-wise function of x (a linear layer: each output row depends on its
+    input row only), computed on x's rows padded with zeros to at least MIN_GEMM_ROWS, so a
+    row's bits do not depend on how many rows came with it."""
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    if rows == 0 or rows >= MIN_GEMM_ROWS or x.device.type != "cpu":
+        return fn(x, *args, **kwargs)
+    padded = x.new_zeros(MIN_GEMM_ROWS, x.shape[-1])
+    padded[:rows] = x.reshape(rows, x.shape[-1])
+    out = fn(padded, *args, **kwargs)[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+@functools.cache
+def batch_invariant_linears() -> None:
+    """Linear layers (``UnquantizedLinearMethod.apply``: QKV, O, MLP) and the LM head
+    (``LogitsProcessor._compute_lm_head``) through `pad_rows`: a decode batch of 1 then gives
+    the same bits per request as a batch of 12. Without it a request's decode K/V differ in the
+    last bits with its batch's size, a compressed cache can turn that into a different greedy
+    token (docs/determinism.md), and so can a near-tie in the logits. Installed once per
+    process, logged."""
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    apply, lm_head = UnquantizedLinearMethod.apply, LogitsProcessor._compute_lm_head
+
+    def linear_apply(self, layer, x, bias=None):
+        return pad_rows(lambda rows: apply(self, layer, rows, bias), x)
+
+    def compute_lm_head(self, hidden_states, lm_head_layer, embedding_bias=None):
+        return pad_rows(lambda rows: lm_head(self, rows, lm_head_layer, embedding_bias),
+                        hidden_states)
+
+    UnquantizedLinearMethod.apply = linear_apply
+    LogitsProcessor._compute_lm_head = compute_lm_head
+    logger.info("MosaicKV CPU platform: batch-invariant linear layers (rows padded to %d)",
+                MIN_GEMM_ROWS)
+
+
 class MosaicCpuPlatform(CpuDeviceMixin, SRTPlatform):
     """SGLang on CPU through the out-of-tree platform path (torch-native ops everywhere)."""
 
@@ -198,6 +247,10 @@ class MosaicCpuPlatform(CpuDeviceMixin, SRTPlatform):
             pass
         if (server_args.tp_size or 1) > 1:
             tp_cpu_defaults(server_args, os.environ)
+
+    def init_backend(self) -> None:
+        super().init_backend()
+        batch_invariant_linears()
 
     def get_mha_kv_pool_cls(self) -> type:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
