@@ -25,6 +25,7 @@ A batch holding a page the kernel cannot read runs eagerly (`graph_refusal`, cou
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,18 +42,41 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Bucket:
-    """The static tables and the kernels' plan of one captured batch size."""
+    """The static tables and the kernels' plan of one captured batch size. The tables are views
+    of two flat device buffers (int32, int64), each written by one copy per step from a host
+    staging buffer of the same layout (pinned on CUDA: the copy does not block)."""
     bs: int
     rows: int  # bs * W
     seg_indptr: torch.Tensor  # int32 [R + 1]
     seg_ids: torch.Tensor  # int32 [R * block_pages]
-    basis_ptrs: torch.Tensor  # int64 [R]
-    hot_rows: torch.Tensor  # int64 [bs, hot_cap]
     hot_lens: torch.Tensor  # int32 [bs]
     req_pages: torch.Tensor  # int32 [bs]: compressed 32-token pages of each request
+    basis_ptrs: torch.Tensor  # int64 [R]
+    hot_rows: torch.Tensor  # int64 [bs, hot_cap]
+    flat: tuple  # (int32 device buffer, int64 device buffer): the tables above are views
+    staging: tuple  # the same two layouts on the host
     decoder: RequestDecode
     keep: list  # the bases tensors this step's addresses point into
     bounds: torch.Tensor | None = None  # fp32 [bs, H, W * row_pages] (selection)
+
+
+def _views_np(flat: np.ndarray, sizes: list) -> list:
+    """Consecutive 1-D views of a flat numpy array, one per size."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(flat[at:at + n])
+        at += n
+    return out
+
+
+def _views(flat: torch.Tensor, shapes: list) -> list:
+    """Consecutive views of a flat tensor, one per shape."""
+    out, at = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape))
+        out.append(flat[at:at + n].view(*shape))
+        at += n
+    return out
 
 
 def band_pairs(cfg) -> list[tuple[str, str]]:
@@ -90,6 +114,9 @@ class GraphDecode:
         self.request_steps = 0
         self.pages_available = 0  # (32-token page, KV head, layer) triples, counted in prepare
         self.pages_read_unselected = 0
+        # bases tensors whose address was checked (address -> tensor, weakly: a freed tensor
+        # leaves, and another at its address is checked again)
+        self._checked = weakref.WeakValueDictionary()
 
     # ---- capture ----------------------------------------------------------------------
     def bucket_for(self, bs: int) -> _Bucket:
@@ -97,14 +124,17 @@ class GraphDecode:
         graph holds."""
         if bs in self.buckets:
             return self.buckets[bs]
-        dev, w = self.pool.device, self.width
+        dev, w = torch.device(self.pool.device), self.width
         r = bs * w
-        i32 = dict(dtype=torch.int32, device=dev)
-        bk = _Bucket(bs, r, torch.zeros(r + 1, **i32),
-                     torch.zeros(max(r * self.block_pages, 1), **i32),
-                     torch.zeros(r, dtype=torch.long, device=dev),
-                     torch.zeros(bs, self.hot_cap, dtype=torch.long, device=dev),
-                     torch.zeros(bs, **i32), torch.zeros(bs, **i32), RequestDecode(), [])
+        s32 = [(r + 1,), (max(r * self.block_pages, 1),), (bs,), (bs,)]
+        s64 = [(r,), (bs, self.hot_cap)]
+        flat, staging = [], []
+        for dtype, shapes in ((torch.int32, s32), (torch.int64, s64)):
+            n = sum(int(np.prod(x)) for x in shapes)
+            flat.append(torch.zeros(n, dtype=dtype, device=dev))
+            staging.append(torch.zeros(n, dtype=dtype, pin_memory=dev.type == "cuda"))
+        bk = _Bucket(bs, r, *_views(flat[0], s32), *_views(flat[1], s64), tuple(flat),
+                     tuple(staging), RequestDecode(), [])
         self.buckets[bs] = bk
         return bk
 
@@ -157,12 +187,18 @@ class GraphDecode:
                                f"{forward_batch.batch_size}")
         seq_lens, all_ids = host or host_batch(forward_batch, req_to_token, rows, ps)
         r, block = bk.rows, self.block_pages
-        counts = np.zeros(r, dtype=np.int32)
-        id_chunks = []
-        hot_rows = torch.zeros(bk.bs, self.hot_cap, dtype=torch.long)
-        hot_lens = torch.zeros(bk.bs, dtype=torch.int32)
-        wholes: list = [None] * r
-        req_pages = torch.zeros(bk.bs, dtype=torch.int32)
+        # the host staging buffers, as numpy views in the device tables' layout
+        s32, s64 = (t.numpy() for t in bk.staging)
+        indptr, seg_ids, hot_lens, req_pages = _views_np(s32, [r + 1, max(r * block, 1),
+                                                                bk.bs, bk.bs])
+        ptrs, hot_rows = _views_np(s64, [r, bk.bs * self.hot_cap])
+        hot_rows = hot_rows.reshape(bk.bs, self.hot_cap)
+        counts = np.zeros(r, dtype=np.int64)
+        hot_lens[:] = 1  # padded requests: the padding page's token 0 (hot row 0)
+        hot_rows[rows:, 0] = 0
+        req_pages[:] = 0
+        ptrs[:] = 0
+        keep, at = [], 0
         total_pages = 0
         for i, seq_len in enumerate(seq_lens):
             page_ids = all_ids[i, :-(-seq_len // ps)]
@@ -170,9 +206,9 @@ class GraphDecode:
             if n and not readable(pool, page_ids[:n]):
                 raise RuntimeError("MosaicKV: a decode graph step holds a page the kernel "
                                    "cannot read (graph_refusal should have sent it eager)")
-            hot = hot_slots(hot, ps, seq_len - n * ps)
-            if hot.numel() > self.hot_cap:
-                raise RuntimeError(f"MosaicKV: a request has {hot.numel()} hot tokens, over the "
+            hot = hot_slots(hot, ps, seq_len - n * ps).numpy()
+            if hot.size > self.hot_cap:
+                raise RuntimeError(f"MosaicKV: a request has {hot.size} hot tokens, over the "
                                    f"decode graph's graph_hot_tokens={self.hot_cap}: raise it in "
                                    f"--mosaickv-config")
             # rows are position blocks: runs of a shared basis must be the block-sized chunks
@@ -181,25 +217,22 @@ class GraphDecode:
                 raise RuntimeError("MosaicKV: a request's sealed pages are not in position "
                                    "blocks (the decode graph's row layout)")
             counts[i * w:i * w + len(runs)] = sizes
-            id_chunks.append(page_ids.numpy()[:n])
+            seg_ids[at:at + n] = page_ids.numpy()[:n]
+            at += n
             for j, bases in enumerate(run_bases):
-                wholes[i * w + j] = bases.stacked()
-            hot_rows[i, :hot.numel()] = hot
-            hot_lens[i] = hot.numel()
+                whole = bases.stacked()
+                ptrs[i * w + j] = self._address(whole)
+                keep.append(whole)
+            hot_rows[i, :hot.size] = hot
+            hot_lens[i] = hot.size
             req_pages[i] = n * self.pps
             total_pages += n * self.pps
-        hot_lens[rows:] = 1  # padded requests: the padding page's token 0 (hot row 0)
-        indptr = torch.zeros(r + 1, dtype=torch.int32)
-        indptr[1:] = torch.from_numpy(counts).cumsum(0)
-        ids = np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int32)
-        bk.seg_indptr.copy_(indptr)
-        if len(ids):
-            bk.seg_ids[:len(ids)].copy_(torch.from_numpy(ids.astype(np.int32)))
-        ptrs, bk.keep = basis_pointers(wholes, pool.device)
-        bk.basis_ptrs.copy_(ptrs)
-        bk.hot_rows.copy_(hot_rows)
-        bk.hot_lens.copy_(hot_lens)
-        bk.req_pages.copy_(req_pages)
+        indptr[0] = 0
+        np.cumsum(counts, out=counts)
+        indptr[1:] = counts
+        bk.keep = keep
+        for dev_flat, host_flat in zip(bk.flat, bk.staging):  # two copies, not six
+            dev_flat.copy_(host_flat, non_blocking=True)
         self.bucket = bk
         self.steps += 1
         self.request_steps += rows
@@ -207,6 +240,15 @@ class GraphDecode:
         self.pages_available += total_pages * h * layers
         if not self.cfg.select.enabled:
             self.pages_read_unselected += total_pages * h * layers
+
+    def _address(self, whole: torch.Tensor) -> int:
+        """A bases tensor's device address, checked once per tensor (`basis_pointers`: bf16,
+        contiguous, on the pool's device)."""
+        key = whole.data_ptr()
+        if self._checked.get(key) is not whole:
+            basis_pointers([whole], self.pool.device)
+            self._checked[key] = whole
+        return key
 
     # ---- per layer (recorded in the graph) ------------------------------------------------
     def attend(self, q: torch.Tensor, layer, out: torch.Tensor) -> None:

@@ -230,6 +230,8 @@ class MosaicKVPool(MHATokenToKVPool):
         # prepare_writes before each forward: a decode graph's writes map through it.
         self.hot_page_dev = self.hot_page_of if torch.device(self.device).type == "cpu" else \
             self.hot_page_of.to(self.device)
+        # what hot_page_dev holds (host copy): each refresh uploads the changed span only
+        self._hot_uploaded = self.hot_page_of.numpy().copy()
         self.store = SegmentStore(self.layer_num, self.num_logical_pages, self.head_num,
                                   self.head_dim, page_size, mosaic_config.page_tokens,
                                   self.device, mosaic_config.select.meta_channels
@@ -293,8 +295,32 @@ class MosaicKVPool(MHATokenToKVPool):
         writes map through. Every layer's `set_kv_buffer` with this very `loc` reuses the
         mapping (no host work); `write_by_table` maps any other slot tensor on the device."""
         self._write_map = (loc, self.physical_loc(loc, allocate=True))
-        if self.hot_page_dev is not self.hot_page_of:
-            self.hot_page_dev.copy_(self.hot_page_of)
+        self._sync_hot_page_dev()
+
+    def map_write_pages(self, pages: np.ndarray) -> None:
+        """`prepare_writes` for a forward whose writes map through the device table
+        (`write_by_table`: the decode graph), from the logical pages it writes, known on the
+        host: hot pages for those that have none, then the device table refreshed. No device
+        read (`prepare_writes` reads `loc` back: three host syncs)."""
+        hot = self.hot_page_of.numpy()
+        for page in np.unique(pages[hot[pages] < 0]).tolist():
+            if page in self.sealed:
+                raise RuntimeError(f"MosaicKV: write into sealed (immutable) page {page}")
+            self.hot_page_of[page] = self._take_hot_page()
+        self._sync_hot_page_dev()
+
+    def _sync_hot_page_dev(self) -> None:
+        """Bring the device hot-page table up to date: one copy of the span of entries that
+        changed since the last refresh (none most steps; a whole-table copy was 84 KB a step
+        at 1.3M tokens)."""
+        if self.hot_page_dev is self.hot_page_of:
+            return
+        now = self.hot_page_of.numpy()
+        changed = np.flatnonzero(now != self._hot_uploaded)
+        if changed.size:
+            lo, hi = int(changed[0]), int(changed[-1]) + 1
+            self.hot_page_dev[lo:hi].copy_(self.hot_page_of[lo:hi])
+            self._hot_uploaded[lo:hi] = now[lo:hi]
 
     def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
         loc, _, _ = unwrap_write_loc(loc_info)
