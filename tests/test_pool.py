@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import repro
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.serving.pool import MosaicKVPool
 
@@ -173,3 +174,33 @@ def test_reference_decode_reads_are_counted_in_stats(seed):
     st = pool.stats()["decode"]["selection_reference"]
     assert st["pages_available"] == info.pages_total > st["pages_read"] == info.pages_read > 0
     assert st["read_fraction"] == info.pages_read / info.pages_total < 1
+
+
+def test_graph_write_mapping_equals_the_eager_one_and_the_device_table_follows(seed):
+    """`map_write_pages` (the decode graph's: pages from the host) takes the same hot pages as
+    `prepare_writes` (from the slots), and the device hot-page table, refreshed by the span
+    that changed, equals the host table after each step (a CUDA pool's separate copy, stood in
+    for here by a second tensor)."""
+    import numpy as np
+
+    a, b = make_pool(), make_pool()
+    b.hot_page_dev = b.hot_page_of.clone()  # as on CUDA: a separate table, refreshed by spans
+    b._hot_uploaded = b.hot_page_of.numpy().copy()
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(6):
+        slots = torch.randperm(3 * PS, generator=gen)[:2] + PS  # pages 1..3 (4 hot pages)
+        a.prepare_writes(slots)
+        b.map_write_pages((slots // PS).numpy().astype(np.int64))
+        assert torch.equal(a.hot_page_of, b.hot_page_of), (step, repro(seed))
+        assert torch.equal(b.hot_page_dev, b.hot_page_of), (step, repro(seed))
+        if step == 3:  # a page back to the free list, then taken again
+            page = int((slots[0] // PS))
+            for pool in (a, b):
+                pool.free_hot_pages.append(int(pool.hot_page_of[page]))
+                pool.hot_page_of[page] = -1
+    c = make_pool()  # a sealed page is never written again
+    write(c, torch.arange(PS, 2 * PS), seed)
+    c.seal_request(torch.arange(PS, 2 * PS), PS)
+    assert 1 in c.sealed and int(c.hot_page_of[1]) < 0
+    with pytest.raises(RuntimeError, match="sealed"):
+        c.map_write_pages(np.array([1]))
