@@ -32,12 +32,12 @@ ALLOWED_SPILL_BYTES = {
     # (exact=False) ones, 1 of the 8 d64 ones (b8=4,b4=60 for K and V, with selection: 40).
     # A larger spill, or a spill in another kernel, is a regression to look at.
     "band_decode._band_decode_stage1": 64,
-    # The decode graph's stage 1 dequantizes every layout through gathers of its per-channel
-    # plan (pointer tiles of 64-bit addresses) and holds q and the row's accumulator: at
-    # head_dim 128 with 8 warps and 16-token units it sits at 255 registers and spills 64 bytes
-    # (36 stored, 28 loaded; with 4 warps or 32-token units 340-1456; the raw-basis accumulator in
-    # registers instead of the split's workspace slot 1400+).
-    "request_decode._request_decode_stage1": 64,
+    # The decode graph's stage 1 gathers every layout's codes through its per-channel plan
+    # (tiles of 64-bit addresses), holds q, the row's accumulator and the next page's header
+    # fields: at head_dim 128 with 4 warps and 32-token units (the fastest on the H200,
+    # benchmarks/request_decode_sweep.py: 165 us vs 213 with 16-token units, 373 with 8 warps)
+    # it sits at 255 registers and spills 104 bytes (60 stored, 44 loaded).
+    "request_decode._request_decode_stage1": 112,
 }
 
 
