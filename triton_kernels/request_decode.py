@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .band_decode import MIN_PAGES_PER_SPLIT, choose_num_splits  # noqa: F401 (re-exported)
 from .band_unpack import PLAN_ROW
 from .common import dot_exact, interpreting
 from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
@@ -45,9 +46,6 @@ from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
 PAGE_TOKENS = 32
 HOT_TOKENS = 64  # hot tokens per stage-1 iteration
 HOT_SPLIT_TOKENS = 128  # hot tokens per hot split at most (graph_hot_tokens / this splits)
-MIN_PAGES_PER_SPLIT = 4
-MAX_SPLITS = 64
-PROGRAMS_PER_SM = 8
 
 
 @triton.jit
@@ -315,12 +313,6 @@ def _request_decode_stage2(
             tl.atomic_add(READ, tl.load(PAGE_COUNTS + bh).to(tl.int64))
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 @dataclass
 class DecodeTables:
     """What a step reads besides q: the layer's arena and the step's tables (device tensors)."""
@@ -369,8 +361,7 @@ class RequestDecode:
         g = num_qo_heads // h
         most = max_selected if max_selected is not None else rows_per_request * row_pages
         if num_splits is None:
-            want = -(-PROGRAMS_PER_SM * _num_sms(dev) // max(batch * h, 1))
-            num_splits = max(1, min(want, max(1, most // MIN_PAGES_PER_SPLIT), MAX_SPLITS))
+            num_splits = choose_num_splits(batch, h, most, dev)
         if not 1 <= num_splits <= 1024:
             raise ValueError(f"plan: num_splits={num_splits} must be in [1, 1024]")
         self.batch, self.width, self.row_pages, self.pps = batch, rows_per_request, row_pages, \
