@@ -1,5 +1,7 @@
 """`daemon: process` end to end on CPU servers (tiny random Llama, fp32, lossless config, so every
-output must equal SGLang's default KV cache token for token, whenever the swaps happen):
+output must equal SGLang's default KV cache token for token, whenever the swaps happen; the two
+attention paths sum in another order, so a step whose best two tokens are within float noise
+(`server_utils.TIE_NAT`) may go either way: `same_greedy_or_tied`):
 
 * greedy ids equal `--kv-backend default` while pages really go through the daemon;
 * a stress run (concurrent requests, mixed lengths, shared prefixes, aborts) finishes without
@@ -18,7 +20,7 @@ import psutil
 import pytest
 
 from server_utils import (LOSSLESS_DAEMON_CONFIG, SMOLLM2, flush_cache, make_tiny_llama,
-                          mosaickv_stats, request, running_server)
+                          mosaickv_stats, request, running_server, same_greedy_or_tied)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(),
@@ -43,20 +45,20 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def _greedy(url: str, ids: list[int], n: int):
-    payload = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n,
-                                                      "ignore_eos": True}}
+    payload = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+               "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
     status, body = request(f"{url}/generate", payload, timeout=900)
     assert status == 200, body
     return body
 
 
 def _run_all(url: str, jobs: list[tuple[list[int], int]], during=None) -> list:
-    """Send every job concurrently; call `during` once they are running. Returns output ids."""
+    """Send every job concurrently; call `during` once they are running. Returns the answers."""
     out, errors = [None] * len(jobs), []
 
     def go(i):
         try:
-            out[i] = _greedy(url, jobs[i][0], jobs[i][1])["output_ids"]
+            out[i] = _greedy(url, jobs[i][0], jobs[i][1])
         except Exception as exc:  # noqa: BLE001 - collected and asserted below
             errors.append(f"request {i}: {exc!r}")
 
@@ -83,7 +85,7 @@ def test_lossless_daemon_matches_default_greedy_ids(pair):
     rng = random.Random(0)
     for n_prompt in (300, 700, 150):
         ids = _prompt(rng, n_prompt)
-        assert _greedy(mosaic.url, ids, 40)["output_ids"] == _greedy(dense.url, ids, 40)["output_ids"]
+        same_greedy_or_tied(_greedy(dense.url, ids, 40), _greedy(mosaic.url, ids, 40))
     st = mosaickv_stats(mosaic.url)["daemon"]
     assert st["adopted_pages"] >= 8 and st["worker_errors"] == 0, st
 
@@ -96,7 +98,7 @@ def test_stress_concurrent_mixed_shared_aborted_then_accounting(pair):
     for i in range(16):
         body = _prompt(rng, rng.choice((40, 200, 500, 900)))
         jobs.append(((prefix + body) if i % 3 == 0 else body, rng.choice((8, 40, 130))))
-    want = [_greedy(dense.url, ids, n)["output_ids"] for ids, n in jobs]
+    want = [_greedy(dense.url, ids, n) for ids, n in jobs]
     # aborts: long requests sent with a rid, aborted while running (their outputs are not compared)
     aborted = [(_prompt(rng, 600), 400) for _ in range(3)]
     def abort_soon():
@@ -119,7 +121,8 @@ def test_stress_concurrent_mixed_shared_aborted_then_accounting(pair):
     got = _run_all(mosaic.url, jobs)
     for t in extra:
         t.join()
-    assert got == want
+    for w, g in zip(want, got):
+        same_greedy_or_tied(w, g)
     stats = mosaickv_stats(mosaic.url)
     kept = sum(n for kind, n in stats["bytes"].items() if kind != "hot_buffer_capacity")
     assert stats["arena_bytes"] == kept  # running total == re-summed from every kept tensor
@@ -136,11 +139,12 @@ def test_killing_the_worker_mid_run_loses_nothing(pair):
     dense, mosaic = pair
     rng = random.Random(2)
     jobs = [(_prompt(rng, rng.choice((300, 600, 1000))), 60) for _ in range(8)]
-    want = [_greedy(dense.url, ids, n)["output_ids"] for ids, n in jobs]
+    want = [_greedy(dense.url, ids, n) for ids, n in jobs]
     before = mosaickv_stats(mosaic.url)["daemon"]
     (pid,) = _worker_pids(mosaic)
     got = _run_all(mosaic.url, jobs, during=lambda: os.kill(pid, signal.SIGKILL))
-    assert got == want
+    for w, g in zip(want, got):
+        same_greedy_or_tied(w, g)
     after = mosaickv_stats(mosaic.url)["daemon"]
     assert after["restarts"] == before["restarts"] + 1, after
     (new_pid,) = _worker_pids(mosaic)
