@@ -83,3 +83,23 @@ def test_server_ran_on_the_mosaickv_cpu_platform(server):
                      "sampling_backend='pytorch'", "page_size=4"):
         assert resolved in log, resolved
     assert "Traceback" not in log
+
+
+@pytest.mark.slow
+@needs_tokenizer
+def test_idle_scheduler_sleeps(server):
+    """The CPU platform's `sleep_on_idle`: an idle scheduler waits on its sockets instead of
+    polling them in a busy loop (without it, ~1 core-second per second per idle server)."""
+    import time
+
+    import psutil
+
+    schedulers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                  if "scheduler" in " ".join(p.cmdline()) or "scheduler" in p.name()]
+    assert schedulers, [p.cmdline() for p in psutil.Process(server.proc.pid).children()]
+    request(f"{server.url}/health")
+    time.sleep(1.5)  # past the request
+    before = [sum(p.cpu_times()[:2]) for p in schedulers]
+    time.sleep(3)
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(schedulers, before)]
+    assert max(used) < 0.6, used  # CPU seconds in 3 s of idling

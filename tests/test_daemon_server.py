@@ -53,7 +53,7 @@ def _greedy(url: str, ids: list[int], n: int):
 
 
 def _run_all(url: str, jobs: list[tuple[list[int], int]], during=None) -> list:
-    """Send every job concurrently; call `during` once they are running. Returns the answers."""
+    """Send every job concurrently; call `during` once they are sent. Returns the answers."""
     out, errors = [None] * len(jobs), []
 
     def go(i):
@@ -66,7 +66,6 @@ def _run_all(url: str, jobs: list[tuple[list[int], int]], during=None) -> list:
     for t in threads:
         t.start()
     if during is not None:
-        time.sleep(2)
         during()
     for t in threads:
         t.join()
@@ -100,9 +99,11 @@ def test_stress_concurrent_mixed_shared_aborted_then_accounting(pair):
         jobs.append(((prefix + body) if i % 3 == 0 else body, rng.choice((8, 40, 130))))
     want = [_greedy(dense.url, ids, n) for ids, n in jobs]
     # aborts: long requests sent with a rid, aborted while running (their outputs are not compared)
-    aborted = [(_prompt(rng, 600), 400) for _ in range(3)]
+    aborted = [(_prompt(rng, 600), 1200) for _ in range(3)]
+    finished = {}  # rid -> finish reason type, of the requests to abort
+
     def abort_soon():
-        time.sleep(3)
+        time.sleep(2)
         for i in range(3):
             request(f"{mosaic.url}/abort_request", {"rid": f"abort{i}"})
 
@@ -110,9 +111,10 @@ def test_stress_concurrent_mixed_shared_aborted_then_accounting(pair):
         try:
             payload = {"input_ids": aborted[i][0], "rid": f"abort{i}", "sampling_params": {
                 "temperature": 0, "max_new_tokens": aborted[i][1], "ignore_eos": True}}
-            request(f"{mosaic.url}/generate", payload, timeout=900)
+            _, body = request(f"{mosaic.url}/generate", payload, timeout=900)
+            finished[i] = ((body.get("meta_info") or {}).get("finish_reason") or {}).get("type")
         except urllib.error.HTTPError:
-            pass  # an aborted request may answer with an error status
+            finished[i] = "abort"  # an aborted request may answer with an error status
 
     extra = [threading.Thread(target=aborted_request, args=(i,)) for i in range(3)]
     extra.append(threading.Thread(target=abort_soon))
@@ -123,6 +125,7 @@ def test_stress_concurrent_mixed_shared_aborted_then_accounting(pair):
         t.join()
     for w, g in zip(want, got):
         same_greedy_or_tied(w, g)
+    assert "length" not in finished.values(), finished  # each was aborted, not run to the end
     stats = mosaickv_stats(mosaic.url)
     kept = sum(n for kind, n in stats["bytes"].items() if kind != "hot_buffer_capacity")
     assert stats["arena_bytes"] == kept  # running total == re-summed from every kept tensor
@@ -138,15 +141,28 @@ def test_stress_concurrent_mixed_shared_aborted_then_accounting(pair):
 def test_killing_the_worker_mid_run_loses_nothing(pair):
     dense, mosaic = pair
     rng = random.Random(2)
-    jobs = [(_prompt(rng, rng.choice((300, 600, 1000))), 60) for _ in range(8)]
+    jobs = [(_prompt(rng, rng.choice((300, 600, 1000))), 200) for _ in range(8)]
     want = [_greedy(dense.url, ids, n) for ids, n in jobs]
     before = mosaickv_stats(mosaic.url)["daemon"]
     (pid,) = _worker_pids(mosaic)
-    got = _run_all(mosaic.url, jobs, during=lambda: os.kill(pid, signal.SIGKILL))
+    killed = {}
+
+    def kill_with_pages_inflight():  # the worker holds jobs and the requests are running
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            st = mosaickv_stats(mosaic.url)["daemon"]
+            if st["inflight_pages"] > 0:
+                os.kill(pid, signal.SIGKILL)
+                killed["inflight"] = st["inflight_pages"]
+                return
+            time.sleep(0.05)
+
+    got = _run_all(mosaic.url, jobs, during=kill_with_pages_inflight)
+    assert killed, "the worker never held a page while the requests ran"
     for w, g in zip(want, got):
         same_greedy_or_tied(w, g)
     after = mosaickv_stats(mosaic.url)["daemon"]
-    assert after["restarts"] == before["restarts"] + 1, after
+    assert after["restarts"] == before["restarts"] + 1, (killed, after)
     (new_pid,) = _worker_pids(mosaic)
     assert new_pid != pid
     assert after["adopted_pages"] > before["adopted_pages"]

@@ -168,6 +168,7 @@ def test_platform_server_args_defaults():
                                decode=SimpleNamespace(backend="full"),
                                prefill=SimpleNamespace(backend="full")))
     platform_cpu.MosaicCpuPlatform().apply_server_args_defaults(args)
+    assert args.sleep_on_idle  # an idle scheduler does not spin a core
     assert args.attention_backend == args.decode_attention_backend == "torch_native"
     assert args.sampling_backend == "pytorch" and args.disable_cuda_graph
     assert str(args.cuda_graph_config.decode.backend).endswith("disabled")

@@ -236,6 +236,10 @@ class MosaicCpuPlatform(CpuDeviceMixin, SRTPlatform):
             if getattr(server_args, name, None) == "intel_amx":
                 setattr(server_args, name, "torch_native")
         server_args.sampling_backend = "pytorch"
+        # An idle scheduler polls its sockets in a busy loop (a core at 100% per server): on a
+        # CPU that core is what the other servers and their requests compute on. It sleeps on
+        # the sockets instead (a request wakes it at once).
+        server_args.sleep_on_idle = True
         # SGLang turns graphs off by itself only for torch_native; any other backend (mosaickv)
         # would reach get_graph_runner_cls(), which this platform does not provide.
         server_args.disable_cuda_graph = True
