@@ -10,6 +10,10 @@ nothing runs. Each recorded variant is then compiled down to a cubin by Triton's
 (from its wheel), in parallel processes, with ptxas' `-v` log read for registers and spills.
 
     python scripts/sm90_compile.py [--jobs N] [--json FILE] [--only SUBSTRING] [--list]
+                                   [--dump DIR]
+
+`--dump DIR` writes each variant's TTGIR, PTX and SASS there (`cuobjdump -sass` from Triton's
+wheel): what a kernel's loop really executes, read without a GPU.
 
 MOSAICKV_SM90_REPORT=FILE writes the JSON report there too. Exit status 1 when a variant does
 not compile or a scenario launches other kernels than it declares (`SCENARIOS`). The policy
@@ -475,6 +479,8 @@ def compile_variant(variant: dict) -> dict:
     try:
         with contextlib.redirect_stdout(log):
             kernel = fn.preload(variant["spec"])
+        if variant.get("dump"):
+            _dump(kernel, Path(variant["dump"]) / f"{name}_v{variant['index']}")
         row.update(parse_ptxas(log.getvalue()), ok="cubin" in kernel.asm,
                    shared=kernel.metadata.shared, num_warps=kernel.metadata.num_warps,
                    num_stages=kernel.metadata.num_stages, cubin_bytes=len(kernel.asm["cubin"]))
@@ -490,6 +496,21 @@ def compile_variant(variant: dict) -> dict:
                                                         data["constant_vals"])
                          if data["signature"][names[k[0]]] == "constexpr"}
     return row
+
+
+def _dump(kernel, stem: Path) -> None:
+    """TTGIR, PTX and SASS of a compiled variant, as stem.ttgir / .ptx / .sass."""
+    import subprocess
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for kind in ("ttgir", "ptx"):
+        if kind in kernel.asm:
+            stem.with_suffix(f".{kind}").write_text(kernel.asm[kind])
+    cubin = stem.with_suffix(".cubin")
+    cubin.write_bytes(kernel.asm["cubin"])
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True)
+    stem.with_suffix(".sass").write_text(sass.stdout or sass.stderr)
 
 
 def compile_all(variants: list[dict], jobs: int) -> list[dict]:
@@ -565,6 +586,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--only", default=None, help="scenarios whose name contains this")
     ap.add_argument("--list", action="store_true", help="list the variants, compile nothing")
+    ap.add_argument("--dump", default=None, help="write TTGIR, PTX and SASS per variant here")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         ap.error("TRITON_INTERPRET is set: run this as a script (it compiles the GPU path)")
@@ -579,7 +601,12 @@ def main(argv=None) -> int:
         for e in errors:
             print("ERROR", e)
         return 1 if errors else 0
+    if args.dump:
+        for i, v in enumerate(variants):
+            v.update(dump=str(Path(args.dump).resolve()), index=i)
     rows = compile_all(variants, args.jobs)
+    for r in rows:
+        r.pop("dump", None)
     print(table(rows))
     report = {"target": {"backend": TARGET.backend, "arch": TARGET.arch,
                          "warp_size": TARGET.warp_size},
