@@ -12,6 +12,12 @@ the dense bf16 cache. Reported per method, overall and per layer:
 * pages_read: fraction of compressed pages a decode step reads (1.0 without selection).
 
     python -m mosaickv_sglang.bench.fidelity --quick --json OUT.json
+    python -m mosaickv_sglang.bench.fidelity --lengths 8192 --seeds 0 1 2 --json OUT.json
+
+With several `--seeds` (each a different haystack and needle placement) every method is also
+reported as its mean over the seeds with a 95% t-interval, and each claim against a baseline as
+the paired margin (baseline error - default error, seed by seed) with its interval: a claim
+holds when the margin's interval lies above 0, not only when the means are ordered.
 """
 from __future__ import annotations
 
@@ -208,6 +214,74 @@ def check_claims(records: list[dict]) -> list[tuple[bool, str]]:
     return out
 
 
+# two-sided 95% Student t quantiles by degrees of freedom (n - 1), for intervals over seeds
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+       9: 2.262, 10: 2.228}
+
+
+def mean_interval(xs: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of xs and its 95% t-interval (low == high == mean for one)."""
+    n = len(xs)
+    mean = sum(xs) / n
+    if n < 2:
+        return mean, mean, mean
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    half = T95.get(n - 1, 1.96) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def over_seeds(records: list[dict]) -> list[dict]:
+    """Per (context length, method): physical ratio and attention error as mean and 95%
+    interval over the seeds, in the records' order."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["context_tokens"], r["method"]), []).append(r)
+    out = []
+    for (n, method), rs in groups.items():
+        row = {"context_tokens": n, "method": method, "default": rs[0]["default"],
+               "seeds": [r["seed"] for r in rs]}
+        for key in ("physical_ratio", "attn_rel_err", "mass_recall", "pages_read"):
+            row[key], row[f"{key}_low"], row[f"{key}_high"] = mean_interval([r[key] for r in rs])
+        out.append(row)
+    return out
+
+
+def paired_claims(records: list[dict]) -> list[tuple[bool, str]]:
+    """The claims against baselines at one context length, over seeds: per baseline the margin
+    (its attention error - the default's, paired by seed) with a 95% interval; a claim holds
+    when the interval's low end is above 0. Equal bytes as in `check_claims` (ratio within 10%
+    of the default's, or a KIVI at >= 0.9x its ratio), judged on the means."""
+    seeds = sorted({r["seed"] for r in records})
+    by = {(r["method"], r["seed"]): r for r in records}
+    default = next(r["method"] for r in records if r["default"])
+    ratio = mean_interval([by[(default, s)]["physical_ratio"] for s in seeds])[0]
+    out = [(ratio >= 3.0, f"default physical_ratio {ratio:.2f} >= 3.0 (mean of {len(seeds)} seeds)")]
+    for method in dict.fromkeys(r["method"] for r in records):
+        eq = method.startswith(("global channel mask", "per-vector top-r, no rotation",
+                                "per-vector top-r fp8, no rotation"))
+        base_ratio = mean_interval([by[(method, s)]["physical_ratio"] for s in seeds])[0]
+        if not (eq or (method.startswith("kivi") and base_ratio >= 0.9 * ratio)):
+            continue
+        same = abs(base_ratio / ratio - 1) <= 0.10 if eq else True
+        margin = [by[(method, s)]["attn_rel_err"] - by[(default, s)]["attn_rel_err"]
+                  for s in seeds]
+        m, lo, hi = mean_interval(margin)
+        out.append((same and lo > 0,
+                    f"beats '{method}' ({base_ratio:.2f}x vs {ratio:.2f}x): margin {m:+.4f} "
+                    f"[{lo:+.4f}, {hi:+.4f}] over {len(seeds)} seeds, every seed "
+                    f"{all(x > 0 for x in margin)}"))
+    return out
+
+
+def print_over_seeds(rows: list[dict]) -> None:
+    print(f"\n{'method':44s} {'ratio':>6s} {'attn_err [95% over seeds]':>28s} {'recall':>7s}")
+    for r in rows:
+        mark = " *" if r["default"] else ""
+        print(f"{(r['method'] + mark):44s} {r['physical_ratio']:6.2f} {r['attn_rel_err']:9.4f} "
+              f"[{r['attn_rel_err_low']:.4f}, {r['attn_rel_err_high']:.4f}] "
+              f"{r['mass_recall']:7.4f}")
+
+
 def plot(records: list[dict], path: Path) -> None:
     """Attention error vs physical ratio, one panel per context length (log error axis)."""
     import matplotlib
@@ -215,18 +289,25 @@ def plot(records: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     lengths = sorted({r["context_tokens"] for r in records})
+    family = {r["method"]: r["family"] for r in records}
+    seeds = sorted({r.get("seed", 0) for r in records})
+    points = over_seeds([{"seed": 0, **r} for r in records])  # means (and intervals) per method
     fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.5), squeeze=False)
     for ax, n in zip(axes[0], lengths):
-        for r in (r for r in records if r["context_tokens"] == n and r["method"] != "dense"):
-            style = {"mosaickv": "r*", "ablation": "ms", "baseline": "bo"}[r["family"]]
-            ax.plot(r["physical_ratio"], max(r["attn_rel_err"], 1e-4), style,
-                    markersize=12 if r["default"] else 7)
+        for r in (r for r in points if r["context_tokens"] == n and r["method"] != "dense"):
+            style = {"mosaickv": "r*", "ablation": "ms", "baseline": "bo"}[family[r["method"]]]
+            err = max(r["attn_rel_err"], 1e-4)
+            bar = [[err - max(r["attn_rel_err_low"], 1e-4)],
+                   [max(r["attn_rel_err_high"], 1e-4) - err]]
+            ax.errorbar(r["physical_ratio"], err, yerr=bar, fmt=style,
+                        markersize=12 if r["default"] else 7, elinewidth=1, capsize=2)
             ax.annotate(r["method"], (r["physical_ratio"], max(r["attn_rel_err"], 1e-4)),
                         fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.set_yscale("log")
         ax.set_xlabel("physical compression ratio vs bf16 (all metadata counted)")
         ax.set_ylabel("attention-output relative error")
-        ax.set_title(f"SmolLM2-135M, {n}-token context, 30 layers")
+        ax.set_title(f"SmolLM2-135M, {n}-token context, 30 layers"
+                     + (f", mean of {len(seeds)} seeds (95%)" if len(seeds) > 1 else ""))
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
@@ -239,30 +320,44 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=None, help="MosaicKV config (JSON or @file) for the default")
     ap.add_argument("--json", type=Path, default=None, help="write all records here")
     ap.add_argument("--plot", type=Path, default=None, help="write an error-vs-ratio PNG here")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="haystacks (needle text and placement) per length: with several, means "
+                         "and 95%% intervals over them, claims as paired margins")
     args = ap.parse_args(argv)
     lengths = [4096] if args.quick else args.lengths
     default_cfg = MosaicConfig.parse(args.config)
     all_records = []
     for n in lengths:
-        t0 = time.time()
-        print(f"[fidelity] capturing SmolLM2 Q/K/V on a {n}-token essay haystack ...", flush=True)
-        cap = capture(n_tokens=n)
-        layers = list(range(len(cap.k)))
-        print(f"[fidelity] {cap.prompt_tokens} tokens, {len(layers)} layers, "
-              f"{cap.q[0].shape[0]} decode queries ({time.time() - t0:.0f}s)", flush=True)
-        default = evaluate(Method("mosaickv (default)", default_cfg, "mosaickv", default=True),
-                           cap, layers)
-        records = [default]
-        for m in methods_for(cap, default["physical_ratio"], default_cfg):
-            print(f"[fidelity] {n}: {m.name} ...", flush=True)
-            records.append(evaluate(m, cap, layers))
-        for r in records:
-            r["context_tokens"] = cap.prompt_tokens
-        print(f"\n== {cap.prompt_tokens}-token context ({time.time() - t0:.0f}s) ==")
-        print_table(records)
-        for ok, claim in check_claims(records):
-            print(f"  [{'PASS' if ok else 'FAIL'}] {claim}")
-        all_records += records
+        per_length = []
+        for seed in args.seeds:
+            t0 = time.time()
+            print(f"[fidelity] capturing SmolLM2 Q/K/V on a {n}-token essay haystack (seed "
+                  f"{seed}) ...", flush=True)
+            cap = capture(n_tokens=n, seed=seed)
+            layers = list(range(len(cap.k)))
+            print(f"[fidelity] {cap.prompt_tokens} tokens, {len(layers)} layers, "
+                  f"{cap.q[0].shape[0]} decode queries ({time.time() - t0:.0f}s)", flush=True)
+            default = evaluate(Method("mosaickv (default)", default_cfg, "mosaickv",
+                                      default=True), cap, layers)
+            records = [default]
+            for m in methods_for(cap, default["physical_ratio"], default_cfg):
+                print(f"[fidelity] {n} seed {seed}: {m.name} ...", flush=True)
+                records.append(evaluate(m, cap, layers))
+            for r in records:
+                r["context_tokens"], r["seed"] = n, seed
+                r["prompt_tokens"] = cap.prompt_tokens
+            print(f"\n== {cap.prompt_tokens}-token context, seed {seed} "
+                  f"({time.time() - t0:.0f}s) ==")
+            print_table(records)
+            for ok, claim in check_claims(records):
+                print(f"  [{'PASS' if ok else 'FAIL'}] {claim}")
+            per_length += records
+        if len(args.seeds) > 1:
+            print(f"\n== {n}-token context over seeds {args.seeds} ==")
+            print_over_seeds(over_seeds(per_length))
+            for ok, claim in paired_claims(per_length):
+                print(f"  [{'PASS' if ok else 'FAIL'}] {claim}")
+        all_records += per_length
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(all_records, indent=1))
