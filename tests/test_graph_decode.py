@@ -67,6 +67,26 @@ def _same_tables(plan, bk, width: int, n: int, why) -> None:
         assert hot == bk.hot_rows[b, :int(bk.hot_lens[b])].tolist(), why
 
 
+def _same_device_tables(gd, view, req_to_token, rows: int, why) -> None:
+    """`GraphDecode.device_tables` (static-shaped device ops) equal what `prepare` wrote into the
+    bucket, on every part `prepare` writes: the row CSR, each row's bases address, each
+    request's compressed pages, hot length and hot rows."""
+    from mosaickv_sglang.serving.graph_decode import DevicePageTable
+
+    bk = gd.bucket
+    got = gd.device_tables(bk, view.req_pool_indices, view.seq_lens, req_to_token, rows,
+                           DevicePageTable.of(gd.pool))
+    end = int(bk.seg_indptr[-1])
+    assert torch.equal(got["seg_indptr"].cpu(), bk.seg_indptr.cpu()), why
+    assert torch.equal(got["seg_ids"][:end].cpu(), bk.seg_ids[:end].cpu()), why
+    assert torch.equal(got["basis_ptrs"].cpu(), bk.basis_ptrs.cpu()), why
+    for name in ("req_pages", "hot_lens"):
+        assert torch.equal(got[name].cpu(), getattr(bk, name).cpu()), (name, why)
+    for b in range(bk.bs):
+        m = int(bk.hot_lens[b])
+        assert torch.equal(got["hot_rows"][b, :m].cpu(), bk.hot_rows[b, :m].cpu()), (b, why)
+
+
 def _state(pool):
     return (sorted(pool.sealed), pool.hot_page_of.clone().cpu(), sorted(pool.free_hot_pages))
 
@@ -135,7 +155,10 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
                 buf[j, n:] = torch.randn(pad, *buf.shape[2:], generator=gen).to(buf)
         refresh_static(static, live, fill)
         assert graph.graph_refusal(live) is None
-        graph.init_forward_metadata_out_graph(replay_view(static, bs, pad, locs))
+        view = replay_view(static, bs, pad, locs)
+        graph.init_forward_metadata_out_graph(view)
+        _same_device_tables(graph.graph, view, graph.req_to_token_pool.req_to_token, n,
+                            (i, repro(seed)))
         got = replay()
         if device == "cuda":
             torch.cuda.synchronize()

@@ -241,6 +241,50 @@ class GraphDecode:
         if not self.cfg.select.enabled:
             self.pages_read_unselected += total_pages * h * layers
 
+    # ---- the same tables built on the device (not yet the step's path) ---------------------
+    def device_tables(self, bk: _Bucket, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                      req_to_token: torch.Tensor, rows: int, table: "DevicePageTable") -> dict:
+        """`prepare`'s tables for bucket `bk` as static-shaped device ops (no host read, no
+        Python loop over requests or pages: what the decode graph can record), from the batch's
+        `req_pool_indices` and `seq_lens` (device, bucket-sized; the first `rows` real) and the
+        pool's page table on the device (`table`). Returns new tensors named as the bucket's
+        fields; the parts `prepare` writes are equal (tests/test_graph_decode.py). Chunk read
+        rule only (the position rule's early-sealed reads are decided on the host)."""
+        if self.pool.position_rule:
+            raise NotImplementedError("device_tables: the chunk read rule only")
+        dev, ps, w, block = req_to_token.device, self.pool.page_size, self.width, \
+            self.block_pages
+        bs, cap, most = bk.bs, self.hot_cap, w * self.block_pages  # pages a request may have
+        live = torch.arange(bs, device=dev) < rows
+        lens = torch.where(live, seq_lens.to(torch.int64), 0)
+        cols = torch.arange(most, device=dev) * ps
+        cols = torch.minimum(cols, torch.tensor(req_to_token.shape[1] - 1, device=dev))
+        pages = req_to_token[req_pool_indices.to(torch.int64)][:, cols].to(torch.int64) // ps
+        owned = torch.arange(most, device=dev)[None, :] < (lens[:, None] + ps - 1) // ps
+        pages = torch.where(owned, pages, 0)
+        sealed = table.sealed[pages] & owned
+        n = torch.cumprod(sealed.to(torch.int32), dim=1).sum(1)  # the sealed prefix (chunk rule)
+        starts = torch.arange(w, device=dev) * block
+        counts = (n[:, None] - starts[None, :]).clamp(0, block)  # [bs, W]
+        indptr = torch.zeros(bs * w + 1, dtype=torch.int64, device=dev)
+        indptr[1:] = torch.cumsum(counts.reshape(-1), 0)
+        # seg_ids: request b's pages 0..n-1 from indptr[b * W] on (rows are position blocks)
+        first = indptr[:-1].view(bs, w)[:, 0].contiguous()
+        k = torch.arange(max(bs * w * block, 1), device=dev)
+        b = (torch.searchsorted(first, k, right=True) - 1).clamp(0, bs - 1)
+        j = (k - first[b]).clamp(0, most - 1)
+        seg_ids = torch.where(k < indptr[-1], pages[b, j], 0)
+        row_first = pages[:, starts]  # [bs, W]: each row's first page
+        ptrs = torch.where(counts > 0, table.basis_addr[row_first], 0).reshape(-1)
+        hot_len = torch.where(live, lens - n * ps, 1)  # padded: the padding page's token 0
+        t = torch.arange(cap, device=dev)
+        at = (n[:, None] + t[None, :] // ps).clamp(max=most - 1)
+        hot_rows = table.hot_page[pages.gather(1, at)] * ps + t[None, :] % ps
+        hot_rows = torch.where((t[None, :] < hot_len[:, None]) & live[:, None], hot_rows, 0)
+        return {"seg_indptr": indptr.to(torch.int32), "seg_ids": seg_ids.to(torch.int32),
+                "hot_lens": hot_len.to(torch.int32), "req_pages": (n * self.pps).to(torch.int32),
+                "basis_ptrs": ptrs, "hot_rows": hot_rows}
+
     def _address(self, whole: torch.Tensor) -> int:
         """A bases tensor's device address, checked once per tensor (`basis_pointers`: bf16,
         contiguous, on the pool's device)."""
@@ -284,3 +328,28 @@ class GraphDecode:
                 "graph_eager_steps": self.eager_steps, "buckets": sorted(self.buckets),
                 "rows_per_request": self.width,
                 "selection": {"pages_available": self.pages_available, "pages_read": read}}
+
+
+@dataclass
+class DevicePageTable:
+    """The pool's page table as the device-built tables read it: per logical page whether it is
+    sealed, the address of its block's bases (0: none) and its hot page (-1: none)."""
+    sealed: torch.Tensor  # bool [P]
+    basis_addr: torch.Tensor  # int64 [P]
+    hot_page: torch.Tensor  # int64 [P]
+    keep: list  # the bases tensors the addresses point into
+
+    @classmethod
+    def of(cls, pool) -> "DevicePageTable":
+        """Built from the pool's host state in one pass (a test and a fallback; the pool is to
+        keep it up to date where the host changes it: seal, adopt, free, hot-page assignment)."""
+        n = pool.num_logical_pages + 1
+        addr = np.zeros(n, dtype=np.int64)
+        keep = []
+        for page, sp in pool.sealed.items():
+            whole = sp.bases.stacked()
+            keep.append(whole)
+            addr[page] = whole.data_ptr()
+        dev = pool.device
+        return cls(torch.from_numpy(pool.page_sealed[:n].copy()).to(dev),
+                   torch.from_numpy(addr).to(dev), pool.hot_page_of[:n].to(dev), keep)
