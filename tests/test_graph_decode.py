@@ -26,6 +26,12 @@ PS, H, HQ, D, LAYERS = 128, 2, 4, 64, 2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# of the replay test's 5 steps, those planned on the device: 0, 2, 3, 4 (at step 1 request 3,
+# 127 tokens before the first step, writes position 128: a new page; nothing else in the pool
+# changes between the capture's host step and step 0)
+DEVICE_PLANNED = 4
+
+
 def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024):
     """A pool with `lengths` requests written and sealed (request rows 1..; row 0 is SGLang's
     padding row) and its backend, decode_cuda_graph `mode`, on the packed Triton kernels."""
@@ -172,6 +178,8 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
     assert len(pool_g.sealed) > sum(m // PS for m in lengths), repro(seed)  # sealed on the way
     stats = graph.packed.stats()["graph"]
     assert stats["graph_steps"] == 5 + 1 and stats["graph_request_steps"] == 15  # + the capture
+    # steps with no page to start or seal ran without host reads (tables built on the device)
+    assert stats["device_planned_steps"] == DEVICE_PLANNED, stats
     assert stats["selection"]["pages_read"] <= stats["selection"]["pages_available"]
 
 
@@ -264,3 +272,30 @@ def test_buckets_share_the_kernels_workspace(seed):
     assert plans[1].max_selected == selected
     assert plans[1].num_splits <= max(1, selected // MIN_PAGES_PER_SPLIT), \
         (plans[1].num_splits, g.budget_pages, g.width)
+
+
+def test_host_work_is_skipped_only_where_nothing_is_due():
+    """`can_skip_host`: a step skips its host work only if the page table is unchanged since the
+    last host step and no request writes the first token of a page (it needs a hot page) or
+    reaches a sealing boundary (the chunk rule seals a page once hot_tokens past it)."""
+    from mosaickv_sglang.serving.graph_decode import GraphDecode
+
+    pool = SimpleNamespace(position_rule=False, basis_addr_ok=True, version=7, page_size=128,
+                           dense_window=64)
+    gd = GraphDecode.__new__(GraphDecode)
+    gd.pool, gd._table, gd._host_version = pool, object(), 7
+
+    def skip(*lens):
+        fb = SimpleNamespace(seq_lens_cpu=torch.tensor(lens))
+        return gd.can_skip_host(fb, len(lens))
+
+    assert skip(300, 1000)
+    assert not skip(300, 129)  # position 128: a new page
+    assert not skip(300, 64 + 128 + 1)  # position 192: page 0 is now 64 tokens behind, sealed
+    assert skip(300, 64 + 1)  # position 64: nothing to seal yet (no full page)
+    pool.version = 8  # something sealed, freed or mapped since the last host step
+    assert not skip(300, 1000)
+    gd._host_version, pool.position_rule = 8, True
+    assert not skip(300, 1000)  # the position rule: host only
+    pool.position_rule, pool.basis_addr_ok = False, False
+    assert not skip(300, 1000)  # a page's bases without one tensor: host only

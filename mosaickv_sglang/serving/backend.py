@@ -192,6 +192,14 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         timer = self.packed.timer if self.packed is not None else None
         if timer is not None:
             timer.step()
+        graph = self.graph is not None and self.graph_rows is not None
+        if graph and self.graph.can_skip_host(forward_batch, rows):
+            # nothing to seal or map at this step: the replay's tables built on the device
+            self.graph.prepare_on_device(forward_batch, req_to_token, rows)
+            if timer is not None:
+                timer.lap("device_plan")
+            self._prepared = forward_batch
+            return
         # read once for the sealing and the plan: lengths, and every request's logical pages
         host = lens, page_ids = host_batch(forward_batch, req_to_token, rows, pool.page_size)
         before = pool.counters.sealed_pages
@@ -201,7 +209,6 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             logger.info(pool.summary())
         if timer is not None:
             timer.lap("seal")
-        graph = self.graph is not None and self.graph_rows is not None
         if graph:  # writes map through the device table: the pages they write, from the host
             # (req_to_token[req, seq_len - 1] is this step's slot: SGLang's alloc_for_decode);
             # padded rows write slot 0, page 0 (SGLang's buffer registry zeroes their

@@ -113,6 +113,14 @@ class GraphDecode:
         self.eager_steps = 0  # decode steps the graph refused (graph_refusal)
         self.request_steps = 0
         self.pages_available = 0  # (32-token page, KV head, layer) triples, counted in prepare
+        # steps whose tables were built on the device (no host read: `can_skip_host`), their
+        # pages available counted there too, and the pool's page table version the last host
+        # step saw (None: none yet)
+        self.device_steps = 0
+        self.pages_available_dev = None
+        self._host_version = None
+        self._table: DevicePageTable | None = None
+        self._uploaded: tuple | None = None  # host copies of what the device table holds
         self.pages_read_unselected = 0
         # bases tensors whose address was checked (address -> tensor, weakly: a freed tensor
         # leaves, and another at its address is checked again)
@@ -233,6 +241,8 @@ class GraphDecode:
         bk.keep = keep
         for dev_flat, host_flat in zip(bk.flat, bk.staging):  # two copies, not six
             dev_flat.copy_(host_flat, non_blocking=True)
+        self._sync_table()
+        self._host_version = pool.version
         self.bucket = bk
         self.steps += 1
         self.request_steps += rows
@@ -241,7 +251,67 @@ class GraphDecode:
         if not self.cfg.select.enabled:
             self.pages_read_unselected += total_pages * h * layers
 
-    # ---- the same tables built on the device (not yet the step's path) ---------------------
+    # ---- the same tables built on the device, on steps with nothing for the host to do -----
+    def can_skip_host(self, forward_batch, rows: int) -> bool:
+        """Whether this step's host work (sealing, hot pages for the writes, the tables) has
+        nothing to do but the tables, which the device then builds (`prepare_on_device`): the
+        pool's page table has not changed since the last step that did the host work (nothing
+        sealed, adopted, freed or mapped since: `pool.version`), and no real request starts a
+        new page (its write needs a hot page) or crosses a sealing boundary (the chunk read
+        rule seals a page once `hot_tokens` behind it) at this step. From the host's lengths
+        alone: no device read. Chunk read rule only."""
+        pool = self.pool
+        if pool.position_rule or not pool.basis_addr_ok or self._table is None or \
+                self._host_version != pool.version:
+            return False
+        ps, window = pool.page_size, pool.dense_window
+        for seq_len in host_seq_lens(forward_batch, rows):
+            pos = seq_len - 1
+            if pos % ps == 0 or (pos > window and (pos - window) % ps == 0):
+                return False
+        return True
+
+    def prepare_on_device(self, forward_batch, req_to_token, rows: int) -> None:
+        """`prepare` for a step `can_skip_host` allows: the bucket's tables written by device
+        ops (`device_tables`), ordered after the previous replay on the stream; no host sync."""
+        bk = self.buckets.get(forward_batch.batch_size)
+        if bk is None:
+            raise RuntimeError(f"MosaicKV: no decode graph tables for batch size "
+                               f"{forward_batch.batch_size}")
+        built = self.device_tables(bk, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                   req_to_token, rows, self._table)
+        for name, value in built.items():
+            getattr(bk, name).copy_(value)
+        pool = self.pool
+        pages = built["req_pages"].sum().to(torch.int64) * (pool.head_num * pool.layer_num)
+        self.pages_available_dev = pages if self.pages_available_dev is None else \
+            self.pages_available_dev + pages
+        self.bucket = bk
+        self.steps += 1
+        self.device_steps += 1
+        self.request_steps += rows
+
+    def _sync_table(self) -> None:
+        """The device page table up to date with the pool's host arrays: one copy per array of
+        the span that changed since the last sync (none on most steps)."""
+        pool = self.pool
+        if not pool.basis_addr_ok:
+            return
+        host = (pool.page_sealed, pool.page_basis_addr)
+        if self._table is None:
+            dev = pool.device
+            self._table = DevicePageTable(torch.zeros(host[0].size, dtype=torch.bool, device=dev),
+                                          torch.zeros(host[1].size, dtype=torch.int64, device=dev),
+                                          pool.hot_page_dev, [])
+            self._uploaded = tuple(np.zeros_like(h) for h in host)
+        for now, up, dev in zip(host, self._uploaded, (self._table.sealed,
+                                                        self._table.basis_addr)):
+            changed = np.flatnonzero(now != up)
+            if changed.size:
+                lo, hi = int(changed[0]), int(changed[-1]) + 1
+                dev[lo:hi].copy_(torch.from_numpy(now[lo:hi]))
+                up[lo:hi] = now[lo:hi]
+
     def device_tables(self, bk: _Bucket, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                       req_to_token: torch.Tensor, rows: int, table: "DevicePageTable") -> dict:
         """`prepare`'s tables for bucket `bk` as static-shaped device ops (no host read, no
@@ -324,10 +394,15 @@ class GraphDecode:
         for bk in self.buckets.values():
             if bk.decoder.read is not None:
                 read += int(bk.decoder.read.sum())
+        available = self.pages_available
+        if self.pages_available_dev is not None:
+            available += int(self.pages_available_dev)
+            if not self.cfg.select.enabled:
+                read += int(self.pages_available_dev)
         return {"graph_steps": self.steps, "graph_request_steps": self.request_steps,
                 "graph_eager_steps": self.eager_steps, "buckets": sorted(self.buckets),
-                "rows_per_request": self.width,
-                "selection": {"pages_available": self.pages_available, "pages_read": read}}
+                "rows_per_request": self.width, "device_planned_steps": self.device_steps,
+                "selection": {"pages_available": available, "pages_read": read}}
 
 
 @dataclass

@@ -204,7 +204,16 @@ class MosaicKVPool(MHATokenToKVPool):
         # the page is). A step's plan reads these for every page of every request, vectorized.
         self.page_sealed = np.zeros(self.num_logical_pages + 1, dtype=bool)
         self.page_basis = np.zeros(self.num_logical_pages + 1, dtype=np.int64)
+        # and the device address of each sealed page's bases (BasisPair.whole: alive while the
+        # page is sealed), for tables built on the device (graph_decode.DevicePageTable); False
+        # once a page's bases had no single tensor (then the host builds every table)
+        self.page_basis_addr = np.zeros(self.num_logical_pages + 1, dtype=np.int64)
+        self.basis_addr_ok = True
         self.counters = PoolCounters()
+        # Bumped by every change of the page table (a page sealed, freed, given a hot page or
+        # losing one, a clear): a decode step may skip its host work only while it has not
+        # moved since the last step that did it (`GraphDecode.can_skip_host`).
+        self.version = 0
         # What start-up sizing assumed the packed pages may take (worst candidate everywhere);
         # exceeding it (dense fallbacks) is logged and counted, never silent.
         dense_per_token = self.layer_num * 2 * self.head_num * self.head_dim * 2
@@ -287,6 +296,7 @@ class MosaicKVPool(MHATokenToKVPool):
                 "MosaicKV hot buffer exhausted: raise hot_buffer_fraction in --mosaickv-config "
                 f"(now {self.cfg.hot_buffer_fraction}) or lower --max-running-requests / "
                 "--chunked-prefill-size")
+        self.version += 1
         return self.free_hot_pages.pop()
 
     def prepare_writes(self, loc: torch.Tensor) -> None:
@@ -707,6 +717,7 @@ class MosaicKVPool(MHATokenToKVPool):
         rule read them compressed) once their request reads them compressed."""
         for p in pages:
             if p in self.kept_hot:
+                self.version += 1
                 self.kept_hot.discard(p)
                 self.free_hot_pages.append(int(self.hot_page_of[p]))
                 self.hot_page_of[p] = -1
@@ -768,6 +779,7 @@ class MosaicKVPool(MHATokenToKVPool):
         """The one place sealed pages enter ``self.sealed`` (``release_pages``/``clear`` are the
         only exits): store each layer's segments of all `pages` in one batch (arena-ready daemon
         results with one copy each), account their bytes and give their hot pages back."""
+        self.version += 1
         for page in pages:
             if page in self.sealed:
                 raise RuntimeError(f"MosaicKV: page {page} sealed twice")
@@ -784,6 +796,10 @@ class MosaicKVPool(MHATokenToKVPool):
         for page, sp in zip(pages, sealed):
             self.sealed[page] = sp
             self.page_sealed[page], self.page_basis[page] = True, id(sp.bases)
+            if sp.bases is not None and sp.bases.whole is not None:
+                self.page_basis_addr[page] = sp.bases.whole.data_ptr()
+            else:
+                self.basis_addr_ok = False
             self._account(sp, +1)
             if keep_hot:  # read dense until the read rule says otherwise (_drop_kept_hot)
                 self.kept_hot.add(page)
@@ -926,6 +942,7 @@ class MosaicKVPool(MHATokenToKVPool):
     # ---- frees --------------------------------------------------------------------------
     def release_pages(self, pages: list[int]) -> None:
         """Called by the allocator when logical pages return to its free list."""
+        self.version += 1
         for page in pages:
             self.page_gen[page] += 1  # a result still in flight for it will be discarded
             self.pending.pop(page, None)
@@ -934,6 +951,7 @@ class MosaicKVPool(MHATokenToKVPool):
             sealed = self.sealed.pop(page, None)
             if sealed is not None:
                 self.page_sealed[page] = False
+                self.page_basis_addr[page] = 0
                 self._account(sealed, -1)
                 self.store.release(page)
                 self.counters.freed_pages += 1
@@ -944,6 +962,7 @@ class MosaicKVPool(MHATokenToKVPool):
 
     def clear(self) -> None:
         """Every logical page is free again (the allocator was reset): drop all state."""
+        self.version += 1
         self.counters.freed_pages += len(self.sealed)
         self.page_gen = [g + 1 for g in self.page_gen]
         self.pending.clear()
@@ -955,6 +974,7 @@ class MosaicKVPool(MHATokenToKVPool):
                 self.daemon.cancel(job)
         self.sealed.clear()
         self.page_sealed[:] = False
+        self.page_basis_addr[:] = 0
         self.store.clear()
         self.arena_bytes = 0
         self._basis_refs.clear()
