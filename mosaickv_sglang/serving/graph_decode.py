@@ -329,7 +329,8 @@ class GraphDecode:
         lens = torch.where(live, seq_lens.to(torch.int64), 0)
         cols = torch.arange(most, device=dev) * ps
         cols = torch.minimum(cols, torch.tensor(req_to_token.shape[1] - 1, device=dev))
-        pages = req_to_token[req_pool_indices.to(torch.int64)][:, cols].to(torch.int64) // ps
+        pages = req_to_token[req_pool_indices.to(torch.int64)[:, None], cols[None, :]] \
+            .to(torch.int64) // ps
         owned = torch.arange(most, device=dev)[None, :] < (lens[:, None] + ps - 1) // ps
         pages = torch.where(owned, pages, 0)
         sealed = table.sealed[pages] & owned
