@@ -19,16 +19,22 @@ from mosaickv_sglang.bench.capture import capture
 from mosaickv_sglang.bench.fidelity import Method, evaluate
 from mosaickv_sglang.config import MosaicConfig, SelectionConfig
 
-METRICS = ("physical_ratio", "attn_rel_err", "mass_recall", "pages_read")
+METRICS = ("physical_ratio", "attn_rel_err", "mass_recall", "pages_read", "pages_rescored")
 
 
-def variants(meta_channels: list[int], budgets: list[int]) -> list[tuple[str, MosaicConfig]]:
+def variants(meta_channels: list[int], budgets: list[int],
+             rescore: list[int] = ()) -> list[tuple[str, MosaicConfig]]:
     d = MosaicConfig()
     out = [("no selection", replace(d, select=SelectionConfig(enabled=False)))]
     out += [(f"meta_channels={m}" + (" (default)" if m == d.select.meta_channels else ""),
              replace(d, select=replace(d.select, meta_channels=m))) for m in meta_channels]
-    out += [(f"budget_tokens={b}", replace(d, select=replace(d.select, budget_tokens=b)))
-            for b in budgets]
+    for b in budgets:
+        out.append((f"budget_tokens={b}", replace(d, select=replace(d.select, budget_tokens=b))))
+        # every channel's min/max (Quest's bound, on the rotated K): the metadata upper end
+        out.append((f"budget_tokens={b} meta_channels=all", replace(d, select=replace(
+            d.select, budget_tokens=b, meta_channels=4096))))
+        out += [(f"budget_tokens={b} rescore_factor={f}", replace(d, select=replace(
+            d.select, budget_tokens=b, rescore_factor=f))) for f in rescore]
     return out
 
 
@@ -37,14 +43,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--meta-channels", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--budgets", type=int, nargs="+", default=[2048, 6144])
+    ap.add_argument("--rescore", type=int, nargs="*", default=[],
+                    help="rescore factors to try at each budget (select.rescore_factor)")
+    ap.add_argument("--seed", type=int, default=0, help="the haystack (capture seed)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    cap = capture(n_tokens=args.tokens)
+    cap = capture(n_tokens=args.tokens, seed=args.seed)
     layers = list(range(len(cap.k)))
     print(f"{cap.prompt_tokens}-token context, {len(layers)} layers, {cap.q[0].shape[0]} decode "
           f"queries", flush=True)
     rows = []
-    for name, cfg in variants(args.meta_channels, args.budgets):
+    for name, cfg in variants(args.meta_channels, args.budgets, args.rescore):
         t0 = time.time()
         r = evaluate(Method(name, cfg, "mosaickv"), cap, layers)
         rows.append({"variant": name, **{k: r[k] for k in METRICS}})

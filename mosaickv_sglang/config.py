@@ -54,9 +54,14 @@ class SelectionConfig:
     sink_tokens: int = 64
     recent_tokens: int = 256
     meta_channels: int = 8  # channels with per-page min/max (the rest: one norm bound)
+    # 0: pages chosen by their metadata bound. k > 0: the bound keeps k x the budget's pages as
+    # candidates, which are re-ranked by their best score on the compressed K itself (the torch
+    # reference decode only: the kernels refuse it; docs/evaluation.md)
+    rescore_factor: int = 0
 
     def validate(self, page_tokens: int) -> None:
-        for key in ("budget_tokens", "sink_tokens", "recent_tokens", "meta_channels"):
+        for key in ("budget_tokens", "sink_tokens", "recent_tokens", "meta_channels",
+                    "rescore_factor"):
             if getattr(self, key) < 0:
                 raise ValueError(f"mosaickv config: select.{key}={getattr(self, key)} must be >= 0")
         if self.budget_tokens < page_tokens:

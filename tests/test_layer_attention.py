@@ -236,6 +236,59 @@ def test_selection_reads_the_page_with_the_planted_key(meta_channels, seed):
     assert rel_err(expect, full) > 1e-3, f"test not discriminative {repro(seed)}"
 
 
+def test_rescoring_keeps_the_best_scored_candidates(seed):
+    """select.rescore_factor: the bound keeps factor x the budget's pages as candidates, and the
+    budget's pages among them are those whose best score on the (here lossless) compressed K is
+    highest (max over the page's tokens and the group's query heads); sink and recent pages
+    stay. With a factor covering every page the keep set is the exact top pages."""
+    h, g, d, seg, pt, hot = 2, 2, 64, 64, 16, 16
+    nseg = 4
+    t = nseg * seg + hot + 5
+    pages = nseg * seg // pt  # 16
+    k, v = kv(h, t, d)
+    nq, sm = 2, 0.05
+    q = torch.randn(nq, h * g, d)
+    sel = SelectionConfig(enabled=True, budget_tokens=5 * pt, sink_tokens=pt, recent_tokens=pt,
+                          meta_channels=0, rescore_factor=100)
+    layer = compress_layer(k, v, lossless_cfg(seg, pt, hot, sel))
+    pos = hot_positions(nq, layer.hot_start, t)
+    out, info = decode_attention(q, layer, pos, sel, pt, sm_scale=sm)
+    assert info.pages_rescored == nq * h * pages and info.pages_read == 5 * nq * h
+    # the oracle: best score per page over its tokens and the group's heads, float64
+    qh = (q.double() * sm).reshape(nq, h, g, d)
+    best = torch.einsum("nhgd,htd->nhgt", qh, k.double()[:, :pages * pt])
+    best = best.reshape(nq, h, g, pages, pt).amax(-1).amax(2)  # [Nq, H, P]
+    top = best[:, :, 1:-1].topk(3, dim=-1).indices + 1
+    expect = torch.zeros(nq, h, pages, dtype=torch.bool)
+    expect[:, :, 0] = expect[:, :, -1] = True
+    expect.scatter_(2, top, True)
+    assert torch.equal(info.page_keep, expect), repro(seed)
+    tokens = torch.ones(nq, h, t, dtype=torch.bool)
+    tokens[:, :, :pages * pt] = expect.repeat_interleave(pt, -1)
+    expect_out, _ = reference(q, k, v, pos, sm, tokens)
+    assert_rel_close(out, expect_out, 1e-5, "attention over the rescored pages", seed)
+
+
+def test_rescoring_chooses_among_the_candidates_only(seed):
+    """`_rescore` keeps no page outside the candidates, whatever its score, and ranks the
+    candidates by their best score."""
+    from mosaickv_sglang.codec.attention import _rescore
+
+    h, nq, g, pt, pages = 2, 1, 2, 4, 10
+    scores = [torch.randn(h, nq * g, pages * pt)]
+    cand = torch.zeros(nq, h, pages, dtype=torch.bool)
+    cand[:, :, [0, 2, 3, 5, 9]] = True  # the sink, the recent page and three more
+    sel = SelectionConfig(enabled=True, budget_tokens=4 * pt, sink_tokens=pt, recent_tokens=pt,
+                          rescore_factor=2)
+    keep, scored = _rescore(cand, scores, sel, pt, nq, g)
+    assert scored == int(cand.sum())
+    best = scores[0].reshape(h, g, pages, pt).amax(-1).amax(1)  # [H, P]
+    for hh in range(h):
+        inner = [2, 3, 5]
+        want = sorted(inner, key=lambda p: -float(best[hh, p]))[:2]
+        assert sorted(torch.nonzero(keep[0, hh]).flatten().tolist()) == sorted([0, 9] + want)
+
+
 def test_selection_without_page_meta_is_an_error():
     k, v = kv(2, 200, 32)
     cfg = lossless_cfg(64, 16, 16, SelectionConfig(budget_tokens=16))

@@ -14,9 +14,15 @@ def test_selection_sweep_rows(tmp_path):
     spec.loader.exec_module(sweep)
     out = tmp_path / "sweep.json"
     assert sweep.main(["--tokens", "2048", "--meta-channels", "8", "--budgets", "512",
-                       "--json", str(out)]) == 0
+                       "--rescore", "4", "--json", str(out)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["no selection", "meta_channels=8 (default)", "budget_tokens=512"]
+    assert list(rows) == ["no selection", "meta_channels=8 (default)", "budget_tokens=512",
+                          "budget_tokens=512 meta_channels=all",
+                          "budget_tokens=512 rescore_factor=4"]
     full, tight = rows["no selection"], rows["budget_tokens=512"]
     assert full["pages_read"] == 1.0 and 0 < tight["pages_read"] < 1.0
     assert tight["attn_rel_err"] > full["attn_rel_err"] > 0
+    rescored = rows["budget_tokens=512 rescore_factor=4"]
+    assert rescored["pages_read"] == tight["pages_read"]  # the same budget read
+    assert rescored["pages_rescored"] > rescored["pages_read"]  # more pages' K scored
+    assert tight["pages_rescored"] == 0

@@ -58,6 +58,7 @@ class Totals:
     mass_recall: list = field(default_factory=list)
     pages_read: int = 0
     pages_total: int = 0
+    pages_rescored: int = 0
     breakdown: dict = field(default_factory=dict)
     strategies: dict = field(default_factory=dict)
 
@@ -99,6 +100,7 @@ def evaluate(method: Method, cap: Capture, layers: list[int]) -> dict:
         tot.mass_recall.append(rec)
         tot.pages_read += info.pages_read
         tot.pages_total += info.pages_total
+        tot.pages_rescored += info.pages_rescored
         for key, val in layer.byte_breakdown().items():
             tot.breakdown[key] = tot.breakdown.get(key, 0) + val
         for seg in layer.segments:
@@ -116,6 +118,8 @@ def evaluate(method: Method, cap: Capture, layers: list[int]) -> dict:
         "attn_rel_err": math.sqrt(tot.err_sq / tot.ref_sq),
         "mass_recall": sum(tot.mass_recall) / len(tot.mass_recall),
         "pages_read": tot.pages_read / tot.pages_total if tot.pages_total else 1.0,
+        # pages whose compressed K a second selection stage scored (select.rescore_factor)
+        "pages_rescored": tot.pages_rescored / tot.pages_total if tot.pages_total else 0.0,
         "bytes": tot.breakdown, "strategies": tot.strategies,
         "config": method.cfg.to_dict(), "per_layer": per_layer,
     }

@@ -23,6 +23,7 @@ class AttentionInfo:
     pages_read: int  # summed over queries and KV heads
     pages_total: int
     page_keep: torch.Tensor | None  # [Nq, H, P] bool, None when everything is read
+    pages_rescored: int = 0  # candidates whose compressed K was scored to rank them (rescore)
 
 
 @dataclass
@@ -87,12 +88,16 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
     merger = _Merger(h, nq * g, d, q.device)
 
     q_in = [rotate_query(qh, b) for b in layer.k_bases]  # q in each K basis, once per basis
+    seg_scores = [seg.k.strategy.qk(seg.k.encoded, q_in[seg.basis] if seg.k.strategy.rot else qh)
+                  for seg in layer.segments]  # [H, Nq*G, S] each
     keep = _select(qh, q_in, layer, select, page_tokens, nq, g)
+    rescored = 0
+    if keep is not None and select.rescore_factor:
+        keep, rescored = _rescore(keep, seg_scores, select, page_tokens, nq, g)
     all_scores = []
     for i, seg in enumerate(layer.segments):
-        q_seg = q_in[seg.basis] if seg.k.strategy.rot else qh
         vb = layer.v_bases[seg.basis] if seg.v.strategy.rot else None
-        scores = seg.k.strategy.qk(seg.k.encoded, q_seg)  # [H, Nq*G, S]
+        scores = seg_scores[i]
         if keep is not None:
             ppseg = seg.tokens // page_tokens
             page_mask = keep[:, :, i * ppseg:(i + 1) * ppseg]  # [Nq, H, pages]
@@ -116,12 +121,30 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
 
     out = merger.result().reshape(h, nq, g, d).permute(1, 0, 2, 3).reshape(nq, hq, d)
     total = sum(s.tokens // page_tokens for s in layer.segments) * nq * h
-    info = AttentionInfo(total if keep is None else int(keep.sum()), total, keep)
+    info = AttentionInfo(total if keep is None else int(keep.sum()), total, keep, rescored)
     if not return_probs:
         return out, info
     probs = torch.cat(all_scores, -1).softmax(-1)  # [H, Nq*G, T]
     probs = probs.reshape(h, nq, g, -1).permute(1, 0, 2, 3).reshape(nq, hq, -1)
     return out, info, probs
+
+
+def _rescore(candidates: torch.Tensor, seg_scores: list, select: SelectionConfig,
+             page_tokens: int, nq: int, g: int):
+    """Second stage of selection (`select.rescore_factor` > 0): among the candidate pages the
+    bound kept (`candidates` [Nq, H, P], chosen at rescore_factor x the budget), the budget's
+    pages by their best score on the compressed K (max over the page's tokens and the group's
+    query heads), sink and recent pages kept as in stage 1. Returns (keep [Nq, H, P], the
+    candidate (query, head, page) triples scored)."""
+    h = seg_scores[0].shape[0]
+    best = torch.cat([s.reshape(h, nq * g, -1, page_tokens).amax(-1) for s in seg_scores], -1)
+    best = best.reshape(h, nq, g, -1).permute(1, 0, 2, 3)  # [Nq, H, G, P]
+    best = best.masked_fill(~candidates[:, :, None, :], float("-inf"))
+    sink = -(-select.sink_tokens // page_tokens)
+    recent = -(-select.recent_tokens // page_tokens)
+    keep = torch.stack([select_pages(best[i], page_tokens, select.budget_tokens, sink, recent)
+                        for i in range(nq)])
+    return keep & candidates, int(candidates.sum())
 
 
 def _grouped_queries(q: torch.Tensor, h: int, sm_scale: float | None) -> torch.Tensor:
@@ -147,5 +170,7 @@ def _select(qh, q_in, layer: CompressedLayer, select: SelectionConfig | None, pa
     bounds = bounds.reshape(h, nq, g, -1)
     sink = -(-select.sink_tokens // page_tokens)
     recent = -(-select.recent_tokens // page_tokens)
-    return torch.stack([select_pages(bounds[:, i], page_tokens, select.budget_tokens, sink, recent)
+    # with a second stage, the bound picks rescore_factor x the budget's pages as candidates
+    budget = select.budget_tokens * max(select.rescore_factor, 1)
+    return torch.stack([select_pages(bounds[:, i], page_tokens, budget, sink, recent)
                         for i in range(nq)])

@@ -124,6 +124,10 @@ class PackedDecode:
             raise ValueError(f"mosaickv decode_kernel 'triton' reads a bf16 hot buffer, but the KV "
                              f"cache is {pool.dtype}: serve with --dtype bfloat16 or set "
                              f"decode_kernel 'reference' in --mosaickv-config")
+        if pool.cfg.select.enabled and pool.cfg.select.rescore_factor:
+            raise ValueError("mosaickv select.rescore_factor is read by the torch reference decode "
+                             "only (the decode kernels select by the page bound): set "
+                             "decode_kernel 'reference' or rescore_factor 0 in --mosaickv-config")
         if torch.device(pool.device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("mosaickv decode_kernel 'triton' on a CPU runs through Triton's "
                              "interpreter: set TRITON_INTERPRET=1, or use decode_kernel 'auto'")
