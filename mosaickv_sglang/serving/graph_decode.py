@@ -327,8 +327,8 @@ class GraphDecode:
         bs, cap, most = bk.bs, self.hot_cap, w * self.block_pages  # pages a request may have
         live = torch.arange(bs, device=dev) < rows
         lens = torch.where(live, seq_lens.to(torch.int64), 0)
-        cols = torch.arange(most, device=dev) * ps
-        cols = torch.minimum(cols, torch.tensor(req_to_token.shape[1] - 1, device=dev))
+        # (no host->device copy anywhere here: a blocking one would wait for the last replay)
+        cols = (torch.arange(most, device=dev) * ps).clamp(max=req_to_token.shape[1] - 1)
         pages = req_to_token[req_pool_indices.to(torch.int64)[:, None], cols[None, :]] \
             .to(torch.int64) // ps
         owned = torch.arange(most, device=dev)[None, :] < (lens[:, None] + ps - 1) // ps
