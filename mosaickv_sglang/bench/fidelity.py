@@ -311,7 +311,8 @@ def plot(records: list[dict], path: Path) -> None:
         ax.set_xlabel("physical compression ratio vs bf16 (all metadata counted)")
         ax.set_ylabel("attention-output relative error")
         ax.set_title(f"SmolLM2-135M, {n}-token context, 30 layers"
-                     + (f", mean of {len(seeds)} seeds (95%)" if len(seeds) > 1 else ""))
+                     + (f"\nmean of {len(seeds)} seeds, 95% intervals" if len(seeds) > 1
+                        else ""), fontsize=10)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
