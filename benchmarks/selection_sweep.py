@@ -33,8 +33,12 @@ def variants(meta_channels: list[int], budgets: list[int],
         # every channel's min/max (Quest's bound, on the rotated K): the metadata upper end
         out.append((f"budget_tokens={b} meta_channels=all", replace(d, select=replace(
             d.select, budget_tokens=b, meta_channels=4096))))
-        out += [(f"budget_tokens={b} rescore_factor={f}", replace(d, select=replace(
-            d.select, budget_tokens=b, rescore_factor=f))) for f in rescore]
+        for f in rescore:
+            out.append((f"budget_tokens={b} rescore_factor={f}", replace(d, select=replace(
+                d.select, budget_tokens=b, rescore_factor=f))))
+            out.append((f"budget_tokens={b} rescore_factor={f} meta_only", replace(
+                d, select=replace(d.select, budget_tokens=b, rescore_factor=f,
+                                  rescore_meta_only=True))))
     return out
 
 

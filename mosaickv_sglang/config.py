@@ -58,6 +58,10 @@ class SelectionConfig:
     # candidates, which are re-ranked by their best score on the compressed K itself (the torch
     # reference decode only: the kernels refuse it; docs/evaluation.md)
     rescore_factor: int = 0
+    # what the second stage scores a candidate page by: false = every channel of its compressed
+    # K (reads the candidates' whole K); true = only its metadata channels' codes, exactly, plus
+    # the page's rest-norm bound for the other channels (reads m channels of the candidates' K)
+    rescore_meta_only: bool = False
 
     def validate(self, page_tokens: int) -> None:
         for key in ("budget_tokens", "sink_tokens", "recent_tokens", "meta_channels",

@@ -269,6 +269,47 @@ def test_rescoring_keeps_the_best_scored_candidates(seed):
     assert_rel_close(out, expect_out, 1e-5, "attention over the rescored pages", seed)
 
 
+def test_rescoring_on_the_metadata_channels_bounds_the_scores(seed):
+    """select.rescore_meta_only: a page's tokens scored on its metadata channels' codes exactly
+    plus the page's rest-norm bound: never below the full compressed-K score (a true bound), and
+    with every channel in the metadata it is the full score, so the pages kept are the same."""
+    from mosaickv_sglang.codec.attention import _meta_channel_scores
+    from mosaickv_sglang.codec.basis import rotate_query
+
+    h, g, d, seg, pt, hot = 2, 2, 64, 64, 16, 16
+    t = 4 * seg + hot + 5
+    k, v = kv(h, t, d)
+    nq, sm = 2, 0.05
+    q = torch.randn(nq, h * g, d)
+    pos = None
+    keeps = []
+    for m in (8, d):
+        sel = SelectionConfig(enabled=True, budget_tokens=5 * pt, sink_tokens=pt,
+                              recent_tokens=pt, meta_channels=m, rescore_factor=100,
+                              rescore_meta_only=True)
+        cfg = MosaicConfig(segment_tokens=seg, page_tokens=pt, hot_tokens=hot,
+                           k_candidates=["band:b8=16,b4=32,b2=16,group=16"],
+                           v_candidates=["band:b8=16,b4=32,b2=16,group=16"],
+                           sink_segments=0, k_error_budget=1.0, v_error_budget=1.0, select=sel)
+        layer = compress_layer(k, v, cfg)
+        pos = hot_positions(nq, layer.hot_start, t)
+        qh = (q.float() * sm).reshape(nq, h, g, d).permute(1, 0, 2, 3).reshape(h, -1, d)
+        for s_ in layer.segments:
+            qs = rotate_query(qh, layer.k_bases[s_.basis]) if s_.k.strategy.rot else qh
+            full = s_.k.strategy.qk(s_.k.encoded, qs)
+            part = _meta_channel_scores(s_, qs, full)
+            assert (part >= full - 1e-4 * full.abs().max()).all(), (m, repro(seed))
+            if m == d:
+                assert torch.allclose(part, full, atol=1e-4, rtol=1e-4), repro(seed)
+            else:  # a looser score than the full one (the metadata path, not `full` returned)
+                assert (part > full + 1e-3 * full.abs().max()).any(), repro(seed)
+        _, info = decode_attention(q, layer, pos, sel, pt, sm_scale=sm)
+        _, full_info = decode_attention(q, layer, pos, SelectionConfig(
+            **{**sel.__dict__, "rescore_meta_only": False}), pt, sm_scale=sm)
+        keeps.append((info.page_keep, full_info.page_keep))
+    assert torch.equal(*keeps[1]), repro(seed)  # every channel: the same pages as the full K
+
+
 def test_rescoring_chooses_among_the_candidates_only(seed):
     """`_rescore` keeps no page outside the candidates, whatever its score, and ranks the
     candidates by their best score."""

@@ -18,7 +18,8 @@ def test_selection_sweep_rows(tmp_path):
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["no selection", "meta_channels=8 (default)", "budget_tokens=512",
                           "budget_tokens=512 meta_channels=all",
-                          "budget_tokens=512 rescore_factor=4"]
+                          "budget_tokens=512 rescore_factor=4",
+                          "budget_tokens=512 rescore_factor=4 meta_only"]
     full, tight = rows["no selection"], rows["budget_tokens=512"]
     assert full["pages_read"] == 1.0 and 0 < tight["pages_read"] < 1.0
     assert tight["attn_rel_err"] > full["attn_rel_err"] > 0

@@ -93,7 +93,10 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
     keep = _select(qh, q_in, layer, select, page_tokens, nq, g)
     rescored = 0
     if keep is not None and select.rescore_factor:
-        keep, rescored = _rescore(keep, seg_scores, select, page_tokens, nq, g)
+        page_scores = seg_scores if not select.rescore_meta_only else \
+            [_meta_channel_scores(seg, q_in[seg.basis] if seg.pages_rotated else qh, full)
+             for seg, full in zip(layer.segments, seg_scores)]
+        keep, rescored = _rescore(keep, page_scores, select, page_tokens, nq, g)
     all_scores = []
     for i, seg in enumerate(layer.segments):
         vb = layer.v_bases[seg.basis] if seg.v.strategy.rot else None
@@ -127,6 +130,25 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
     probs = torch.cat(all_scores, -1).softmax(-1)  # [H, Nq*G, T]
     probs = probs.reshape(h, nq, g, -1).permute(1, 0, 2, 3).reshape(nq, hq, -1)
     return out, info, probs
+
+
+def _meta_channel_scores(seg, q: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """[H, Nq*G, S] per-token scores from a segment's page-metadata channels only (their codes,
+    decoded, exactly) plus the rest-norm bound of the token's page for the other channels:
+    what a second selection stage reading m channels of the candidates' K ranks by. `full`
+    (the whole compressed-K scores) is returned where the metadata is not in K's space."""
+    meta = seg.pages
+    if meta is None or seg.pages_rotated != bool(seg.k.strategy.rot):
+        return full
+    k = seg.k.strategy.decode(seg.k.encoded).float()  # [H, S, D] in the scoring space
+    q = q.float()
+    idx = meta.channels.long()  # [H, m]
+    k_c = torch.gather(k, 2, idx[:, None, :].expand(-1, k.shape[1], -1))  # [H, S, m]
+    q_c = torch.gather(q, 2, idx[:, None, :].expand(-1, q.shape[1], -1))  # [H, Q, m]
+    q_rest = (q.pow(2).sum(-1) - q_c.pow(2).sum(-1)).clamp_min(0).sqrt()  # [H, Q]
+    page_tokens = k.shape[1] // meta.num_pages
+    rest = meta.rest_norm.float().repeat_interleave(page_tokens, dim=1)  # [H, S]
+    return torch.einsum("hqm,hsm->hqs", q_c, k_c) + q_rest[:, :, None] * rest[:, None, :]
 
 
 def _rescore(candidates: torch.Tensor, seg_scores: list, select: SelectionConfig,
