@@ -92,7 +92,7 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
                   for seg in layer.segments]  # [H, Nq*G, S] each
     keep = _select(qh, q_in, layer, select, page_tokens, nq, g)
     rescored = 0
-    if keep is not None and select.rescore_factor:
+    if keep is not None and select is not None and select.rescore_factor:
         page_scores = seg_scores if not select.rescore_meta_only else \
             [_meta_channel_scores(seg, q_in[seg.basis] if seg.pages_rotated else qh, full)
              for seg, full in zip(layer.segments, seg_scores)]
