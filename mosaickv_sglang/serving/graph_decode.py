@@ -241,8 +241,8 @@ class GraphDecode:
         bk.keep = keep
         for dev_flat, host_flat in zip(bk.flat, bk.staging):  # two copies, not six
             dev_flat.copy_(host_flat, non_blocking=True)
-        self._sync_table()
-        self._host_version = pool.version
+        # the next step may skip the host only from a page table known to match this version
+        self._host_version = pool.version if self._sync_table() else None
         self.bucket = bk
         self.steps += 1
         self.request_steps += rows
@@ -291,12 +291,14 @@ class GraphDecode:
         self.device_steps += 1
         self.request_steps += rows
 
-    def _sync_table(self) -> None:
+    def _sync_table(self) -> bool:
         """The device page table up to date with the pool's host arrays: one copy per array of
-        the span that changed since the last sync (none on most steps)."""
+        the span that changed since the last sync (none on most steps). False where it cannot
+        be (bases without one tensor; inside a CUDA graph capture)."""
         pool = self.pool
-        if not pool.basis_addr_ok:
-            return
+        if not pool.basis_addr_ok or (torch.cuda.is_available()
+                                      and torch.cuda.is_current_stream_capturing()):
+            return False  # (a pageable copy cannot be recorded; a later host step syncs)
         host = (pool.page_sealed, pool.page_basis_addr)
         if self._table is None:
             dev = pool.device
@@ -311,6 +313,7 @@ class GraphDecode:
                 lo, hi = int(changed[0]), int(changed[-1]) + 1
                 dev[lo:hi].copy_(torch.from_numpy(now[lo:hi]))
                 up[lo:hi] = now[lo:hi]
+        return True
 
     def device_tables(self, bk: _Bucket, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                       req_to_token: torch.Tensor, rows: int, table: "DevicePageTable") -> dict:
