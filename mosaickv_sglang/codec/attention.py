@@ -162,11 +162,15 @@ def _rescore(candidates: torch.Tensor, seg_scores: list, select: SelectionConfig
     best = torch.cat([s.reshape(h, nq * g, -1, page_tokens).amax(-1) for s in seg_scores], -1)
     best = best.reshape(h, nq, g, -1).permute(1, 0, 2, 3)  # [Nq, H, G, P]
     best = best.masked_fill(~candidates[:, :, None, :], float("-inf"))
-    sink = -(-select.sink_tokens // page_tokens)
-    recent = -(-select.recent_tokens // page_tokens)
+    sink, recent = _forced_pages(select, page_tokens)
     keep = torch.stack([select_pages(best[i], page_tokens, select.budget_tokens, sink, recent)
                         for i in range(nq)])
     return keep & candidates, int(candidates.sum())
+
+
+def _forced_pages(select: SelectionConfig, page_tokens: int) -> tuple[int, int]:
+    """(sink pages, recent pages) every selection keeps."""
+    return -(-select.sink_tokens // page_tokens), -(-select.recent_tokens // page_tokens)
 
 
 def _grouped_queries(q: torch.Tensor, h: int, sm_scale: float | None) -> torch.Tensor:
@@ -190,8 +194,7 @@ def _select(qh, q_in, layer: CompressedLayer, select: SelectionConfig | None, pa
                         for s in layer.segments], dim=-1)  # [H, Nq*G, P]
     h = bounds.shape[0]
     bounds = bounds.reshape(h, nq, g, -1)
-    sink = -(-select.sink_tokens // page_tokens)
-    recent = -(-select.recent_tokens // page_tokens)
+    sink, recent = _forced_pages(select, page_tokens)
     # with a second stage, the bound picks rescore_factor x the budget's pages as candidates
     budget = select.budget_tokens * max(select.rescore_factor, 1)
     return torch.stack([select_pages(bounds[:, i], page_tokens, budget, sink, recent)

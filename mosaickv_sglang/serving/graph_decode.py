@@ -36,6 +36,7 @@ from mosaickv_kernels.page_select import page_bounds, select_page_list
 from mosaickv_kernels.request_decode import DecodeTables, RequestDecode
 
 from .packed_decode import host_batch, host_seq_lens, hot_slots, readable, request_reads
+from .pool import upload_changed_span
 
 logger = logging.getLogger(__name__)
 
@@ -304,15 +305,11 @@ class GraphDecode:
             dev = pool.device
             self._table = DevicePageTable(torch.zeros(host[0].size, dtype=torch.bool, device=dev),
                                           torch.zeros(host[1].size, dtype=torch.int64, device=dev),
-                                          pool.hot_page_dev, [])
+                                          pool.hot_page_dev)
             self._uploaded = tuple(np.zeros_like(h) for h in host)
         for now, up, dev in zip(host, self._uploaded, (self._table.sealed,
                                                         self._table.basis_addr)):
-            changed = np.flatnonzero(now != up)
-            if changed.size:
-                lo, hi = int(changed[0]), int(changed[-1]) + 1
-                dev[lo:hi].copy_(torch.from_numpy(now[lo:hi]))
-                up[lo:hi] = now[lo:hi]
+            upload_changed_span(now, up, dev)
         return True
 
     def device_tables(self, bk: _Bucket, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -412,23 +409,18 @@ class GraphDecode:
 @dataclass
 class DevicePageTable:
     """The pool's page table as the device-built tables read it: per logical page whether it is
-    sealed, the address of its block's bases (0: none) and its hot page (-1: none)."""
+    sealed, the address of its block's bases (0: none) and its hot page (-1: none). The
+    addresses point into the sealed pages' bases, alive while the pages are."""
     sealed: torch.Tensor  # bool [P]
     basis_addr: torch.Tensor  # int64 [P]
     hot_page: torch.Tensor  # int64 [P]
-    keep: list  # the bases tensors the addresses point into
 
     @classmethod
     def of(cls, pool) -> "DevicePageTable":
-        """Built from the pool's host state in one pass (a test and a fallback; the pool is to
-        keep it up to date where the host changes it: seal, adopt, free, hot-page assignment)."""
+        """A whole copy of the pool's host arrays (tests; `GraphDecode` keeps its own copy up to
+        date by changed spans instead)."""
         n = pool.num_logical_pages + 1
-        addr = np.zeros(n, dtype=np.int64)
-        keep = []
-        for page, sp in pool.sealed.items():
-            whole = sp.bases.stacked()
-            keep.append(whole)
-            addr[page] = whole.data_ptr()
         dev = pool.device
         return cls(torch.from_numpy(pool.page_sealed[:n].copy()).to(dev),
-                   torch.from_numpy(addr).to(dev), pool.hot_page_of[:n].to(dev), keep)
+                   torch.from_numpy(pool.page_basis_addr[:n].copy()).to(dev),
+                   pool.hot_page_of[:n].to(dev))

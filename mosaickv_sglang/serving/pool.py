@@ -106,6 +106,17 @@ def _decoded(seg, k_basis: torch.Tensor, v_basis: torch.Tensor):
             unrotate(v, v_basis) if seg.v.strategy.rot else v)
 
 
+def upload_changed_span(now: np.ndarray, uploaded: np.ndarray, dev: torch.Tensor) -> None:
+    """Bring `dev` (the device copy of host array `now`) up to date: one copy of the span of
+    entries that differ from `uploaded` (what `dev` holds), which is then updated. None on most
+    steps; a whole-table copy was 84 KB a step at 1.3M tokens."""
+    changed = np.flatnonzero(now != uploaded)
+    if changed.size:
+        lo, hi = int(changed[0]), int(changed[-1]) + 1
+        dev[lo:hi].copy_(torch.from_numpy(now[lo:hi]))
+        uploaded[lo:hi] = now[lo:hi]
+
+
 def _bump(counts: list, index: int) -> None:
     counts.extend([0] * (index + 1 - len(counts)))
     counts[index] += 1
@@ -320,17 +331,9 @@ class MosaicKVPool(MHATokenToKVPool):
         self._sync_hot_page_dev()
 
     def _sync_hot_page_dev(self) -> None:
-        """Bring the device hot-page table up to date: one copy of the span of entries that
-        changed since the last refresh (none most steps; a whole-table copy was 84 KB a step
-        at 1.3M tokens)."""
-        if self.hot_page_dev is self.hot_page_of:
-            return
-        now = self.hot_page_of.numpy()
-        changed = np.flatnonzero(now != self._hot_uploaded)
-        if changed.size:
-            lo, hi = int(changed[0]), int(changed[-1]) + 1
-            self.hot_page_dev[lo:hi].copy_(self.hot_page_of[lo:hi])
-            self._hot_uploaded[lo:hi] = now[lo:hi]
+        """Bring the device hot-page table up to date (`upload_changed_span`)."""
+        if self.hot_page_dev is not self.hot_page_of:
+            upload_changed_span(self.hot_page_of.numpy(), self._hot_uploaded, self.hot_page_dev)
 
     def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
         loc, _, _ = unwrap_write_loc(loc_info)
