@@ -82,7 +82,11 @@ class MosaicConfig:
     # dense every page ending less than this many tokens before it (docs/determinism.md). The
     # position rule's traffic-independence, radix reuse included, needs 0.
     hot_tokens: int = 64
-    hot_buffer_fraction: float = 0.25  # serving: dense hot-buffer rows / logical token slots
+    # Serving: the dense hot buffer. 0 (default): sized to what is in flight, one prefill chunk
+    # plus the last page of `hot_buffer_requests` other running requests, carved out of the KV
+    # memory; > 0: this fraction of the logical token slots, as its own share of every slot.
+    hot_buffer_fraction: float = 0.0
+    hot_buffer_requests: int = 64  # the auto hot buffer's running requests beside a chunk
     sink_segments: int = 1  # first segments (attention sinks): own candidates and a tight budget
     sink_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_SINK_CANDIDATES))
     sink_error_budget: float = 0.01  # over it (or with no candidates) a sink segment stays dense
@@ -194,9 +198,12 @@ class MosaicConfig:
         for key in ("hot_tokens", "sink_segments"):
             if getattr(self, key) < 0:
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 0")
-        if not 0 < self.hot_buffer_fraction <= 1:
+        if self.hot_buffer_requests < 1:
+            raise ValueError(f"mosaickv config: hot_buffer_requests={self.hot_buffer_requests} "
+                             "must be >= 1")
+        if not 0 <= self.hot_buffer_fraction <= 1:
             raise ValueError(f"mosaickv config: hot_buffer_fraction={self.hot_buffer_fraction} "
-                             "must be in (0, 1]")
+                             "must be in [0, 1] (0: sized to what is in flight)")
         for key in ("k_error_budget", "v_error_budget", "sink_error_budget"):
             if not 0 <= getattr(self, key):
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)} must be >= 0")

@@ -129,7 +129,8 @@ def test_empty_candidate_lists_rejected_except_sink(key):
     ({"sink_segments": -1}, "sink_segments"),
     ({"k_error_budget": -0.1}, "k_error_budget"),
     ({"sink_error_budget": -1}, "sink_error_budget"),
-    ({"hot_buffer_fraction": 0}, "hot_buffer_fraction"),
+    ({"hot_buffer_fraction": 1.01}, "hot_buffer_fraction"),
+    ({"hot_buffer_requests": 0}, "hot_buffer_requests"),
     ({"hot_buffer_fraction": 1.5}, "hot_buffer_fraction"),
     ({"hot_buffer_fraction": -0.25}, "hot_buffer_fraction"),
     ({"select": {"budget_tokens": 16}}, "select.budget_tokens"),  # under one 32-token page

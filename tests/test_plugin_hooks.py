@@ -60,7 +60,11 @@ EXPECTED_HOOKS = {
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state":
         ("AFTER", "mosaickv_sglang.integration.wiring._internal_state"),
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
-        ("BEFORE", "mosaickv_sglang.integration.wiring._daemon_step_boundary"),
+        ("BEFORE", "mosaickv_sglang.integration.wiring._step_boundary"),
+    "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.available_size":
+        ("AROUND", "mosaickv_sglang.integration.wiring._available_size"),
+    "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver."
+    "_get_token_info": ("AFTER", "mosaickv_sglang.integration.wiring._token_info"),
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner."
     "can_run_graph": ("AROUND", "mosaickv_sglang.integration.wiring._decode_graph_can_run"),
     f"{_BCG}._alloc_full_buffer": ("AROUND", "mosaickv_sglang.integration.wiring._graph_per_field"),

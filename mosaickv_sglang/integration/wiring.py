@@ -28,26 +28,38 @@ def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
     from sglang.srt.runtime_context import get_parallel
 
     from ..serving.pool import MosaicKVPool, hot_buffer_requests
+    from ..serving.sizing import PageBytes, auto_hot_tokens, slot_fraction
 
-    hot = MosaicKVPool.hot_pages_for(sizes.max_total_num_tokens, self.pool_page_size,
-                                     cfg.hot_buffer_fraction) * self.pool_page_size
+    heads = self.model_config.get_num_kv_heads(get_parallel().attn_tp_size)
+    head_dim, page = self.model_config.head_dim, self.pool_page_size
+    slots, layers = sizes.max_total_num_tokens, self.layer_info.num_effective_layers
+    pb = PageBytes.of(cfg, heads, head_dim, self.kv_cache_dtype.itemsize)
     # the position rule's window keeps pages hot (the chunk rule's pages leave when sealed)
     window = cfg.hot_tokens + (cfg.daemon_lag_tokens if cfg.daemon == "process" else 0) \
         if cfg.read_rule == "position" else 0
-    fit = hot_buffer_requests(hot, self.pool_page_size, self.server_args.chunked_prefill_size,
+    if cfg.hot_buffer_fraction > 0:
+        hot = MosaicKVPool.hot_pages_for(slots, page, cfg.hot_buffer_fraction) * page
+    else:  # what is in flight, never more than every slot
+        hot = min(auto_hot_tokens(cfg, page, self.server_args.chunked_prefill_size,
+                                  self.model_config.context_len, window), slots // page * page)
+    fit = hot_buffer_requests(hot, page, self.server_args.chunked_prefill_size,
                               self.model_config.context_len, cfg.hot_buffer_fraction, window)
+    # the memory SGLang sized these slots with (_compute_cell_size), split by the pool
+    memory = int(slots * slot_fraction(cfg, pb) * pb.dense / page * layers)
     pool = MosaicKVPool(
-        sizes.max_total_num_tokens,
-        page_size=self.pool_page_size,
+        slots,
+        page_size=page,
         dtype=self.kv_cache_dtype,
-        head_num=self.model_config.get_num_kv_heads(get_parallel().attn_tp_size),
-        head_dim=self.model_config.head_dim,
-        layer_num=self.layer_info.num_effective_layers,
+        head_num=heads,
+        head_dim=head_dim,
+        layer_num=layers,
         device=self.device,
         enable_memory_saver=False,
         start_layer=self.layer_info.start_layer,
         end_layer=self.layer_info.end_layer,
         mosaic_config=cfg,
+        hot_tokens=hot,
+        memory_bytes=memory,
     )
     pool.running_requests_fit = fit  # applied to the scheduler by _cap_running_requests
     return pool
@@ -81,12 +93,15 @@ def _compute_cell_size(result, self, kvc, num_layers):
         return result
     from sglang.srt.runtime_context import get_parallel
 
-    from ..serving.pool import cell_fraction
+    from ..serving.sizing import PageBytes, slot_fraction
 
-    frac = cell_fraction(cfg, kvc.model_config.get_num_kv_heads(get_parallel().attn_tp_size),
-                         kvc.model_config.head_dim)
-    logger.info("MosaicKV sizing: %.3f of the dense bytes per token (%.2fx more token slots)",
-                frac, 1 / frac)
+    heads = kvc.model_config.get_num_kv_heads(get_parallel().attn_tp_size)
+    head_dim = kvc.model_config.head_dim
+    dtype_bytes = result // (num_layers * 2 * heads * head_dim) or 2
+    frac = slot_fraction(cfg, PageBytes.of(cfg, heads, head_dim, dtype_bytes))
+    logger.info("MosaicKV sizing: a token slot costs %.3f of the dense bytes at the smallest "
+                "layout (%.2fx the dense slots); the packed bytes each page really takes decide "
+                "how many tokens fit (docs/serving.md, capacity)", frac, 1 / frac)
     return int(result * frac)
 
 
@@ -188,15 +203,50 @@ def _internal_state(result, self, recv_req):
     return result
 
 
-def _daemon_step_boundary(self, *args, **kwargs):
-    """BEFORE Scheduler.get_next_batch_to_run: the daemon's step-boundary adoption point (runs
-    once per loop iteration, no forward in progress); agreed across TP ranks on the CPU group."""
+def _free_slots(allocator) -> int:
+    """The allocator's free token slots (its own available_size, before the byte gate)."""
+    return (len(allocator.free_pages) + len(allocator.release_pages)) * allocator.page_size
+
+
+def _step_boundary(self, *args, **kwargs):
+    """BEFORE Scheduler.get_next_batch_to_run (once per loop iteration, no forward in
+    progress): the daemon's adoption point, then the byte gate's refresh; both agreed across TP
+    ranks on the CPU group."""
     from ..serving.pool import MosaicKVPool
 
-    pool = self.token_to_kv_pool_allocator.get_kvcache()
-    if isinstance(pool, MosaicKVPool) and pool.daemon is not None:
-        pool.step_boundary(self.tp_cpu_group if self.server_args.tp_size > 1 else None)
+    allocator = self.token_to_kv_pool_allocator
+    pool = allocator.get_kvcache()
+    if not isinstance(pool, MosaicKVPool):
+        return None
+    group = self.tp_cpu_group if self.server_args.tp_size > 1 else None
+    if pool.daemon is not None:
+        pool.step_boundary(group)
+    pool.refresh_byte_gate(_free_slots(allocator), group)
     return None
+
+
+def _available_size(original, self):
+    """AROUND PagedTokenToKVPoolAllocator.available_size: a MosaicKV pool's free slots less
+    those its arena's free bytes cannot back (`pool.byte_deficit`, refreshed between steps).
+    SGLang's admission, prefix eviction and decode retraction read this, so they wait, evict
+    or retract when the bytes run out, as they do when slots run out."""
+    free = original(self)
+    deficit = getattr(self.get_kvcache(), "byte_deficit", 0)
+    return max(0, free - deficit) if deficit else free
+
+
+def _token_info(result, self):
+    """AFTER SchedulerPoolStatsObserver._get_token_info: the idle leak check and the usage
+    metrics count slots; the byte gate's deficit is not a leak (MosaicKV's stats, capacity)."""
+    deficit = getattr(self.token_to_kv_pool_allocator.get_kvcache(), "byte_deficit", 0)
+    if not deficit:
+        return result
+    import dataclasses
+
+    available = result.full_available_size + deficit
+    used = self.max_total_num_tokens - (available + result.full_evictable_size)
+    return dataclasses.replace(result, full_available_size=available, full_num_used=used,
+                               full_token_usage=used / self.max_total_num_tokens)
 
 
 def _decode_graph_can_run(original, self, forward_batch):
@@ -243,7 +293,11 @@ HOOKS = {
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state":
         (_internal_state, HookType.AFTER),
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
-        (_daemon_step_boundary, HookType.BEFORE),
+        (_step_boundary, HookType.BEFORE),
+    "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.available_size":
+        (_available_size, HookType.AROUND),
+    "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver."
+    "_get_token_info": (_token_info, HookType.AFTER),
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner."
     "can_run_graph": (_decode_graph_can_run, HookType.AROUND),
     **{f"{_BCG}.{name}": (hook, HookType.AROUND) for name, hook in (

@@ -40,18 +40,18 @@ from ..codec.basis import unrotate
 from ..codec.layer import Candidates, CompressedLayer, segment_bytes
 from ..codec.pages import build_page_meta
 from ..codec.seal import (BasisPair, SealedPage, fit_block_bases, gather_pages, seal_group,
-                         seal_pages,
-                         worst_encoded_bytes, worst_page_bytes)
+                         seal_pages, worst_page_bytes)
 from ..codec.strategies import parse_strategy
 from ..codec.timing import StepProfiler
 from ..config import MosaicConfig, check_fits, fit_rescue
 from ..daemon.swaplog import SwapLog
 from .segment_store import SegmentStore
+from .sizing import PageBytes, byte_deficit, plan_memory
 
 logger = logging.getLogger(__name__)
 
 
-__all__ = ["BasisPair", "MosaicKVPool", "SealedPage", "cell_fraction"]
+__all__ = ["BasisPair", "MosaicKVPool", "SealedPage"]
 
 
 @dataclass
@@ -87,6 +87,8 @@ class PoolCounters:
     # pages sealed inside a prefill forward, layer by layer, because later tokens of the same
     # chunk read them compressed (the read rule, docs/determinism.md)
     chunk_sealed_pages: int = 0
+    # step boundaries at which the byte gate started limiting admission (refresh_byte_gate)
+    byte_limited: int = 0
     # reads that found pages sealed that the read rule wants dense (only possible with
     # hot_tokens > 0 and a prefix another request sealed): read compressed, counted
     early_sealed_reads: int = 0
@@ -120,22 +122,6 @@ def upload_changed_span(now: np.ndarray, uploaded: np.ndarray, dev: torch.Tensor
 def _bump(counts: list, index: int) -> None:
     counts.extend([0] * (index + 1 - len(counts)))
     counts[index] += 1
-
-
-def cell_fraction(cfg: MosaicConfig, head_num: int, head_dim: int) -> float:
-    """Physical bytes per logical token slot / dense bf16 bytes, sized for the *largest* candidate
-    (so the arena never over-commits unless a segment falls back to dense, which is counted):
-    hot-buffer share + compressed K and V + page metadata + header + amortized bases."""
-    check_fits(cfg, head_dim)
-    x = torch.randn(head_num, cfg.segment_tokens, head_dim)
-    seg = sum(worst_encoded_bytes(specs, kind, head_num, cfg.segment_tokens, head_dim)
-              for specs, kind in ((cfg.k_candidates, "k"), (cfg.v_candidates, "v")))
-    seg += build_page_meta(x, cfg.page_tokens, cfg.select.meta_channels).nbytes() \
-        if cfg.select.enabled else 0
-    seg += 4 * 6  # header
-    bases = 2 * head_num * head_dim * head_dim * 2 * cfg.segment_tokens / cfg.basis_block_tokens
-    dense = 2 * head_num * cfg.segment_tokens * head_dim * 2
-    return cfg.hot_buffer_fraction + (seg + bases) / dense
 
 
 def hot_buffer_requests(hot_tokens: int, page_size: int, chunked_prefill_size: int | None,
@@ -193,13 +179,24 @@ class MosaicKVPool(MHATokenToKVPool):
     def hot_pages_for(size: int, page_size: int, hot_buffer_fraction: float) -> int:
         return max(2, int((size // page_size + 1) * hot_buffer_fraction))
 
-    def __init__(self, size: int, page_size: int, *args, mosaic_config: MosaicConfig, **kwargs):
+    def __init__(self, size: int, page_size: int, *args, mosaic_config: MosaicConfig,
+                 hot_tokens: int | None = None, memory_bytes: int | None = None, **kwargs):
+        """`size` logical token slots. The server (integration/wiring.py) passes `hot_tokens`
+        (`sizing.auto_hot_tokens` by default) and the `memory_bytes` SGLang gave the cache,
+        which `sizing.plan_memory` splits. Built directly without them, the hot buffer is
+        `hot_buffer_fraction` of the slots (0: all of them) and every slot may be sealed at the
+        largest layout (the arena never limits admission)."""
         if page_size != mosaic_config.segment_tokens:
             raise ValueError(f"MosaicKV needs --page-size {mosaic_config.segment_tokens} "
                              f"(= segment_tokens), got {page_size}")
         self.logical_size = size
         self.num_logical_pages = size // page_size + 1
-        hot_pages = self.hot_pages_for(size, page_size, mosaic_config.hot_buffer_fraction)
+        if hot_tokens is not None:
+            hot_pages = max(2, -(-hot_tokens // page_size))
+        elif mosaic_config.hot_buffer_fraction > 0:
+            hot_pages = self.hot_pages_for(size, page_size, mosaic_config.hot_buffer_fraction)
+        else:
+            hot_pages = self.num_logical_pages
         super().__init__(hot_pages * page_size, page_size, *args, **kwargs)
         self.cfg = mosaic_config = fit_rescue(mosaic_config, self.head_dim)
         self.num_hot_pages = hot_pages
@@ -225,12 +222,23 @@ class MosaicKVPool(MHATokenToKVPool):
         # losing one, a clear): a decode step may skip its host work only while it has not
         # moved since the last step that did it (`GraphDecode.can_skip_host`).
         self.version = 0
-        # What start-up sizing assumed the packed pages may take (worst candidate everywhere);
-        # exceeding it (dense fallbacks) is logged and counted, never silent.
-        dense_per_token = self.layer_num * 2 * self.head_num * self.head_dim * 2
-        self.arena_budget_bytes = int(size * dense_per_token * (
-            cell_fraction(mosaic_config, self.head_num, self.head_dim)
-            - mosaic_config.hot_buffer_fraction))
+        check_fits(mosaic_config, self.head_dim, page_size)
+        # Memory (serving/sizing.py): per-layer arenas from the plan of the memory SGLang gave;
+        # or, built directly, room for every slot at the largest layout.
+        self.page_bytes = PageBytes.of(mosaic_config, self.head_num, self.head_dim,
+                                       self.dtype.itemsize)
+        if memory_bytes is not None:
+            self.memory_plan = plan_memory(mosaic_config, self.page_bytes, size, self.layer_num,
+                                           page_size, hot_pages * page_size, memory_bytes)
+            arena_per_layer = self.memory_plan.arena_bytes
+        else:
+            self.memory_plan = None
+            arena_per_layer = self.num_logical_pages * self.page_bytes.worst
+        self.arena_budget_bytes = arena_per_layer * self.layer_num
+        # The byte gate: free slots the arena cannot back, refreshed between steps
+        # (`refresh_byte_gate`) and subtracted from the allocator's available_size.
+        self.byte_deficit = 0
+        self._gate_version = -1
         self.arena_bytes = 0
         self._basis_refs: dict[int, int] = {}
         check_fits(mosaic_config, self.head_dim, page_size)
@@ -256,8 +264,8 @@ class MosaicKVPool(MHATokenToKVPool):
                                   self.head_dim, page_size, mosaic_config.page_tokens,
                                   self.device, mosaic_config.select.meta_channels
                                   if mosaic_config.select.enabled else None,
-                                  self.arena_budget_bytes // self.layer_num,
-                                  mosaic_config.pack_kernel)
+                                  arena_per_layer, mosaic_config.pack_kernel,
+                                  self.page_bytes.worst)
         # daemon state: page generations, pages submitted (page -> job; None: deferred), pages
         # waiting for the bases their block's first page is getting (first -> (pos, page, gen))
         self.page_gen = [0] * (self.num_logical_pages + 1)
@@ -843,6 +851,55 @@ class MosaicKVPool(MHATokenToKVPool):
                             self.k_buffer[0].dtype, self.device, self.dense.spec, result_bytes,
                             self._slot_copy, self.store.reads_host)
 
+    def refresh_byte_gate(self, free_slots: int, tp_group=None) -> int:
+        """Between steps (the scheduler hook, after the daemon's adoption): the free token slots
+        the arena's bytes cannot back (`sizing.byte_deficit`), which the allocator's
+        available_size subtracts. The same on every TP rank: ranks hold different bytes (per-head
+        layouts), so the largest deficit is agreed on the CPU group, only when its inputs moved
+        (the page table's version and the free slots change alike on every rank)."""
+        key = (self.version, free_slots)
+        if key == self._gate_version:
+            return self.byte_deficit
+        self._gate_version = key
+        allocated = self.logical_size // self.page_size - free_slots // self.page_size
+        deficit = byte_deficit(free_slots, max(0, allocated - len(self.sealed)),
+                               self.store.page_fits(), self.page_size)
+        if tp_group is not None:
+            import torch.distributed as dist
+
+            agreed = torch.tensor([deficit], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=tp_group)
+            deficit = int(agreed)
+        if deficit and not self.byte_deficit:
+            self.counters.byte_limited += 1
+            if self.counters.byte_limited == 1:
+                logger.info("MosaicKV: the packed arena's free bytes back fewer tokens than the "
+                            "free slots (%d of %d): admission waits for bytes (counted in stats,"
+                            " capacity.byte_limited)", max(0, free_slots - deficit), free_slots)
+        self.byte_deficit = deficit
+        return deficit
+
+    def capacity(self) -> dict:
+        """Tokens: slots, the byte gate, and what fits at the bytes pages really took."""
+        live = self.store.layer_live
+        packed = self.store.packed.sum(1).numpy()  # pages packed per layer
+        per_page = live / np.maximum(packed, 1)  # measured bytes of a page, per layer
+        expected = np.where(packed > 0, per_page, self.page_bytes.expected)
+        fits = int((self.store.capacity // expected).min()) * self.page_size
+        return {"slots": self.logical_size,
+                "hot_buffer_tokens": self.num_hot_pages * self.page_size,
+                "arena_bytes_per_layer": self.store.capacity,
+                "page_bytes": {"best": self.page_bytes.best, "worst": self.page_bytes.worst,
+                               "expected": self.page_bytes.expected,
+                               "measured": float(per_page.max()) if packed.any() else None,
+                               "dense": self.page_bytes.dense},
+                # sealed tokens the arena holds at the measured (else expected) layout mix,
+                # + the hot buffer: what the memory serves (the slots are an upper bound)
+                "tokens_that_fit": fits + self.num_hot_pages * self.page_size,
+                "byte_deficit": self.byte_deficit,
+                "byte_limited": self.counters.byte_limited,
+                "plan": None if self.memory_plan is None else self.memory_plan.__dict__}
+
     def step_boundary(self, tp_group=None) -> int:
         """Step boundary (the scheduler hook): install what every rank has ready, relieve the
         hot buffer if it runs low. Returns the number of pages installed."""
@@ -1046,6 +1103,7 @@ class MosaicKVPool(MHATokenToKVPool):
             "sealed_ratio": dense_equiv / compressed if compressed else None,
             "arena_bytes": self.arena_bytes,  # == compressed: kept incrementally
             "arena_budget_bytes": self.arena_budget_bytes,
+            "capacity": self.capacity(),
             "counters": {**self.counters.__dict__, "strategies": dict(self.counters.strategies),
                          "sealed_by_position": list(self.counters.sealed_by_position),
                          "reused_by_position": list(self.counters.reused_by_position)},

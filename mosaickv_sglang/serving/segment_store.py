@@ -51,6 +51,7 @@ from ..codec.layer import Segment, own_storage
 from ..codec.pages import PageMeta
 from ..codec.strategies.band import Band
 from ..config import PACK_KERNELS
+from .block_alloc import BlockAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def band_widths(band: Band, head_dim: int) -> tuple[int, int, int, int]:
 class SegmentStore:
     def __init__(self, layers: int, pages: int, heads: int, head_dim: int, segment_tokens: int,
                  page_tokens: int, device, meta_channels: int | None, capacity_bytes: int,
-                 pack_kernel: str = "auto"):
+                 pack_kernel: str = "auto", page_block_bytes: int = ALIGN):
         self.heads, self.head_dim, self.device = heads, head_dim, device
         self.pack_kernel = use_pack_kernel(pack_kernel, device)
         # segments whose blocks were written by the kernel / by torch copies; "no_rotated": the
@@ -116,9 +117,11 @@ class SegmentStore:
         self._packed_np = self.packed.numpy()  # the same memory: a page's flags in ~1 us, not ~15
         self.unreadable: set[int] = set()  # stored pages with a layer the kernel cannot read
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
-        self.free: list[dict[int, list[int]]] = [{} for _ in range(layers)]  # size -> bases
-        self.top = [0] * layers  # bump pointer per layer
+        # per layer: its blocks (`fits` counted in blocks of the largest a page may take)
+        self.allocators = [BlockAllocator(self.capacity, page_block_bytes)
+                           for _ in range(layers)]
         self.live_bytes = 0
+        self.layer_live = np.zeros(layers, dtype=np.int64)  # live block bytes per layer
         self.layouts: dict[tuple, int] = {}  # BlockLayout.key() -> layout id (plans row)
         # an adopted page's per-layer specs -> (block sizes, layout ids): pages repeat a few
         # spec lists, and looking up 32 layouts and their ids costs ~60 us (bounded: FIFO)
@@ -251,6 +254,7 @@ class SegmentStore:
         for page, base in zip(pages, bases):
             self.blocks[(layer, page)] = (base, size)
         self.live_bytes += size * len(segs)
+        self.layer_live[layer] += size * len(segs)
 
     def freeze_layouts(self, pairs: list[tuple[str, str]], segment_tokens: int) -> None:
         """Register the layout of every (K spec, V spec) band pair up front and allow no other:
@@ -320,6 +324,7 @@ class SegmentStore:
             self.blocks.update(zip([(layer, page) for layer in range(len(sizes))],
                                    zip(bases, sizes)))
             self.live_bytes += sum(sizes)
+            self.layer_live += sizes
             out[i] = StoredSegments(self, page, ap)
         return out
 
@@ -331,10 +336,7 @@ class SegmentStore:
             base = self._alloc(layer, size)
             if base is None:  # undo this page's blocks
                 for lyr, (b, n) in enumerate(zip(bases, sizes)):
-                    if self.top[lyr] == b + n:
-                        self.top[lyr] = b
-                    else:
-                        self.free[lyr].setdefault(n, []).append(b)
+                    self._free_block(lyr, b, n)
                 return None
             bases.append(base)
         return bases
@@ -430,30 +432,37 @@ class SegmentStore:
 
     def release(self, page: int) -> None:
         blocks = [self.blocks.pop((layer, page), None) for layer in range(len(self.data))]
-        for free, block in zip(self.free, blocks):
+        for layer, block in enumerate(blocks):
             if block is not None:
-                free.setdefault(block[1], []).append(block[0])
+                self._free_block(layer, *block)
                 self.live_bytes -= block[1]
+                self.layer_live[layer] -= block[1]
         self._packed_np[:, page] = False  # one write for all layers
         self.unreadable.discard(page)
 
     def clear(self) -> None:
         self.blocks.clear()
-        self.free = [{} for _ in self.data]
-        self.top = [0] * len(self.data)
+        for allocator in self.allocators:
+            allocator.clear()
+        self.layer_live[:] = 0
         self.packed.zero_()
         self.unreadable.clear()
         self.live_bytes = 0
 
+    @property
+    def top(self) -> list[int]:
+        """Each layer's bump pointer (bytes below it were handed out at some point)."""
+        return [a.top for a in self.allocators]
+
+    def page_fits(self) -> "np.ndarray":
+        """Per layer, the pages of the largest layout its free bytes hold for sure."""
+        return np.array([a.fits() for a in self.allocators], dtype=np.int64)
+
+    def _free_block(self, layer: int, base: int, size: int) -> None:
+        self.allocators[layer].free(base, size)
+
     def _alloc(self, layer: int, size: int) -> int | None:
-        bases = self.free[layer].get(size)
-        if bases:
-            return bases.pop()
-        base = self.top[layer]
-        if base + size > self.capacity:
-            return None
-        self.top[layer] = base + size
-        return base
+        return self.allocators[layer].alloc(size)
 
     # ---- accounting ---------------------------------------------------------------------
     def reserved_bytes(self) -> int:
