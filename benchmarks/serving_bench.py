@@ -213,8 +213,14 @@ def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int,
 
 
 def token_capacity(url: str) -> int | None:
+    """Tokens the server's KV memory holds: SGLang's slots, or for MosaicKV (whose slots are an
+    upper bound, sized at its smallest layout) the tokens its arena holds at the layout mix
+    sealed so far (before any seal: the mean of its candidates) plus its hot buffer."""
     _, info = request(f"{url}/get_server_info")
     state = info.get("internal_states", [{}])[0]
+    mosaic = (state.get("mosaickv") or {}).get("capacity")
+    if mosaic:
+        return mosaic["tokens_that_fit"]
     return state.get("memory_usage", {}).get("token_capacity") or info.get("max_total_num_tokens")
 
 

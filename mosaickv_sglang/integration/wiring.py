@@ -44,8 +44,11 @@ def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
                                   self.model_config.context_len, window), slots // page * page)
     fit = hot_buffer_requests(hot, page, self.server_args.chunked_prefill_size,
                               self.model_config.context_len, cfg.hot_buffer_fraction, window)
-    # the memory SGLang sized these slots with (_compute_cell_size), split by the pool
+    # the memory SGLang sized these slots with (_compute_cell_size), split by the pool; with
+    # --max-total-tokens the slots are the user's and an auto hot buffer comes on top of them
     memory = int(slots * slot_fraction(cfg, pb) * pb.dense / page * layers)
+    if self.server_args.max_total_tokens and cfg.hot_buffer_fraction == 0:
+        memory += (hot + page) * pb.dense // page * layers
     pool = MosaicKVPool(
         slots,
         page_size=page,

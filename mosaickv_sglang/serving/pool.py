@@ -285,9 +285,16 @@ class MosaicKVPool(MHATokenToKVPool):
             mosaic_config.daemon_lag_tokens if self.daemon is not None and self.position_rule
             else 0)
         self.swaps = SwapLog() if self.daemon is not None else None  # flushed by step_boundary()
-        logger.info("MosaicKV pool: %d logical tokens, hot buffer %d tokens (%.1f MB dense), "
-                    "arena blocks written by %s", size, hot_pages * page_size,
-                    self._hot_capacity_bytes() / 1e6,
+        pb = self.page_bytes
+        logger.info("MosaicKV pool: %d logical token slots, hot buffer %d tokens (%.1f MB "
+                    "dense), arena %.1f MB per layer: it holds %d sealed tokens at the largest "
+                    "layout, %d at the candidates' mean, %d at the smallest (%.2fx / %.2fx / "
+                    "%.2fx below dense); blocks written by %s", size, hot_pages * page_size,
+                    self._hot_capacity_bytes() / 1e6, arena_per_layer / 1e6,
+                    arena_per_layer // pb.worst * page_size,
+                    int(arena_per_layer // pb.expected) * page_size,
+                    arena_per_layer // pb.best * page_size, pb.dense / pb.worst,
+                    pb.dense / pb.expected, pb.dense / pb.best,
                     "the pack kernel" if self.store.pack_kernel else "torch copies")
 
     # ---- writes -------------------------------------------------------------------------
@@ -897,6 +904,9 @@ class MosaicKVPool(MHATokenToKVPool):
                 # + the hot buffer: what the memory serves (the slots are an upper bound)
                 "tokens_that_fit": fits + self.num_hot_pages * self.page_size,
                 "byte_deficit": self.byte_deficit,
+                # segments kept in their own tensors (not packable), charged to the arena
+                "outside_bytes": int(self.store.outside_bytes.sum()),
+                "over_capacity": self.store.over_capacity,
                 "byte_limited": self.counters.byte_limited,
                 "plan": None if self.memory_plan is None else self.memory_plan.__dict__}
 

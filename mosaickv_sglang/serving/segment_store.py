@@ -47,7 +47,7 @@ from mosaickv_kernels.row_copy import COPY, WIDEN, copy_rows
 from ..codec.arena import (ALIGN, HDR, HEADER_WIDTH, META_FIELDS, PLAN_FIELDS, ArenaPage,
                           BlockLayout, band_channels, block_views, layout_of, packable,
                           tensor_parts, write_blocks)
-from ..codec.layer import Segment, own_storage
+from ..codec.layer import Segment, own_storage, segment_bytes
 from ..codec.pages import PageMeta
 from ..codec.strategies.band import Band
 from ..config import PACK_KERNELS
@@ -122,6 +122,11 @@ class SegmentStore:
                            for _ in range(layers)]
         self.live_bytes = 0
         self.layer_live = np.zeros(layers, dtype=np.int64)  # live block bytes per layer
+        # segments kept in their own tensors (not packable, or no room): bytes per layer
+        self.outside: dict[tuple[int, int], int] = {}  # (layer, page) -> bytes
+        self.outside_bytes = np.zeros(layers, dtype=np.int64)
+        self._block_unit = max(page_block_bytes, 1)
+        self.over_capacity = 0  # installs after which live + outside bytes exceeded capacity
         self.layouts: dict[tuple, int] = {}  # BlockLayout.key() -> layout id (plans row)
         # an adopted page's per-layer specs -> (block sizes, layout ids): pages repeat a few
         # spec lists, and looking up 32 layouts and their ids costs ~60 us (bounded: FIFO)
@@ -151,6 +156,15 @@ class SegmentStore:
         ArenaPage the arena has no room for, as views of its own bytes) in one `install_pages`
         batch. Returns each page's per-layer Segments."""
         out = self._store_pages(pages, sealed)
+        if (self.layer_live + self.outside_bytes > self.capacity).any():
+            # the planned memory exceeded (segments outside the arena): counted, logged once
+            if not self.over_capacity:
+                logger.warning("MosaicKV: sealed pages take more bytes than the arena was planned"
+                               " with (%d + %d outside > %d in some layer): the byte gate let in "
+                               "more than fits; counted (segment_store.over_capacity)",
+                               int(self.layer_live.max()), int(self.outside_bytes.max()),
+                               self.capacity)
+            self.over_capacity += 1
         if pages:  # pages some layer of which the kernel cannot read (not packed: no room,
             # or a segment it does not read): such a page's requests decode by the reference
             ok = self._packed_np[:, pages].all(0)
@@ -176,9 +190,13 @@ class SegmentStore:
         segments the arena does not take get their own storage (`own_storage`)."""
         for layer in range(len(self.data)):
             segs = [page_segs[layer] for page_segs in segments]
-            for seg, stored in zip(segs, self.install(layer, pages, segs)):
+            for page, seg, stored in zip(pages, segs, self.install(layer, pages, segs)):
                 if not stored:  # kept in its own tensors, not in views of the sealing batch
                     own_storage(seg)
+                    # memory beside the arena, charged to its byte gate all the same
+                    size = sum(segment_bytes(seg).values())
+                    self.outside[(layer, page)] = size
+                    self.outside_bytes[layer] += size
 
     def install(self, layer: int, pages: list[int], segs: list[Segment]) -> list[bool]:
         """Copy one layer's segments (one per logical page) into the arena and re-point their
@@ -431,6 +449,8 @@ class SegmentStore:
         return known
 
     def release(self, page: int) -> None:
+        for layer in range(len(self.data)):
+            self.outside_bytes[layer] -= self.outside.pop((layer, page), 0)
         blocks = [self.blocks.pop((layer, page), None) for layer in range(len(self.data))]
         for layer, block in enumerate(blocks):
             if block is not None:
@@ -445,6 +465,8 @@ class SegmentStore:
         for allocator in self.allocators:
             allocator.clear()
         self.layer_live[:] = 0
+        self.outside.clear()
+        self.outside_bytes[:] = 0
         self.packed.zero_()
         self.unreadable.clear()
         self.live_bytes = 0
@@ -455,8 +477,10 @@ class SegmentStore:
         return [a.top for a in self.allocators]
 
     def page_fits(self) -> "np.ndarray":
-        """Per layer, the pages of the largest layout its free bytes hold for sure."""
-        return np.array([a.fits() for a in self.allocators], dtype=np.int64)
+        """Per layer, the pages of the largest layout its free bytes hold for sure, less what
+        the segments kept outside the arena take (the memory was planned for the arena)."""
+        fits = np.array([a.fits() for a in self.allocators], dtype=np.int64)
+        return fits - -(-self.outside_bytes // self._block_unit)
 
     def _free_block(self, layer: int, base: int, size: int) -> None:
         self.allocators[layer].free(base, size)

@@ -31,7 +31,7 @@ from ..codec.pages import build_page_meta
 from ..codec.seal import worst_encoded_bytes
 from ..codec.strategies import parse_strategy
 from ..codec.strategies.band import Band
-from ..config import MosaicConfig
+from ..config import MosaicConfig, check_encodable
 
 
 def _align(n: int) -> int:
@@ -45,6 +45,18 @@ def _kind_bytes(spec: str, kind: str, heads: int, tokens: int, head_dim: int) ->
     if isinstance(strategy, Band):
         return heads * sum(_align(n) for _, n in band_parts(strategy, tokens, head_dim))
     return worst_encoded_bytes([spec], kind, heads, tokens, head_dim)
+
+
+def _encodable(specs, tokens: int, head_dim: int) -> list[str]:
+    """The rescue candidates the pool keeps (`config.fit_rescue`, which logs the others)."""
+    out = []
+    for spec in specs:
+        try:
+            check_encodable(spec, "kv", tokens, head_dim)
+            out.append(spec)
+        except ValueError:
+            pass
+    return out
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,7 @@ class PageBytes:
             return [_kind_bytes(spec, kind, heads, s, head_dim) for spec in specs]
 
         k, v = sizes(cfg.k_candidates, "k"), sizes(cfg.v_candidates, "v")
-        extra = [*cfg.sink_candidates, *cfg.rescue_candidates]
+        extra = [*cfg.sink_candidates, *_encodable(cfg.rescue_candidates, s, head_dim)]
         worst = max(max(k), *sizes(extra, "k")) + max(max(v), *sizes(extra, "v")) \
             if extra else max(k) + max(v)
         meta = build_page_meta(torch.randn(heads, s, head_dim), cfg.page_tokens,
