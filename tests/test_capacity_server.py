@@ -34,7 +34,7 @@ FLOOD = {"k_candidates": ["band:b8=0,b4=64,b2=0,group=128", "dense:val=fp32"],
          "sink_candidates": [], "hot_tokens": 0, "select": {"enabled": False},
          "daemon": "process", "daemon_workers": 1, "daemon_queue_segments": 32,
          "hot_buffer_requests": 8}
-SLOTS = 16384
+SLOTS = 65536
 
 
 @pytest.fixture(scope="module")

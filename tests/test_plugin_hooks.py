@@ -63,6 +63,8 @@ EXPECTED_HOOKS = {
         ("BEFORE", "mosaickv_sglang.integration.wiring._step_boundary"),
     "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.available_size":
         ("AROUND", "mosaickv_sglang.integration.wiring._available_size"),
+    "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info":
+        ("AFTER", "mosaickv_sglang.integration.wiring._worker_info"),
     "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver."
     "_get_token_info": ("AFTER", "mosaickv_sglang.integration.wiring._token_info"),
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner."

@@ -228,6 +228,24 @@ def _step_boundary(self, *args, **kwargs):
     return None
 
 
+def _worker_info(result, self):
+    """AFTER TpModelWorker.get_worker_info: a MosaicKV server's longest request (and input) is
+    what its empty arena holds at the largest layout, not the slot count (an upper bound): a
+    longer prompt is refused by SGLang's own length check instead of waiting for bytes that
+    never come."""
+    from ..serving.pool import MosaicKVPool
+
+    pool = getattr(self.model_runner, "token_to_kv_pool", None)
+    if not isinstance(pool, MosaicKVPool):
+        return result
+    longest = pool.longest_request()
+    if result[4] <= longest:
+        return result
+    logger.info("MosaicKV: longest request %d tokens (what the arena holds at the largest "
+                "layout; %d slots)", longest, result[0])
+    return (*result[:4], longest, longest - 5, *result[6:])
+
+
 def _available_size(original, self):
     """AROUND PagedTokenToKVPoolAllocator.available_size: a MosaicKV pool's free slots less
     those its arena's free bytes cannot back (`pool.byte_deficit`, refreshed between steps).
@@ -299,6 +317,7 @@ HOOKS = {
         (_step_boundary, HookType.BEFORE),
     "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.available_size":
         (_available_size, HookType.AROUND),
+    "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info": (_worker_info, HookType.AFTER),
     "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver."
     "_get_token_info": (_token_info, HookType.AFTER),
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner."

@@ -886,6 +886,11 @@ class MosaicKVPool(MHATokenToKVPool):
         self.byte_deficit = deficit
         return deficit
 
+    def longest_request(self) -> int:
+        """Tokens of the longest request the empty pool can always seal: every page at the
+        largest layout in the arena (the slots may promise more)."""
+        return int(self.store.capacity // self.page_bytes.worst) * self.page_size
+
     def capacity(self) -> dict:
         """Tokens: slots, the byte gate, and what fits at the bytes pages really took."""
         live = self.store.layer_live
