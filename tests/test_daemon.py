@@ -239,9 +239,13 @@ def test_an_arena_ready_page_without_room_leaves_the_store_as_it_was(pools, seed
     room = max(H * lay.head_bytes for lay in ap.layouts())
     store = SegmentStore(LAYERS, 4, H, D, PS, b.cfg.page_tokens, "cpu", 8, room)
     assert store.adopt(1, ap) is not None
-    state = (list(store.top), [dict(f) for f in store.free], dict(store.blocks))
+    def state():
+        return (list(store.top), [(a.free_bytes(), a.fits()) for a in store.allocators],
+                dict(store.blocks))
+
+    before = state()
     assert store.adopt(2, ap) is None
-    assert state == (store.top, store.free, store.blocks) and not store.packed[:, 2].any()
+    assert state() == before and not store.packed[:, 2].any()
     segs = ap.segments()
     store.install_pages([2], [segs])
     assert store.arena_full == LAYERS and not store.packed[:, 2].any()

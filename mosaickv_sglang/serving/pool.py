@@ -711,20 +711,23 @@ class MosaicKVPool(MHATokenToKVPool):
 
     def seal_finished(self, slots: torch.Tensor) -> int:
         """A finished request's pages before its radix insert (`slots` its KV slots in position
-        order). Chunk rule: what its last write made sealable (`seal_request`), which a next
-        decode step would have sealed before its plan. Position rule: every full page, whatever
+        order). Position rule: every full page, whatever
         the window, with its hot copy freed: nothing reads them dense any more except a later
         request matching them in the radix tree within its own window, which then reads them
-        compressed (counted: early_sealed_reads). Returns pages sealed."""
+        compressed (counted: early_sealed_reads). Chunk rule: every full page too. Returns
+        pages sealed."""
         before = self.counters.sealed_pages
+        full = slots.numel() // self.page_size * self.page_size
         if not self.position_rule:
-            # the chunk rule: what sealing after its last write makes ready (decode seals before
-            # each step's plan, and a finished request has no next step; with the daemon: sent)
-            self.seal_request(slots, slots.numel())
+            # the chunk rule: every full page (with the daemon: sent). Its last hot_tokens would
+            # stay hot in the radix tree for as long as it keeps them: a hot page per cached
+            # request, which exhausted the in-flight-sized hot buffer after 64 cached 8K
+            # requests (benchmarks/capacity_bench.py). A request extending the prefix reads
+            # them compressed, as the chunk rule reads whatever is sealed.
+            self.seal_request(slots[:full], full + self.cfg.hot_tokens)
             return self.counters.sealed_pages - before
         if not self.dense_window:
             return 0  # every full page is sealed already
-        full = slots.numel() // self.page_size * self.page_size
         # a token `dense_window` past the last full page reads every full page compressed:
         # seal_request seals them and frees their kept hot copies
         self.seal_request(slots[:full], full + self.dense_window)
