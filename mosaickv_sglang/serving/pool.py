@@ -234,7 +234,12 @@ class MosaicKVPool(MHATokenToKVPool):
         else:
             self.memory_plan = None
             arena_per_layer = self.num_logical_pages * self.page_bytes.worst
-        self.arena_budget_bytes = arena_per_layer * self.layer_num
+        # what the plan gives sealed pages (`arena_bytes` counts blocks, bases, headers, page
+        # metadata): the arenas + the bases reserve + the per-page tables
+        pb, pages = self.page_bytes, self.num_logical_pages
+        self.arena_budget_bytes = arena_per_layer * self.layer_num + (
+            self.memory_plan.bases_bytes + self.memory_plan.table_bytes if self.memory_plan
+            else int(pages * (pb.bases + pb.table) * self.layer_num))
         # The byte gate: free slots the arena cannot back, refreshed between steps
         # (`refresh_byte_gate`) and subtracted from the allocator's available_size.
         self.byte_deficit = 0
