@@ -5,7 +5,8 @@ the smallest layout, the hot buffer sized to what is in flight, the memory split
 `plan_memory`) for a KV memory of `--dense-tokens` dense bf16 tokens. Then requests of real
 SmolLM2 K/V (the needle-in-a-haystack captures of `bench.capture`, cycled) are written and
 sealed, each admitted only when the byte gate (`refresh_byte_gate`) lets all its pages in, until
-it refuses one. Reported: the tokens sealed (what the arena really holds at the chooser's layout
+it refuses one. With `cold.enabled` in `--config`, a finished request's pages are recompressed
+(`recompress_cold`) before the next is admitted, as the step boundaries after it would. Reported: the tokens sealed (what the arena really holds at the chooser's layout
 mix on this KV), against dense (`--dense-tokens`) and SGLang's FP8 KV cache (2x dense, its
 bytes per token halved), the measured bytes per page by position and the layouts chosen.
 
@@ -65,6 +66,9 @@ def fill(pool: MosaicKVPool, caps: list, max_requests: int, log_every: int = 8) 
             v = cap.v[layer][:, :n].transpose(0, 1).contiguous()
             pool.set_kv_buffer(SimpleNamespace(layer_id=layer), slots, k, v)
         pool.seal_finished(slots)
+        if pool.cfg.cold.enabled:  # the request finished: its pages are cold at the next steps
+            while pool.recompress_cold(set()):
+                pass
         sealed_tokens += n
         requests += 1
         for i, p in enumerate(pages):
@@ -114,6 +118,7 @@ def main(argv=None) -> int:
         "x_dense": got["tokens"] / args.dense_tokens,
         "x_fp8": got["tokens"] / (2 * args.dense_tokens),
         "sealed_ratio": st["sealed_ratio"],
+        "cold": {k: st["counters"][k] for k in ("cold_pages", "cold_kept", "cold_saved_bytes")},
         "arena_block_fraction_by_position": by_pos,
         "strategies": st["counters"]["strategies"],
         "capacity": st["capacity"], "fill_s": got["fill_s"],

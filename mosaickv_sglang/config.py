@@ -74,6 +74,43 @@ class SelectionConfig:
 
 
 @dataclass
+class ColdConfig:
+    """Recompression of cold pages (serving, read_rule "chunk"): a sealed page no running request
+    has within its last `after_tokens` tokens is re-encoded, between scheduler steps, with the
+    cheapest cold candidate whose error, added to the error it was sealed with, stays within the
+    cold budget (a bound on its error against the original K/V); pages no cold candidate fits
+    stay as they are (counted). docs/serving.md, capacity."""
+    enabled: bool = False
+    after_tokens: int = 2048
+    # Real SmolLM2 K/V at 8K (pages past the second, 2026-12-04): sealed at 0.053 (K) and 0.091
+    # (V) mean error; these add 0.112 and 0.160 for 0.234 of bf16 each (from ~0.28); 2-bit on
+    # half the channels adds 0.139 (K) and 0.253 (V) for 0.219 / 0.203 (docs/serving.md)
+    k_candidates: list[str] = field(default_factory=lambda: ["band:b8=4,b4=36,b2=24,group=128"])
+    v_candidates: list[str] = field(default_factory=lambda: ["band:b8=0,b4=48,b2=16,group=128"])
+    k_error_budget: float = 0.20
+    v_error_budget: float = 0.30
+    pages_per_step: int = 8  # pages recompressed at one step boundary, at most
+
+    def validate(self, page_tokens: int) -> None:
+        from .codec.strategies.band import Band
+
+        for key in ("after_tokens", "pages_per_step"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"mosaickv config: cold.{key}={getattr(self, key)!r} must be an "
+                                 "int >= 1")
+        for key in ("k_error_budget", "v_error_budget"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"mosaickv config: cold.{key}={getattr(self, key)!r} must be >= 0")
+        for key in ("k_candidates", "v_candidates"):
+            for i, spec in enumerate(getattr(self, key)):
+                strat = parse_strategy(spec)
+                if not (isinstance(strat, Band) and strat.rot and strat.group % page_tokens == 0):
+                    raise ValueError(f"mosaickv config: cold.{key}[{i}] '{spec}' must be a band "
+                                     f"in the SVD basis with a token group that is a multiple of "
+                                     f"page_tokens={page_tokens} (what the decode kernel reads)")
+
+
+@dataclass
 class MosaicConfig:
     segment_tokens: int = 128  # sealing / strategy granularity
     page_tokens: int = 32  # selection granularity (divides segment_tokens)
@@ -98,6 +135,7 @@ class MosaicConfig:
     k_error_budget: float = 0.08  # max relative reconstruction error per segment
     v_error_budget: float = 0.12
     select: SelectionConfig = field(default_factory=SelectionConfig)
+    cold: ColdConfig = field(default_factory=ColdConfig)
     # "off": pages are compressed on the scheduler thread when the read rule first reads them
     # compressed. "process": CPU worker processes compress them (mosaickv_sglang/daemon/); under
     # the chunk rule pages are read hot until adopted between steps, under the position rule
@@ -183,6 +221,8 @@ class MosaicConfig:
     def __post_init__(self):
         if isinstance(self.select, dict):
             self.select = _build(SelectionConfig, self.select, "select.")
+        if isinstance(self.cold, dict):
+            self.cold = _build(ColdConfig, self.cold, "cold.")
         self.validate()
 
     def validate(self) -> None:
@@ -219,6 +259,11 @@ class MosaicConfig:
                 except ValueError as exc:
                     raise ValueError(f"mosaickv config: {key}[{i}] '{spec}': {exc}") from None
         self.select.validate(self.page_tokens)
+        self.cold.validate(self.page_tokens)
+        if self.cold.enabled and self.read_rule != "chunk":
+            raise ValueError("mosaickv config: cold.enabled needs read_rule 'chunk' (under the "
+                             "position rule what a token reads must not change after it is "
+                             "sealed)")
         for key, choices in (("decode_kernel", DECODE_KERNELS), ("pack_kernel", PACK_KERNELS),
                              ("fit_solver", FIT_SOLVERS), ("daemon", DAEMON_MODES),
                              ("read_rule", READ_RULES), ("basis_fit", BASIS_FITS),
@@ -311,6 +356,14 @@ def check_fits(cfg: "MosaicConfig", head_dim: int, segment_tokens: int | None = 
             except ValueError as exc:
                 raise ValueError(f"mosaickv config: {key} '{spec}' does not fit this model "
                                  f"(head_dim {head_dim}): {exc}") from None
+    if cfg.cold.enabled:
+        for key, kinds in (("k_candidates", "k"), ("v_candidates", "v")):
+            for spec in getattr(cfg.cold, key):
+                try:
+                    check_encodable(spec, kinds, segment_tokens or cfg.segment_tokens, head_dim)
+                except ValueError as exc:
+                    raise ValueError(f"mosaickv config: cold.{key} '{spec}' does not fit this "
+                                     f"model (head_dim {head_dim}): {exc}") from None
 
 
 def fit_rescue(cfg: "MosaicConfig", head_dim: int) -> "MosaicConfig":
@@ -329,7 +382,7 @@ def fit_rescue(cfg: "MosaicConfig", head_dim: int) -> "MosaicConfig":
 
 
 _FIELD_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool, "list[str]": (list, tuple),
-                "SelectionConfig": (dict, SelectionConfig)}
+                "SelectionConfig": (dict, SelectionConfig), "ColdConfig": (dict, ColdConfig)}
 
 
 def _build(cls, data: dict, prefix: str):

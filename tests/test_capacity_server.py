@@ -149,3 +149,30 @@ def test_flood_beyond_the_arena_waits_for_bytes_and_loses_nothing(pair):
     assert emptied["segment_store"]["live_block_bytes"] == 0
     assert emptied["capacity"]["outside_bytes"] == 0
     assert emptied["hot_tokens_in_use"] == 0, emptied  # no hot page leaked
+
+
+def test_cold_pages_are_recompressed_between_steps(tmp_path):
+    """`cold.enabled` on a server: finished and old pages are re-encoded at the step boundaries
+    (the scheduler hook reads the running requests' warm pages), bytes fall, every request
+    answers, nothing is left after a flush."""
+    model = make_tiny_llama(tmp_path / "tiny_llama", head_dim=64)
+    cfg = {"hot_tokens": 0, "cold": {"enabled": True, "after_tokens": 256, "pages_per_step": 16,
+                                     "k_error_budget": 1.0, "v_error_budget": 1.0}}
+    with running_server(model, tmp_path / "cold.log", "--kv-backend", "mosaickv",
+                        "--dtype", "float32", "--page-size", "128", "--chunked-prefill-size",
+                        "1024", "--max-total-tokens", "16384",
+                        "--mosaickv-config", json.dumps(cfg)) as srv:
+        rng = random.Random(5)
+        for _ in range(3):
+            body = _greedy(srv.url, _prompt(rng, 1100), 64)
+            assert len(body["output_ids"]) == 64
+        stats = mosaickv_stats(srv.url)
+        counters = stats["counters"]
+        assert counters["cold_pages"] >= 8, counters  # the finished requests' pages
+        assert counters["cold_saved_bytes"] > 0
+        assert any(k.startswith("k:band:b8=4,b4=36") for k in counters["strategies"]), counters
+        kept = sum(n for kind, n in stats["bytes"].items() if kind != "hot_buffer_capacity")
+        assert stats["arena_bytes"] == kept and stats["capacity"]["over_capacity"] == 0
+        flush_cache(srv.url)
+        emptied = mosaickv_stats(srv.url)
+        assert emptied["sealed_pages"] == 0 and emptied["segment_store"]["live_block_bytes"] == 0

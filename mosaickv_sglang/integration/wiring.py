@@ -224,8 +224,35 @@ def _step_boundary(self, *args, **kwargs):
     group = self.tp_cpu_group if self.server_args.tp_size > 1 else None
     if pool.daemon is not None:
         pool.step_boundary(group)
+    if pool.cfg.cold.enabled:
+        pool.recompress_cold(_warm_pages(self, pool.page_size, pool.cfg.cold.after_tokens))
     pool.refresh_byte_gate(_free_slots(allocator), group)
     return None
+
+
+def _warm_pages(scheduler, page_size: int, after_tokens: int) -> set[int]:
+    """Logical pages some running (or just prefilled, or chunked) request has within its last
+    `after_tokens` tokens: not cold. One gather from req_to_token and one copy to the host."""
+    import torch
+
+    reqs = list(scheduler.running_batch.reqs)
+    if scheduler.last_batch is not None:
+        reqs += scheduler.last_batch.reqs
+    if scheduler.chunked_req is not None:
+        reqs.append(scheduler.chunked_req)
+    rows, cols = [], []
+    for req in reqs:
+        if req.req_pool_idx is None or not req.kv_committed_len:
+            continue
+        end = req.kv_committed_len
+        start = max(0, end - after_tokens) // page_size * page_size
+        cols += range(start, end, page_size)
+        rows += [req.req_pool_idx] * len(range(start, end, page_size))
+    if not rows:
+        return set()
+    table = scheduler.req_to_token_pool.req_to_token
+    slots = table[torch.tensor(rows, device=table.device), torch.tensor(cols, device=table.device)]
+    return set((slots // page_size).tolist())
 
 
 def _worker_info(result, self):

@@ -82,10 +82,13 @@ def _views(flat: torch.Tensor, shapes: list) -> list:
 
 def band_pairs(cfg) -> list[tuple[str, str]]:
     """Every (K, V) band-spec pair the chooser can store under `cfg`: its K and V candidates
-    with the sink and rescue candidates (band strategies only: others are never packed)."""
+    with the sink, rescue and (when on) cold candidates (band strategies only: others are never
+    packed)."""
     extra = list(dict.fromkeys(cfg.sink_candidates + cfg.rescue_candidates))
-    ks = [k for k in dict.fromkeys(cfg.k_candidates + extra) if k.startswith("band:")]
-    vs = [v for v in dict.fromkeys(cfg.v_candidates + extra) if v.startswith("band:")]
+    cold_k, cold_v = (cfg.cold.k_candidates, cfg.cold.v_candidates) if cfg.cold.enabled \
+        else ([], [])
+    ks = [k for k in dict.fromkeys(cfg.k_candidates + extra + cold_k) if k.startswith("band:")]
+    vs = [v for v in dict.fromkeys(cfg.v_candidates + extra + cold_v) if v.startswith("band:")]
     return [(k, v) for k in ks for v in vs]
 
 

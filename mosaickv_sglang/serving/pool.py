@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -37,7 +38,8 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 from ..codec.arena import ArenaPage
 from ..codec.attention import PageReads
 from ..codec.basis import unrotate
-from ..codec.layer import Candidates, CompressedLayer, segment_bytes
+from ..codec.cold import cold_candidates, recompress_segment
+from ..codec.layer import Candidates, CompressedLayer, own_storage, segment_bytes
 from ..codec.pages import build_page_meta
 from ..codec.seal import (BasisPair, SealedPage, fit_block_bases, gather_pages, seal_group,
                          seal_pages, worst_page_bytes)
@@ -89,6 +91,11 @@ class PoolCounters:
     chunk_sealed_pages: int = 0
     # step boundaries at which the byte gate started limiting admission (refresh_byte_gate)
     byte_limited: int = 0
+    # cold pages (recompress_cold): re-encoded cheaper, left as they were (no cold candidate
+    # fitted), and the packed bytes that saved
+    cold_pages: int = 0
+    cold_kept: int = 0
+    cold_saved_bytes: int = 0
     # reads that found pages sealed that the read rule wants dense (only possible with
     # hot_tokens > 0 and a prefix another request sealed): read compressed, counted
     early_sealed_reads: int = 0
@@ -282,6 +289,12 @@ class MosaicKVPool(MHATokenToKVPool):
         # sealed pages whose hot copy is kept: installed from the daemon before the read rule
         # reads them compressed (freed by _drop_kept_hot, release_pages, clear)
         self.kept_hot: set[int] = set()
+        # cold recompression (cfg.cold): sealed pages in seal order with their generation, and
+        # the pages already recompressed (or found with nothing cheaper); both left on free
+        self._cold_queue: deque[tuple[int, int]] = deque()
+        self.cold_done: set[int] = set()
+        self._cold_cands = cold_candidates(mosaic_config) if mosaic_config.cold.enabled \
+            else None
         self.daemon = self._start_daemon() if mosaic_config.daemon == "process" else None
         # the read rule (docs/determinism.md): "position" or "chunk"; its window
         # (compressed_pages): hot_tokens, plus the daemon's slack under the position rule
@@ -833,6 +846,8 @@ class MosaicKVPool(MHATokenToKVPool):
                 self.free_hot_pages.append(int(self.hot_page_of[page]))
                 self.hot_page_of[page] = -1
             self.counters.sealed_pages += 1
+            if self._cold_cands is not None:
+                self._cold_queue.append((page, self.page_gen[page]))
             _bump(self.counters.sealed_by_position, sp.position // self.page_size)
             if self.swaps is not None:
                 self.swaps.add(page, self.page_gen[page])
@@ -865,6 +880,59 @@ class MosaicKVPool(MHATokenToKVPool):
         return DaemonClient(self.cfg, self.layer_num, self.head_num, self.head_dim,
                             self.k_buffer[0].dtype, self.device, self.dense.spec, result_bytes,
                             self._slot_copy, self.store.reads_host)
+
+    def recompress_cold(self, warm: set[int]) -> int:
+        """Between steps (`cold.enabled`): up to `cold.pages_per_step` sealed pages not in
+        `warm` (the pages a running request has within its last `cold.after_tokens` tokens),
+        oldest seal first, re-encoded with cheaper cold candidates (codec/cold.py) and stored
+        again: blocks freed, the new, smaller ones written, headers and page metadata rewritten,
+        every byte re-counted. The same pages on every TP rank (sealed sets and running
+        requests agree; the layouts chosen are per rank, like sealing's). Returns pages
+        recompressed."""
+        if self._cold_cands is None:
+            return 0
+        done, scanned = 0, 0
+        limit = self.cfg.cold.pages_per_step
+        while self._cold_queue and done < limit and scanned < 4 * limit:
+            page, gen = self._cold_queue.popleft()
+            scanned += 1
+            if self.page_gen[page] != gen or page not in self.sealed or page in self.cold_done:
+                continue
+            if page in warm or page in self.kept_hot:
+                self._cold_queue.append((page, gen))  # not cold yet: later
+                continue
+            self.cold_done.add(page)
+            done += self._recompress_page(page)
+        return done
+
+    def _recompress_page(self, page: int) -> int:
+        sp = self.sealed[page]
+        old = list(sp.segments)
+        new = [recompress_segment(seg, self.cfg, *self._cold_cands) for seg in old]
+        if all(n is None for n in new):
+            self.counters.cold_kept += 1
+            return 0
+        segs = [n if n is not None else seg for n, seg in zip(new, old)]
+        for seg in segs:  # off the arena blocks that are about to be freed and rewritten
+            own_storage(seg)
+        before = sp.nbytes
+        for kind, spec, _ in sp.kinds():
+            key = f"{kind}:{spec}"
+            self.counters.strategies[key] -= 1
+        self._account(sp, -1)
+        self.store.release(page)
+        fresh = SealedPage(sp.position, segs, sp.bases,
+                           sum(sum(segment_bytes(x).values()) for x in segs))
+        stored = self.store.store_pages([page], [fresh])[0]
+        self.sealed[page] = SealedPage(sp.position, stored, sp.bases, fresh.nbytes)
+        for kind, spec, _ in fresh.kinds():
+            key = f"{kind}:{spec}"
+            self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
+        self._account(self.sealed[page], +1)
+        self.version += 1
+        self.counters.cold_pages += 1
+        self.counters.cold_saved_bytes += before - fresh.nbytes
+        return 1
 
     def refresh_byte_gate(self, free_slots: int, tp_group=None) -> int:
         """Between steps (the scheduler hook, after the daemon's adoption): the free token slots
@@ -1031,6 +1099,7 @@ class MosaicKVPool(MHATokenToKVPool):
             self.pending.pop(page, None)
             self.prev_page.pop(page, None)
             self.kept_hot.discard(page)
+            self.cold_done.discard(page)
             sealed = self.sealed.pop(page, None)
             if sealed is not None:
                 self.page_sealed[page] = False
@@ -1052,6 +1121,8 @@ class MosaicKVPool(MHATokenToKVPool):
         self.deferred.clear()
         self.prev_page.clear()
         self.kept_hot.clear()
+        self.cold_done.clear()
+        self._cold_queue.clear()
         if self.daemon is not None:
             for job in self.daemon.open_jobs():
                 self.daemon.cancel(job)
