@@ -50,9 +50,10 @@ def test_cold_pages_shrink_within_budget_and_warm_pages_wait(seed):
     before = {p: pool.sealed[p].nbytes for p in pool.sealed}
     total = pool.arena_bytes
     n = pool.recompress_cold(warm) + pool.recompress_cold(warm)  # 3 pages a step
-    assert n == 4, repro(seed)  # request a's pages (its sink page is 8-bit: cheaper exists)
-    assert all(pool.sealed[p].nbytes < before[p] for p in range(1, 5)), repro(seed)
-    assert all(pool.sealed[p].nbytes == before[p] for p in warm), repro(seed)
+    assert n == 3, repro(seed)  # request a's pages past its sink page
+    assert all(pool.sealed[p].nbytes < before[p] for p in range(2, 5)), repro(seed)
+    # the sink pages (8-bit, cheaper candidates exist) and the warm pages are as they were
+    assert all(pool.sealed[p].nbytes == before[p] for p in warm | {1, 5}), repro(seed)
     assert pool.recompress_cold(warm) == 0  # nothing cold left; b waits in the queue
     # every byte re-counted, the running totals equal the tensors
     assert pool.arena_bytes == _bytes(pool) < total
@@ -65,7 +66,7 @@ def test_cold_pages_shrink_within_budget_and_warm_pages_wait(seed):
     for layer in range(LAYERS):
         k_read, v_read = pool.dense_kv(layer, slots_a)
         k, v = kv_a[layer]
-        for i in range(4):
+        for i in range(1, 4):
             rows = slice(i * PS, (i + 1) * PS)
             assert relative_error(k_read[rows].float(), k[rows]) <= 0.5 * 1.05, repro(seed)
             assert relative_error(v_read[rows].float(), v[rows]) <= 0.5 * 1.05, repro(seed)
@@ -73,7 +74,7 @@ def test_cold_pages_shrink_within_budget_and_warm_pages_wait(seed):
     assert seg.k.reason == "cold" and seg.k.error <= 0.5
     assert store.packed[:, 1:5].all() and not store.unreadable  # the kernel still reads them
     # b becomes cold once nothing is warm
-    assert pool.recompress_cold(set()) == 3 and pool.recompress_cold(set()) == 1
+    assert pool.recompress_cold(set()) == 3 and pool.recompress_cold(set()) == 0
     pool.release_pages(list(range(1, 9)))
     assert pool.arena_bytes == 0 and store.live_bytes == 0 and not pool.cold_done
     assert int(store.layer_live.sum()) == 0 and store.top == [0] * LAYERS
@@ -84,7 +85,7 @@ def test_a_zero_budget_keeps_every_page_and_counts_it():
     write(pool, 1, 3, 0)
     total = pool.arena_bytes
     assert pool.recompress_cold(set()) == 0
-    assert pool.counters.cold_kept == 3 and pool.arena_bytes == total
+    assert pool.counters.cold_kept == 2 and pool.arena_bytes == total  # past the sink page
 
 
 def test_cold_layouts_are_in_the_graphs_frozen_pairs_and_config_is_checked():

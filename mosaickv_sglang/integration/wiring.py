@@ -224,7 +224,7 @@ def _step_boundary(self, *args, **kwargs):
     group = self.tp_cpu_group if self.server_args.tp_size > 1 else None
     if pool.daemon is not None:
         pool.step_boundary(group)
-    if pool.cfg.cold.enabled:
+    if pool.cold_waiting():  # (the warm set costs a device -> host copy: only when needed)
         pool.recompress_cold(_warm_pages(self, pool.page_size, pool.cfg.cold.after_tokens))
     pool.refresh_byte_gate(_free_slots(allocator), group)
     return None

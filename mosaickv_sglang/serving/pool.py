@@ -881,10 +881,14 @@ class MosaicKVPool(MHATokenToKVPool):
                             self.k_buffer[0].dtype, self.device, self.dense.spec, result_bytes,
                             self._slot_copy, self.store.reads_host)
 
+    def cold_waiting(self) -> bool:
+        """Are sealed pages waiting to be found cold (`recompress_cold`)?"""
+        return bool(self._cold_queue)
+
     def recompress_cold(self, warm: set[int]) -> int:
         """Between steps (`cold.enabled`): up to `cold.pages_per_step` sealed pages not in
-        `warm` (the pages a running request has within its last `cold.after_tokens` tokens),
-        oldest seal first, re-encoded with cheaper cold candidates (codec/cold.py) and stored
+        `warm` (the pages a running request has within its last `cold.after_tokens` tokens)
+        and past the sink segments, oldest seal first, re-encoded with cheaper cold candidates (codec/cold.py) and stored
         again: blocks freed, the new, smaller ones written, headers and page metadata rewritten,
         every byte re-counted. The same pages on every TP rank (sealed sets and running
         requests agree; the layouts chosen are per rank, like sealing's). Returns pages
@@ -898,6 +902,8 @@ class MosaicKVPool(MHATokenToKVPool):
             scanned += 1
             if self.page_gen[page] != gen or page not in self.sealed or page in self.cold_done:
                 continue
+            if self.sealed[page].position < self.cfg.sink_segments * self.cfg.segment_tokens:
+                continue  # attention sinks keep their own candidates and tight budget
             if page in warm or page in self.kept_hot:
                 self._cold_queue.append((page, gen))  # not cold yet: later
                 continue
