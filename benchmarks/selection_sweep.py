@@ -22,8 +22,8 @@ from mosaickv_sglang.config import MosaicConfig, SelectionConfig
 METRICS = ("physical_ratio", "attn_rel_err", "mass_recall", "pages_read", "pages_rescored")
 
 
-def variants(meta_channels: list[int], budgets: list[int],
-             rescore: list[int] = ()) -> list[tuple[str, MosaicConfig]]:
+def variants(meta_channels: list[int], budgets: list[int], rescore: list[int] = (),
+             rescore_channels: list[int] = ()) -> list[tuple[str, MosaicConfig]]:
     d = MosaicConfig()
     out = [("no selection", replace(d, select=SelectionConfig(enabled=False)))]
     out += [(f"meta_channels={m}" + (" (default)" if m == d.select.meta_channels else ""),
@@ -39,6 +39,10 @@ def variants(meta_channels: list[int], budgets: list[int],
             out.append((f"budget_tokens={b} rescore_factor={f} meta_only", replace(
                 d, select=replace(d.select, budget_tokens=b, rescore_factor=f,
                                   rescore_meta_only=True))))
+            for r in rescore_channels:
+                out.append((f"budget_tokens={b} rescore_factor={f} channels={r}", replace(
+                    d, select=replace(d.select, budget_tokens=b, rescore_factor=f,
+                                      rescore_channels=r))))
     return out
 
 
@@ -49,6 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=int, nargs="+", default=[2048, 6144])
     ap.add_argument("--rescore", type=int, nargs="*", default=[],
                     help="rescore factors to try at each budget (select.rescore_factor)")
+    ap.add_argument("--rescore-channels", type=int, nargs="*", default=[],
+                    help="with each rescore factor, also score on only the leading r channels "
+                         "of K (select.rescore_channels)")
     ap.add_argument("--seed", type=int, default=0, help="the haystack (capture seed)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -57,7 +64,7 @@ def main(argv=None) -> int:
     print(f"{cap.prompt_tokens}-token context, {len(layers)} layers, {cap.q[0].shape[0]} decode "
           f"queries", flush=True)
     rows = []
-    for name, cfg in variants(args.meta_channels, args.budgets, args.rescore):
+    for name, cfg in variants(args.meta_channels, args.budgets, args.rescore, args.rescore_channels):
         t0 = time.time()
         r = evaluate(Method(name, cfg, "mosaickv"), cap, layers)
         rows.append({"variant": name, **{k: r[k] for k in METRICS}})

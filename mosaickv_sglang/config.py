@@ -62,12 +62,22 @@ class SelectionConfig:
     # K (reads the candidates' whole K); true = only its metadata channels' codes, exactly, plus
     # the page's rest-norm bound for the other channels (reads m channels of the candidates' K)
     rescore_meta_only: bool = False
+    # > 0: the second stage scores a candidate page by the exact score on the leading this many
+    # channels of its compressed K in the SVD basis (where K's energy is), nothing for the rest:
+    # how much of K a second stage must read (an experiment; 0 = every channel)
+    rescore_channels: int = 0
 
     def validate(self, page_tokens: int) -> None:
         for key in ("budget_tokens", "sink_tokens", "recent_tokens", "meta_channels",
-                    "rescore_factor"):
+                    "rescore_factor", "rescore_channels"):
             if getattr(self, key) < 0:
                 raise ValueError(f"mosaickv config: select.{key}={getattr(self, key)} must be >= 0")
+        if self.rescore_channels and self.rescore_meta_only:
+            raise ValueError("mosaickv config: select.rescore_channels and select.rescore_meta_only"
+                             " are two different second stages: set one")
+        if self.rescore_channels and not self.rescore_factor:
+            raise ValueError("mosaickv config: select.rescore_channels scores the second stage, "
+                             "which needs select.rescore_factor > 0")
         if self.budget_tokens < page_tokens:
             raise ValueError(f"mosaickv config: select.budget_tokens={self.budget_tokens} is "
                              f"smaller than one page ({page_tokens} tokens)")

@@ -310,6 +310,44 @@ def test_rescoring_on_the_metadata_channels_bounds_the_scores(seed):
     assert torch.equal(*keeps[1]), repro(seed)  # every channel: the same pages as the full K
 
 
+def test_rescoring_on_the_leading_channels_is_their_exact_partial_score(seed):
+    """select.rescore_channels = r: a candidate's tokens scored on the first r channels of its
+    compressed K in the SVD basis, exactly (the partial sum of the full score), and with r the
+    whole head the pages kept are those of the full-K second stage."""
+    from mosaickv_sglang.codec.attention import _leading_channel_scores
+    from mosaickv_sglang.codec.basis import rotate_query
+
+    h, g, d, seg, pt, hot = 2, 2, 64, 64, 16, 16
+    t = 4 * seg + hot + 5
+    k, v = kv(h, t, d)
+    nq, sm = 2, 0.05
+    q = torch.randn(nq, h * g, d)
+    cfg_of = lambda sel: MosaicConfig(  # noqa: E731
+        segment_tokens=seg, page_tokens=pt, hot_tokens=hot,
+        k_candidates=["band:b8=16,b4=32,b2=16,group=16"],
+        v_candidates=["band:b8=16,b4=32,b2=16,group=16"], sink_segments=0,
+        k_error_budget=1.0, v_error_budget=1.0, select=sel)
+    base = dict(enabled=True, budget_tokens=5 * pt, sink_tokens=pt, recent_tokens=pt,
+                meta_channels=8, rescore_factor=100)
+    layer = compress_layer(k, v, cfg_of(SelectionConfig(**base)))
+    pos = hot_positions(nq, layer.hot_start, t)
+    qh = (q.float() * sm).reshape(nq, h, g, d).permute(1, 0, 2, 3).reshape(h, -1, d)
+    for s_ in layer.segments:
+        qs = rotate_query(qh, layer.k_bases[s_.basis])
+        full = s_.k.strategy.qk(s_.k.encoded, qs)
+        kd = s_.k.strategy.decode(s_.k.encoded).float()
+        part = _leading_channel_scores(s_, qs, full, 8)
+        expect = torch.einsum("hqr,hsr->hqs", qs[..., :8].double(), kd[..., :8].double())
+        assert torch.allclose(part.double(), expect, atol=1e-4), repro(seed)
+        assert not torch.allclose(part, full, atol=1e-3), repro(seed)  # a partial score
+    _, whole = decode_attention(q, layer, pos, SelectionConfig(**base, rescore_channels=d), pt,
+                                sm_scale=sm)
+    _, full_info = decode_attention(q, layer, pos, SelectionConfig(**base), pt, sm_scale=sm)
+    assert torch.equal(whole.page_keep, full_info.page_keep), repro(seed)
+    with pytest.raises(ValueError, match="rescore_channels"):
+        SelectionConfig(**base, rescore_channels=8, rescore_meta_only=True).validate(pt)
+
+
 def test_rescoring_chooses_among_the_candidates_only(seed):
     """`_rescore` keeps no page outside the candidates, whatever its score, and ranks the
     candidates by their best score."""

@@ -93,9 +93,15 @@ def decode_attention(q: torch.Tensor, layer: CompressedLayer, q_positions: torch
     keep = _select(qh, q_in, layer, select, page_tokens, nq, g)
     rescored = 0
     if keep is not None and select is not None and select.rescore_factor:
-        page_scores = seg_scores if not select.rescore_meta_only else \
-            [_meta_channel_scores(seg, q_in[seg.basis] if seg.pages_rotated else qh, full)
-             for seg, full in zip(layer.segments, seg_scores)]
+        page_scores = seg_scores
+        if select.rescore_meta_only:
+            page_scores = [_meta_channel_scores(seg, q_in[seg.basis] if seg.pages_rotated
+                                                else qh, full)
+                           for seg, full in zip(layer.segments, seg_scores)]
+        elif select.rescore_channels:
+            page_scores = [_leading_channel_scores(seg, q_in[seg.basis], full,
+                                                   select.rescore_channels)
+                           for seg, full in zip(layer.segments, seg_scores)]
         keep, rescored = _rescore(keep, page_scores, select, page_tokens, nq, g)
     all_scores = []
     for i, seg in enumerate(layer.segments):
@@ -149,6 +155,16 @@ def _meta_channel_scores(seg, q: torch.Tensor, full: torch.Tensor) -> torch.Tens
     page_tokens = k.shape[1] // meta.num_pages
     rest = meta.rest_norm.float().repeat_interleave(page_tokens, dim=1)  # [H, S]
     return torch.einsum("hqm,hsm->hqs", q_c, k_c) + q_rest[:, :, None] * rest[:, None, :]
+
+
+def _leading_channel_scores(seg, q: torch.Tensor, full: torch.Tensor, r: int) -> torch.Tensor:
+    """[H, Nq*G, S] per-token scores on the leading `r` channels of a segment's compressed K in
+    its SVD basis (`q` rotated into it), exactly, and nothing for the others: what a second
+    stage reading r channels of the candidates' K ranks by. `full` where K is not rotated."""
+    if not seg.k.strategy.rot or r >= q.shape[-1]:
+        return full
+    k = seg.k.strategy.decode(seg.k.encoded).float()[..., :r]  # [H, S, r]
+    return torch.einsum("hqr,hsr->hqs", q.float()[..., :r], k)
 
 
 def _rescore(candidates: torch.Tensor, seg_scores: list, select: SelectionConfig,
