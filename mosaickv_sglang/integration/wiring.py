@@ -28,7 +28,7 @@ def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
     from sglang.srt.runtime_context import get_parallel
 
     from ..serving.pool import MosaicKVPool, hot_buffer_requests
-    from ..serving.sizing import PageBytes, auto_hot_tokens, slot_fraction
+    from ..serving.sizing import PageBytes, auto_hot_tokens, hot_buffer_bytes, slot_memory
 
     heads = self.model_config.get_num_kv_heads(get_parallel().attn_tp_size)
     head_dim, page = self.model_config.head_dim, self.pool_page_size
@@ -46,9 +46,9 @@ def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
                               self.model_config.context_len, cfg.hot_buffer_fraction, window)
     # the memory SGLang sized these slots with (_compute_cell_size), split by the pool; with
     # --max-total-tokens the slots are the user's and an auto hot buffer comes on top of them
-    memory = int(slots * slot_fraction(cfg, pb) * pb.dense / page * layers)
+    memory = slot_memory(cfg, pb, slots, layers, page)
     if self.server_args.max_total_tokens and cfg.hot_buffer_fraction == 0:
-        memory += (hot + page) * pb.dense // page * layers
+        memory += hot_buffer_bytes(pb, hot, layers, page)
     pool = MosaicKVPool(
         slots,
         page_size=page,

@@ -48,7 +48,7 @@ from ..codec.timing import StepProfiler
 from ..config import MosaicConfig, check_fits, fit_rescue
 from ..daemon.swaplog import SwapLog
 from .segment_store import SegmentStore
-from .sizing import PageBytes, byte_deficit, plan_memory
+from .sizing import PageBytes, byte_deficit, in_flight_pages, plan_memory
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +144,7 @@ def hot_buffer_requests(hot_tokens: int, page_size: int, chunked_prefill_size: i
     daemon) keeps up to ceil(window / page) more full pages hot per request, the chunk's
     included: the window is what a request reads, so it is sized here, never taken back under
     pressure. Refuses (ValueError) a buffer that cannot hold one chunk."""
-    chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 \
-        else context_len
-    extra = -(-window_tokens // page_size)
-    need = -(-min(chunk, context_len - 1) // page_size) + extra
+    need, extra = in_flight_pages(page_size, chunked_prefill_size, context_len, window_tokens)
     if hot_tokens < need * page_size:
         raise ValueError(
             f"MosaicKV: the hot buffer holds {hot_tokens} tokens (hot_buffer_fraction="
@@ -253,7 +250,6 @@ class MosaicKVPool(MHATokenToKVPool):
         self._gate_version = -1
         self.arena_bytes = 0
         self._basis_refs: dict[int, int] = {}
-        check_fits(mosaic_config, self.head_dim, page_size)
         self.cands = Candidates.from_config(mosaic_config)
         # Dense fallback in the cache's own precision, so "dense" is lossless for fp32 caches too.
         self.dense = parse_strategy("dense:val=fp32" if self.dtype == torch.float32 else "dense")
@@ -303,7 +299,6 @@ class MosaicKVPool(MHATokenToKVPool):
             mosaic_config.daemon_lag_tokens if self.daemon is not None and self.position_rule
             else 0)
         self.swaps = SwapLog() if self.daemon is not None else None  # flushed by step_boundary()
-        pb = self.page_bytes
         logger.info("MosaicKV pool: %d logical token slots, hot buffer %d tokens (%.1f MB "
                     "dense), arena %.1f MB per layer: it holds %d sealed tokens at the largest "
                     "layout, %d at the candidates' mean, %d at the smallest (%.2fx / %.2fx / "
@@ -729,11 +724,10 @@ class MosaicKVPool(MHATokenToKVPool):
 
     def seal_finished(self, slots: torch.Tensor) -> int:
         """A finished request's pages before its radix insert (`slots` its KV slots in position
-        order). Position rule: every full page, whatever
-        the window, with its hot copy freed: nothing reads them dense any more except a later
-        request matching them in the radix tree within its own window, which then reads them
-        compressed (counted: early_sealed_reads). Chunk rule: every full page too. Returns
-        pages sealed."""
+        order). Position rule: every full page, whatever the window, with its hot copy freed:
+        nothing reads them dense any more except a later request matching them in the radix
+        tree within its own window, which then reads them compressed (counted:
+        early_sealed_reads). Chunk rule: every full page too. Returns pages sealed."""
         before = self.counters.sealed_pages
         full = slots.numel() // self.page_size * self.page_size
         if not self.position_rule:
@@ -824,10 +818,9 @@ class MosaicKVPool(MHATokenToKVPool):
                 raise RuntimeError(f"MosaicKV: page {page} sealed twice")
         if len(set(pages)) != len(pages):
             raise RuntimeError(f"MosaicKV: pages {pages} installed twice in one batch")
-        for page, sp in zip(pages, sealed):
-            for kind, spec, reason in sp.kinds():
-                key = f"{kind}:{spec}"
-                self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
+        for sp in sealed:
+            self._count_strategies(sp, +1)
+            for _, _, reason in sp.kinds():
                 self.counters.over_budget += reason == "over-budget"
                 self.counters.rescued += reason == "rescued"
         sealed = [SealedPage(sp.position, segs, sp.bases, sp.nbytes)
@@ -851,6 +844,13 @@ class MosaicKVPool(MHATokenToKVPool):
             _bump(self.counters.sealed_by_position, sp.position // self.page_size)
             if self.swaps is not None:
                 self.swaps.add(page, self.page_gen[page])
+
+    def _count_strategies(self, sp, sign: int) -> None:
+        """The strategy counters (`counters.strategies`): a stored page's per-layer K and V
+        specs in (+1) or out (-1)."""
+        for kind, spec, _ in sp.kinds():
+            key = f"{kind}:{spec}"
+            self.counters.strategies[key] = self.counters.strategies.get(key, 0) + sign
 
     def count_reuse(self, page_slots: list[int]) -> int:
         """A request got these pages (first slot of each, in position order from 0) from the
@@ -888,11 +888,11 @@ class MosaicKVPool(MHATokenToKVPool):
     def recompress_cold(self, warm: set[int]) -> int:
         """Between steps (`cold.enabled`): up to `cold.pages_per_step` sealed pages not in
         `warm` (the pages a running request has within its last `cold.after_tokens` tokens)
-        and past the sink segments, oldest seal first, re-encoded with cheaper cold candidates (codec/cold.py) and stored
-        again: blocks freed, the new, smaller ones written, headers and page metadata rewritten,
-        every byte re-counted. The same pages on every TP rank (sealed sets and running
-        requests agree; the layouts chosen are per rank, like sealing's). Returns pages
-        recompressed."""
+        and past the sink segments, oldest seal first, re-encoded with cheaper cold candidates
+        (codec/cold.py) and stored again: blocks freed, the new, smaller ones written, headers
+        and page metadata rewritten, every byte re-counted. The same pages on every TP rank
+        (sealed sets and running requests agree; the layouts chosen are per rank, like
+        sealing's). Returns pages recompressed."""
         if self._cold_cands is None:
             return 0
         done, scanned = 0, 0
@@ -922,18 +922,14 @@ class MosaicKVPool(MHATokenToKVPool):
         for seg in segs:  # off the arena blocks that are about to be freed and rewritten
             own_storage(seg)
         before = sp.nbytes
-        for kind, spec, _ in sp.kinds():
-            key = f"{kind}:{spec}"
-            self.counters.strategies[key] -= 1
+        self._count_strategies(sp, -1)
         self._account(sp, -1)
         self.store.release(page)
         fresh = SealedPage(sp.position, segs, sp.bases,
                            sum(sum(segment_bytes(x).values()) for x in segs))
         stored = self.store.store_pages([page], [fresh])[0]
         self.sealed[page] = SealedPage(sp.position, stored, sp.bases, fresh.nbytes)
-        for kind, spec, _ in fresh.kinds():
-            key = f"{kind}:{spec}"
-            self.counters.strategies[key] = self.counters.strategies.get(key, 0) + 1
+        self._count_strategies(fresh, +1)
         self._account(self.sealed[page], +1)
         self.version += 1
         self.counters.cold_pages += 1

@@ -125,7 +125,6 @@ class SegmentStore:
         # segments kept in their own tensors (not packable, or no room): bytes per layer
         self.outside: dict[tuple[int, int], int] = {}  # (layer, page) -> bytes
         self.outside_bytes = np.zeros(layers, dtype=np.int64)
-        self._block_unit = max(page_block_bytes, 1)
         self.over_capacity = 0  # installs after which live + outside bytes exceeded capacity
         self.layouts: dict[tuple, int] = {}  # BlockLayout.key() -> layout id (plans row)
         # an adopted page's per-layer specs -> (block sizes, layout ids): pages repeat a few
@@ -480,7 +479,7 @@ class SegmentStore:
         """Per layer, the pages of the largest layout its free bytes hold for sure, less what
         the segments kept outside the arena take (the memory was planned for the arena)."""
         fits = np.array([a.fits() for a in self.allocators], dtype=np.int64)
-        return fits - -(-self.outside_bytes // self._block_unit)
+        return fits - -(-self.outside_bytes // self.allocators[0].unit)
 
     def _free_block(self, layer: int, base: int, size: int) -> None:
         self.allocators[layer].free(base, size)

@@ -26,16 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..codec.arena import ALIGN, HEADER_WIDTH, band_parts
+from ..codec.arena import ALIGN, HEADER_WIDTH, _align, band_parts
 from ..codec.pages import build_page_meta
 from ..codec.seal import worst_encoded_bytes
 from ..codec.strategies import parse_strategy
 from ..codec.strategies.band import Band
 from ..config import MosaicConfig, check_encodable
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _kind_bytes(spec: str, kind: str, heads: int, tokens: int, head_dim: int) -> int:
@@ -103,11 +99,29 @@ def auto_hot_tokens(cfg: MosaicConfig, page_size: int, chunked_prefill_size: int
     most context - 1 tokens) plus the read rule's dense window, and one page (+ its window) for
     each of `hot_buffer_requests` other running requests (`hot_buffer_requests` in pool.py caps
     the scheduler to what fits)."""
+    need, extra = in_flight_pages(page_size, chunked_prefill_size, context_len, window_tokens)
+    return (need + cfg.hot_buffer_requests * (1 + extra)) * page_size
+
+
+def in_flight_pages(page_size: int, chunked_prefill_size: int | None, context_len: int,
+                    window_tokens: int) -> tuple[int, int]:
+    """(hot pages one prefill chunk needs, its dense window included; the window's pages, which
+    every other running request keeps hot beside its last page)."""
     chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 \
         else context_len
     extra = -(-window_tokens // page_size)
-    need = -(-min(chunk, context_len - 1) // page_size) + extra
-    return (need + cfg.hot_buffer_requests * (1 + extra)) * page_size
+    return -(-min(chunk, context_len - 1) // page_size) + extra, extra
+
+
+def slot_memory(cfg: MosaicConfig, pb: PageBytes, slots: int, layers: int,
+                page_size: int) -> int:
+    """The memory SGLang sizes `slots` with (`slot_fraction` of dense per slot)."""
+    return int(slots * slot_fraction(cfg, pb) * pb.dense / page_size * layers)
+
+
+def hot_buffer_bytes(pb: PageBytes, hot_tokens: int, layers: int, page_size: int) -> int:
+    """The dense hot buffer's bytes (K and V, every layer, + SGLang's padding page)."""
+    return (hot_tokens + page_size) * pb.dense // page_size * layers
 
 
 @dataclass(frozen=True)
@@ -128,9 +142,9 @@ def plan_memory(cfg: MosaicConfig, pb: PageBytes, slots: int, layers: int, page_
     hot buffer, the tables, the bases reserve and per-layer arenas. Raises ValueError, naming
     the knobs, when the hot buffer and the tables leave no arena."""
     if memory is None:
-        memory = int(slots * slot_fraction(cfg, pb) * pb.dense / page_size * layers)
+        memory = slot_memory(cfg, pb, slots, layers, page_size)
     pages = slots // page_size + 1
-    hot = (hot_tokens + page_size) * pb.dense // page_size * layers
+    hot = hot_buffer_bytes(pb, hot_tokens, layers, page_size)
     tables = pages * pb.table * layers
     rest = memory - hot - tables
     if rest <= 0:
