@@ -72,22 +72,31 @@ def point(ctx: int, bs: int, args) -> list[dict]:
     v_off = pool.layer_num * h
     out = torch.empty(bs, hq, d, device=dev, dtype=torch.bfloat16)
     rows = []
-    base = dict(splits=dec.num_splits, warps=dec.num_warps, block=dec.block_n, maxnreg=None)
-    variants = [base, {**base, "warps": 8}, {**base, "block": 16},
+    base = dict(splits=dec.num_splits, warps=dec.num_warps, block=dec.block_n, maxnreg=None,
+                gather=dec.gather)
+    other = "channels" if dec.gather == "tokens" else "tokens"
+    variants = [base, {**base, "gather": other}, {**base, "warps": 8},
+                {**base, "gather": "channels", "block": 16},
                 {**base, "splits": min(1024, 2 * dec.num_splits)},
                 {**base, "splits": max(1, dec.num_splits // 2)},
                 {**base, "splits": max(1, dec.num_splits // 4)}]
+    ref = None
     for v in variants:
         dec.plan(batch=bs, rows_per_request=g.width, row_pages=g.row_pages, pages_per_seg=g.pps,
                  num_kv_heads=h, num_qo_heads=hq, head_dim=d, max_selected=ids.shape[2],
                  sm_scale=d ** -0.5, device=dev, num_splits=v["splits"], num_warps=v["warps"],
-                 block_tokens=v["block"], hot_tokens=g.hot_cap, maxnreg=v["maxnreg"])
+                 block_tokens=v["block"], hot_tokens=g.hot_cap, maxnreg=v["maxnreg"],
+                 gather=v["gather"])
         us = timed(lambda: dec.run(q_rot, q_s, tables, bk.basis_ptrs, v_off, out, page_ids=ids,
                                    page_counts=counts), args.reps)
         empty = timed(lambda: dec.run(q_rot, q_s, tables, bk.basis_ptrs, v_off, out,
                                       page_ids=ids, page_counts=torch.zeros_like(counts)),
                       args.reps)
+        dec.run(q_rot, q_s, tables, bk.basis_ptrs, v_off, out, page_ids=ids, page_counts=counts)
+        got = out.float().clone()
+        ref = got if ref is None else ref  # the first variant's output
         rows.append({"context": ctx, "batch": bs, **v, "run_us": us, "empty_us": empty,
+                     "max_abs_diff_vs_first": float((got - ref).abs().max()),
                      "pages_heads": int(counts.sum()), "hot_tokens": bk.hot_lens.tolist()})
         print(rows[-1], flush=True)
     # the same (page, head) pairs dequantized + rotated by the prefill unpack kernel: segments

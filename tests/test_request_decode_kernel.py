@@ -64,13 +64,23 @@ def _check(graph, bk, pool, q, local, seed, page_ids=None, page_counts=None):
     got = out.cpu()
     assert torch.isfinite(got).all(), repro(seed)
     err = float((got - want).abs().max())
-    # products split q (or p) in two bf16 halves (~2^-17 relative each, `dot_exact`): ~2e-5 of
-    # the largest output measured; a wrong page, row basis or token moves it by 1e-2 or more
+    # products from bf16 halves (~2^-16 relative each, `dot_exact` or the token gather's three
+    # MMAs): ~2e-5 of the largest output measured; a wrong page, row basis or token moves it by
+    # 1e-2 or more
     assert err <= 1e-4 * float(want.abs().max()), (local, err, repro(seed))
     return got
 
 
-def test_selected_pages_match_the_reference(seed):
+@pytest.fixture(params=["tokens", "channels"])
+def gather(request, monkeypatch):
+    """Both ways stage 1 reads a page (`request_decode.GATHER`, the plan's default)."""
+    import mosaickv_kernels.request_decode as rd
+
+    monkeypatch.setattr(rd, "GATHER", request.param)
+    return request.param
+
+
+def test_selected_pages_match_the_reference(seed, gather):
     from mosaickv_kernels.page_select import page_bounds, select_page_list
 
     lengths = (700, 250, 1100)
@@ -94,7 +104,7 @@ def test_selected_pages_match_the_reference(seed):
     assert int(dec.read) == before  # pages read, counted on the device
 
 
-def test_random_page_lists_and_no_selection(seed):
+def test_random_page_lists_and_no_selection(seed, gather):
     lengths = (1100, 640)
     graph, bk, pool = _graph(seed, lengths, 3)
     n_pages = bk.req_pages.tolist()

@@ -40,12 +40,18 @@ import triton.language as tl
 
 from .band_decode import MIN_PAGES_PER_SPLIT, choose_num_splits  # noqa: F401 (re-exported)
 from .band_unpack import PLAN_ROW
-from .common import dot_exact, interpreting
+from .common import _round_bf16, dot_exact, interpreting
 from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
 
 PAGE_TOKENS = 32
 HOT_TOKENS = 64  # hot tokens per stage-1 iteration
 HOT_SPLIT_TOKENS = 128  # hot tokens per hot split at most (graph_hot_tokens / this splits)
+# How stage 1 reads a page (`plan(gather=...)`, this by default): "tokens" = one [D] vector per
+# token, a channel per thread (plan fields, scales and zeros one value per thread), dequantized
+# in place, products as three bf16 MMAs of hi/lo halves; "channels" = a [32, D] tile of codes
+# through the per-channel plan broadcast to every token, scales applied to q and to p @ codes.
+# sm_90 SASS per page (scripts/sass_loops.py): 1,682 instructions and 10 barriers vs 2,461 and 43.
+GATHER = "tokens"
 
 
 @triton.jit
@@ -111,6 +117,86 @@ def _kind_codes(U8, F16, plan, base, group, tok0, tok, offs_d, D: tl.constexpr,
 
 
 @triton.jit
+def _tok1(ptr0, row, shift, bits, keep, T: tl.constexpr):
+    """Codes (int32 [D]) of token T of a page: one byte per channel at ptr0 + T * row."""
+    raw = tl.load(ptr0 + T * row, mask=keep, other=0)
+    return (raw.to(tl.int32) >> shift) & bits
+
+
+@triton.jit
+def _tok2(ptr0, row, shift, bits, keep, T: tl.constexpr):
+    return tl.join(_tok1(ptr0, row, shift, bits, keep, T),
+                   _tok1(ptr0, row, shift, bits, keep, T + 1))
+
+
+@triton.jit
+def _tok4(ptr0, row, shift, bits, keep, T: tl.constexpr):
+    return tl.join(_tok2(ptr0, row, shift, bits, keep, T),
+                   _tok2(ptr0, row, shift, bits, keep, T + 2))
+
+
+@triton.jit
+def _tok8(ptr0, row, shift, bits, keep, T: tl.constexpr):
+    return tl.join(_tok4(ptr0, row, shift, bits, keep, T),
+                   _tok4(ptr0, row, shift, bits, keep, T + 4))
+
+
+@triton.jit
+def _tok16(ptr0, row, shift, bits, keep, T: tl.constexpr):
+    return tl.join(_tok8(ptr0, row, shift, bits, keep, T),
+                   _tok8(ptr0, row, shift, bits, keep, T + 8))
+
+
+@triton.jit
+def _split_bf16(x, EMULATE: tl.constexpr):
+    """x (float32) = hi + lo + O(2^-16 |x|), hi and lo bf16 values (as float32 under EMULATE:
+    the interpreter's bf16 casts truncate)."""
+    if EMULATE:
+        hi = _round_bf16(x)
+        lo = _round_bf16(x - hi)
+    else:
+        hi = x.to(tl.bfloat16)
+        lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    return hi, lo
+
+
+@triton.jit
+def _dot3(a_hi, a_lo, b_hi, b_lo):
+    """a @ b from bf16 halves (hi*hi + hi*lo + lo*hi, float32 accumulation): ~2^-16 relative
+    per product."""
+    return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
+
+
+@triton.jit
+def _kind_page_t(U8, F16, plan, base, group, tok0, offs_d, D: tl.constexpr,
+                 R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr,
+                 R_MASK: tl.constexpr, R_SCALE: tl.constexpr, R_ZERO: tl.constexpr,
+                 R_GROUP: tl.constexpr, EMULATE: tl.constexpr):
+    """One kind of a whole 32-token page, dequantized and transposed: x^T [D, 32] as bf16
+    halves (hi, lo), x[t, c] = code * scale[c] + zero[c] (0 for dropped channels). Gathered
+    one token at a time as [D] vectors, a channel per thread: every plan field, scale and zero
+    is one value per thread, read once, and the dequantization is thread-local. The tokens are
+    joined along a new last axis in bit-reversed order (t = i1 + 2 i2 + ... + 16 i5 sits at
+    column 16 i1 + 8 i2 + ... + i5), the same for every page and both kinds, so scores, softmax
+    and p @ v agree; a page's tokens share their token group."""
+    code = tl.load(plan + R_CODE * D + offs_d)
+    row = tl.load(plan + R_ROW * D + offs_d)
+    shift = tl.load(plan + R_SHIFT * D + offs_d)
+    bits = tl.load(plan + R_MASK * D + offs_d)
+    keep = bits != 0
+    goff = (tok0 // group) * tl.load(plan + R_GROUP * D + offs_d)
+    f16 = F16 + base // 2
+    scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + offs_d) + goff) // 2, mask=keep,
+                    other=0.0).to(tl.float32)
+    zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + offs_d) + goff) // 2, mask=keep,
+                   other=0.0).to(tl.float32)
+    ptr0 = U8 + base + (code + tok0 * row)
+    t = tl.join(_tok16(ptr0, row, shift, bits, keep, 0), _tok16(ptr0, row, shift, bits, keep, 16))
+    x = tl.reshape(t, [D, 32]).to(tl.float32) * scale[:, None] + zero[:, None]
+    return _split_bf16(x, EMULATE)
+
+
+@triton.jit
 def _unit(PAGE_IDS, SEG_IDS, HEADERS, bh, max_sel, seg0, pps, h, i, ok, HDR_W: tl.constexpr,
           BASE_COL: tl.constexpr, STRIDE_COL: tl.constexpr, LAYOUT_COL: tl.constexpr,
           K_GROUP_COL: tl.constexpr, V_GROUP_COL: tl.constexpr, HAS_SELECT: tl.constexpr):
@@ -170,7 +256,7 @@ def _request_decode_stage1(
     R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
     R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, SUB: tl.constexpr, HOT_N: tl.constexpr, HAS_SELECT: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, TOKEN_GATHER: tl.constexpr,
 ):
     """Programs (request, KV head, split): splits [0, num_splits) share the request's selected
     pages, [num_splits, num_splits + hot_splits) its hot tokens. Products: q (or p) split in two
@@ -221,6 +307,7 @@ def _request_decode_stage1(
         seg0 = tl.load(SEG_INDPTR + b * W)
         offs_n = tl.arange(0, BLOCK_N)
         q = tl.zeros([BLOCK_G, D], tl.float32)
+        q_hi, q_lo = _split_bf16(q, EMULATE)  # TOKEN_GATHER: q's bf16 halves, per row
         acc = tl.zeros([BLOCK_G, D], tl.float32)  # the current row's V basis
         cur = -1  # the current row
         m_flushed = tl.full([BLOCK_G], float("-inf"), tl.float32)  # m at the last flush
@@ -243,25 +330,44 @@ def _request_decode_stage1(
                     acc = tl.zeros([BLOCK_G, D], tl.float32)
                 q = tl.load(Q_ROT + ((b * W + w) * H * G + h * G + offs_g)[:, None] * D +
                             offs_d[None, :], mask=mask_g[:, None], other=0.0)
+                if TOKEN_GATHER:
+                    q_hi, q_lo = _split_bf16(q, EMULATE)
                 cur = w
             plan = PLANS + lay * (2 * PLAN_W * D)
             tok0 = (page % pps) * (SUB * BLOCK_N) + (unit % SUB) * BLOCK_N
-            tok = tok0 + offs_n
-            kc, ks, kz = _kind_codes(ARENA_U8, ARENA_F16, plan, base, kg, tok0, tok, offs_d, D,
-                                     R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP)
-            vc, vs, vz = _kind_codes(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg, tok0, tok,
-                                     offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
-                                     R_GROUP)
-            # q . k = (q * scale) . codes + q . zero
-            s = dot_exact(q * ks[None, :], tl.trans(kc), EMULATE) + \
-                tl.sum(q * kz[None, :], 1)[:, None]
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            # p . v = (p . codes) * scale + sum(p) * zero
-            pv = dot_exact(p, vc, EMULATE) * vs[None, :] + tl.sum(p, 1)[:, None] * vz[None, :]
-            acc = acc * alpha[:, None] + pv
+            if TOKEN_GATHER:  # whole pages (SUB == 1), dequantized: x^T [D, 32] halves
+                k_hi, k_lo = _kind_page_t(ARENA_U8, ARENA_F16, plan, base, kg, tok0, offs_d, D,
+                                          R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
+                                          R_GROUP, EMULATE)
+                s = _dot3(q_hi, q_lo, k_hi, k_lo)
+                m_new = tl.maximum(m, tl.max(s, 1))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l = l * alpha + tl.sum(p, 1)
+                v_hi, v_lo = _kind_page_t(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg,
+                                          tok0, offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK,
+                                          R_SCALE, R_ZERO, R_GROUP, EMULATE)
+                p_hi, p_lo = _split_bf16(p, EMULATE)
+                acc = acc * alpha[:, None] + _dot3(p_hi, p_lo, tl.trans(v_hi), tl.trans(v_lo))
+            else:
+                tok = tok0 + offs_n
+                kc, ks, kz = _kind_codes(ARENA_U8, ARENA_F16, plan, base, kg, tok0, tok, offs_d,
+                                         D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
+                                         R_GROUP)
+                vc, vs, vz = _kind_codes(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg, tok0,
+                                         tok, offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE,
+                                         R_ZERO, R_GROUP)
+                # q . k = (q * scale) . codes + q . zero
+                s = dot_exact(q * ks[None, :], tl.trans(kc), EMULATE) + \
+                    tl.sum(q * kz[None, :], 1)[:, None]
+                m_new = tl.maximum(m, tl.max(s, 1))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l = l * alpha + tl.sum(p, 1)
+                # p . v = (p . codes) * scale + sum(p) * zero
+                pv = dot_exact(p, vc, EMULATE) * vs[None, :] + \
+                    tl.sum(p, 1)[:, None] * vz[None, :]
+                acc = acc * alpha[:, None] + pv
             m = m_new
         if cur >= 0:
             _flush(acc, m_flushed, m, tl.load(PTRS + b * W + cur), v_offset, h, PART_ACC, rows,
@@ -340,7 +446,7 @@ class RequestDecode:
              num_kv_heads: int, num_qo_heads: int, head_dim: int, max_selected: int | None,
              sm_scale: float, device, num_splits: int | None = None, hot_tokens: int = 1024,
              workspace: dict | None = None, num_warps: int = 4, block_tokens: int = 32,
-             maxnreg: int | None = None) -> None:
+             maxnreg: int | None = None, gather: str | None = None) -> None:
         """`max_selected`: pages per (request, KV head) a run's selection lists at most (None:
         runs read every page, `run` without a selection); `hot_tokens`: hot tokens a request
         may have (the hot rows' table width), read by cdiv(hot_tokens, 128) splits;
@@ -372,6 +478,13 @@ class RequestDecode:
         if block_tokens not in (16, 32):
             raise ValueError(f"plan: block_tokens={block_tokens} must be 16 or 32")
         self.block_n = block_tokens
+        gather = GATHER if gather is None else gather
+        if gather not in ("channels", "tokens"):
+            raise ValueError(f"plan: gather={gather!r} must be 'channels' or 'tokens'")
+        if gather == "tokens" and block_tokens != PAGE_TOKENS:
+            raise ValueError(f"plan: gather='tokens' reads whole {PAGE_TOKENS}-token pages "
+                             f"(block_tokens={block_tokens})")
+        self.gather = gather
         self.launch = {} if maxnreg is None else {"maxnreg": maxnreg}  # stage 1's register cap
         self.hot_splits = max(1, -(-hot_tokens // HOT_SPLIT_TOKENS))
         parts = num_splits + self.hot_splits
@@ -453,7 +566,8 @@ class RequestDecode:
             R_ROW=PLAN_ROW["row"], R_SHIFT=PLAN_ROW["shift"], R_MASK=PLAN_ROW["mask"],
             R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"], R_GROUP=PLAN_ROW["group_bytes"],
             BLOCK_N=self.block_n, SUB=PAGE_TOKENS // self.block_n, HOT_N=HOT_TOKENS,
-            HAS_SELECT=has_select, EMULATE=interpreting(), num_warps=self.num_warps,
+            HAS_SELECT=has_select, EMULATE=interpreting(),
+            TOKEN_GATHER=self.gather == "tokens", num_warps=self.num_warps,
             **self.launch)
         block_c = min(d, 32)
         _request_decode_stage2[(b * h, d // block_c)](
