@@ -192,7 +192,8 @@ def _memory(serving: list[dict], agent: list[dict]) -> dict[str, dict]:
     for r in serving + agent:
         m = mem.setdefault(f"{r['system']}\n{r['source']}", {})
         memory = r.get("memory") or {}
-        m["capacity"] = r.get("max_total_num_tokens") or memory.get("token_capacity")
+        m["capacity"] = (r.get("token_capacity") or r.get("max_total_num_tokens")
+                         or memory.get("token_capacity"))
         mk = r.get("mosaickv") or {}
         m["dense_bytes_per_token"] = mk.get("dense_bytes_per_token") \
             or memory.get("dense_bytes_per_token") or m.get("dense_bytes_per_token")
@@ -223,7 +224,7 @@ def plot_memory(mem: dict[str, dict], out: Path, plt) -> None:
     a2.tick_params(axis="x", labelsize=7)
     for i, c in enumerate(caps):
         a1.annotate(f"{c:,}", (i, c), ha="center", va="bottom", fontsize=8)
-    a1.set_ylabel("token capacity (max_total_num_tokens)")
+    a1.set_ylabel("tokens that fit (MosaicKV: at its sealed layout mix)")
     x = range(len(systems))
     for offset, key, label in ((-0.2, "bytes_per_token", "kept per token (MosaicKV: sealed)"),
                                (0.2, "reserved_bytes_per_slot", "reserved per token slot")):

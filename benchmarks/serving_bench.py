@@ -4,8 +4,10 @@ For each system a real server starts (one at a time, same model and settings), t
 batch size B, B long prompts (distinct random ids: no prefix caching) are streamed concurrently
 with greedy decoding and a fixed output length. Reported per (system, context, batch): TTFT,
 decode throughput (tokens after each request's first, over the decode window), inter-token
-latency p50/p99 (client-side stream arrival gaps), the server's token capacity
-(`max_total_num_tokens`) and, for MosaicKV, the pool's physical bytes. Prints a table last and
+latency p50/p99 (client-side stream arrival gaps), the tokens the server's KV memory holds
+(`token_capacity`: SGLang's `max_total_num_tokens`; for MosaicKV, whose slots are an upper bound,
+`stats()["capacity"]["tokens_that_fit"]` at the layout mix sealed so far) and, for MosaicKV, the
+pool's physical bytes. Prints a table last and
 writes JSON.
 
     python benchmarks/serving_bench.py --model DIR --load-format dummy --contexts 32768 \\
@@ -205,6 +207,10 @@ def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int,
                kv_cache_gb=memory.get("kvcache"))
     _, info = request(f"{url}/get_server_info")
     row["mosaickv"] = info.get("internal_states", [{}])[0].get("mosaickv")
+    # tokens the memory holds: SGLang's slots, or MosaicKV's `tokens_that_fit` at the layout mix
+    # sealed so far (its slots are an upper bound), read after the batch sealed its pages
+    fits = ((row["mosaickv"] or {}).get("capacity") or {}).get("tokens_that_fit")
+    row["token_capacity"] = fits if fits is not None else row["max_total_num_tokens"]
     for kind in ("decode", "prefill"):
         row[f"{kind}_profile"] = point_profile(state.get("mosaickv"), row["mosaickv"], kind)
     print(f"[{system}] ctx {ctx} batch {batch}: {row['decode_tok_s']:.1f} tok/s, "
@@ -268,7 +274,8 @@ def print_table(results: list) -> None:
         print(f"{r['system']:<10}{r['context']:>7}{r['batch']:>6}{r['ttft_s_p50']:>11.2f}"
               f"{r['decode_tok_s']:>13.1f}{r['itl_ms_p50']:>11.1f}{r['itl_ms_p99']:>11.1f}"
               f"{r.get('itl_ms_max') or 0:>11.1f}{r.get('itl_ms_p99_all_decoding') or 0:>12.1f}"
-              f"{r['max_total_num_tokens'] or 0:>10}{ratio or 0:>7.2f}")
+              f"{r.get('token_capacity') or r['max_total_num_tokens'] or 0:>10}"
+              f"{ratio or 0:>7.2f}")
     for r in results:  # MosaicKV's sampled step phases (decode_profile_every > 0)
         for kind in ("decode", "prefill"):
             prof = r.get(f"{kind}_profile")

@@ -90,7 +90,17 @@ def _same_device_tables(gd, view, req_to_token, rows: int, why) -> None:
         assert torch.equal(got[name].cpu(), getattr(bk, name).cpu()), (name, why)
     for b in range(bk.bs):
         m = int(bk.hot_lens[b])
-        assert torch.equal(got["hot_rows"][b, :m].cpu(), bk.hot_rows[b, :m].cpu()), (b, why)
+        g, w = got["hot_rows"][b, :m].cpu(), bk.hot_rows[b, :m].cpu()
+        if not torch.equal(g, w):  # what differs, and whether the graph's own table is stale
+            own = gd._table
+            stale = None if own is None else {
+                "hot_page": int((own.hot_page[:gd.pool.hot_page_of.numel()].cpu()
+                                 != gd.pool.hot_page_of).sum()),
+                "sealed": int((own.sealed.cpu().numpy()
+                               != gd.pool.page_sealed[:own.sealed.numel()]).sum())}
+            bad = (g != w).nonzero().flatten()[:4].tolist()
+            raise AssertionError((b, why, "at", bad, "device", g[bad].tolist(), "prepare",
+                                  w[bad].tolist(), "entries differing from the pool", stale))
 
 
 def _state(pool):
@@ -162,6 +172,7 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
         refresh_static(static, live, fill)
         assert graph.graph_refusal(live) is None
         view = replay_view(static, bs, pad, locs)
+        planned_before = graph.graph.device_steps
         if device == "cuda" and graph.graph.can_skip_host(view, n):
             # a device-planned step: no host<->device sync at all (one would wait for the replay)
             torch.cuda.set_sync_debug_mode("error")
@@ -171,8 +182,9 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
                 torch.cuda.set_sync_debug_mode("default")
         else:
             graph.init_forward_metadata_out_graph(view)
+        planned = graph.graph.device_steps > planned_before
         _same_device_tables(graph.graph, view, graph.req_to_token_pool.req_to_token, n,
-                            (i, repro(seed)))
+                            (i, "device-planned" if planned else "host", repro(seed)))
         got = replay()
         if device == "cuda":
             torch.cuda.synchronize()
