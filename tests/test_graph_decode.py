@@ -32,9 +32,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DEVICE_PLANNED = 4
 
 
-def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024):
+def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024,
+             separate_hot_table: bool = False):
     """A pool with `lengths` requests written and sealed (request rows 1..; row 0 is SGLang's
-    padding row) and its backend, decode_cuda_graph `mode`, on the packed Triton kernels."""
+    padding row) and its backend, decode_cuda_graph `mode`, on the packed Triton kernels.
+    `separate_hot_table`: the device hot-page table a copy refreshed by spans, as on CUDA (on a
+    CPU pool it is the host table itself, which hides a copy left stale)."""
     from mosaickv_sglang.serving.backend import MosaicAttnBackend
     from mosaickv_sglang.serving.pool import MosaicKVPool
 
@@ -47,6 +50,8 @@ def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024
                        select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64})
     pool = MosaicKVPool(40 * PS, PS, torch.bfloat16, H, D, LAYERS, device, False,
                         mosaic_config=cfg)
+    if separate_hot_table and pool.hot_page_dev is pool.hot_page_of:
+        pool.hot_page_dev = pool.hot_page_of.clone()
     req_to_token = write_requests(pool, lengths, seed, device)
     runner = SimpleNamespace(device=device, token_to_kv_pool=pool,
                              model_config=SimpleNamespace(context_len=context_len),
@@ -111,7 +116,7 @@ def _state(pool):
 def test_full_graph_replay_matches_the_eager_step(device, seed):
     lengths, bs = (250, 700, 127), 4  # captured size 4: one padded row
     eager, pool_e = _backend("off", seed, lengths, device)
-    graph, pool_g = _backend("full", seed, lengths, device)
+    graph, pool_g = _backend("full", seed, lengths, device, separate_hot_table=True)
     assert graph.graph.width == 4  # 1024-token context, 256-token blocks
     layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D,
                               scaling=D ** -0.5) for i in range(LAYERS)]

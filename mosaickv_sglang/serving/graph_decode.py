@@ -313,6 +313,10 @@ class GraphDecode:
         for now, up, dev in zip(host, self._uploaded, (self._table.sealed,
                                                         self._table.basis_addr)):
             upload_changed_span(now, up, dev)
+        # the hot pages too: a prefill maps its writes on the host table only, and a step that
+        # maps no write of its own (the capture's) would leave the device copy behind the
+        # version recorded here (seen on the H200: a device-planned step read stale hot rows)
+        pool.sync_hot_page_dev()
         return True
 
     def device_tables(self, bk: _Bucket, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,

@@ -344,7 +344,7 @@ class MosaicKVPool(MHATokenToKVPool):
         writes map through. Every layer's `set_kv_buffer` with this very `loc` reuses the
         mapping (no host work); `write_by_table` maps any other slot tensor on the device."""
         self._write_map = (loc, self.physical_loc(loc, allocate=True))
-        self._sync_hot_page_dev()
+        self.sync_hot_page_dev()
 
     def map_write_pages(self, pages: np.ndarray) -> None:
         """`prepare_writes` for a forward whose writes map through the device table
@@ -356,10 +356,12 @@ class MosaicKVPool(MHATokenToKVPool):
             if page in self.sealed:
                 raise RuntimeError(f"MosaicKV: write into sealed (immutable) page {page}")
             self.hot_page_of[page] = self._take_hot_page()
-        self._sync_hot_page_dev()
+        self.sync_hot_page_dev()
 
-    def _sync_hot_page_dev(self) -> None:
-        """Bring the device hot-page table up to date (`upload_changed_span`)."""
+    def sync_hot_page_dev(self) -> None:
+        """Bring the device hot-page table up to date (`upload_changed_span`). Writes outside
+        `prepare_writes` (a prefill's `set_kv_buffer` mapping at its first layer) change the host
+        table only: whoever reads the device table syncs it first."""
         if self.hot_page_dev is not self.hot_page_of:
             upload_changed_span(self.hot_page_of.numpy(), self._hot_uploaded, self.hot_page_dev)
 
