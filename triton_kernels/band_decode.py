@@ -332,10 +332,11 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_pages: int, device: torch.device) -> int:
-    """Enough (request, head, split) programs to fill the GPU PROGRAMS_PER_SM times, each
+def choose_num_splits(batch: int, kv_heads: int, max_pages: int, device: torch.device,
+                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Enough (request, head, split) programs to fill the GPU `programs_per_sm` times, each
     split >= 4 pages (128 tokens)."""
-    want = -(-PROGRAMS_PER_SM * _num_sms(device) // max(batch * kv_heads, 1))
+    want = -(-programs_per_sm * _num_sms(device) // max(batch * kv_heads, 1))
     cap = max(1, max_pages // MIN_PAGES_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
 

@@ -46,6 +46,10 @@ from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
 PAGE_TOKENS = 32
 HOT_TOKENS = 64  # hot tokens per stage-1 iteration
 HOT_SPLIT_TOKENS = 128  # hot tokens per hot split at most (graph_hot_tokens / this splits)
+# Stage 1's splits: one wave of programs at the CTAs an SM holds (244 registers x 128 threads:
+# two). H200, 2026-12-05 (request_decode_sweep.py): 1 x 32K 34 splits 36.7 us vs 17: 44.7,
+# 68: 43.6; 4 x 32K 8 splits 102.0 us vs 16: 107.5, 33 (eight programs per SM): 114.9
+STAGE1_PROGRAMS_PER_SM = 2
 # How stage 1 reads a page (`plan(gather=...)`, this by default): "tokens" = one [D] vector per
 # token, a channel per thread (plan fields, scales and zeros one value per thread), dequantized
 # in place, products as three bf16 MMAs of hi/lo halves; "channels" = a [32, D] tile of codes
@@ -467,7 +471,7 @@ class RequestDecode:
         g = num_qo_heads // h
         most = max_selected if max_selected is not None else rows_per_request * row_pages
         if num_splits is None:
-            num_splits = choose_num_splits(batch, h, most, dev)
+            num_splits = choose_num_splits(batch, h, most, dev, STAGE1_PROGRAMS_PER_SM)
         if not 1 <= num_splits <= 1024:
             raise ValueError(f"plan: num_splits={num_splits} must be in [1, 1024]")
         self.batch, self.width, self.row_pages, self.pps = batch, rows_per_request, row_pages, \
