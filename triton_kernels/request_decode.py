@@ -13,16 +13,16 @@ the selection's two (`page_select.page_bounds` over the rows, written request-ma
    skipped (their bases are never read).
 2. `run` stage 1, one program per (request, KV head, split) over a contiguous share of the
    request's selected pages (ascending, so rows come in order), all G query heads at once: each
-   page's K and V tiles dequantized through the layout's per-channel plan (`band_unpack`'s
-   gathers: every layout in one compiled variant, no width classes), scores against the page's
-   row's q_rot, an online softmax whose accumulator is in the row's V basis and is rotated back
-   (acc @ R_v) into a raw-basis accumulator when the row changes. The extra split `num_splits`
-   reads the hot tokens (raw basis). Every part is in the raw basis.
+   page read one token at a time through the layout's per-channel plan (a channel per thread:
+   every layout in one compiled variant, no width classes), dequantized in place, scores
+   against the page's row's q_rot, an online softmax whose accumulator is in the row's V basis
+   and is rotated back (acc @ R_v) into a raw-basis accumulator when the row changes. The extra
+   splits `num_splits`.. read the hot tokens (raw basis). Every part is in the raw basis.
 3. stage 2, one program per (request, KV head): log-sum-exp merge of the parts, written to the
    output in its dtype. Pages read are counted on the device (one atomic add per program).
 
-Products are tf32x3 tensor-core dots (~float32 accuracy). `request_decode_reference` is the
-torch version of 1-3 on the same inputs.
+Products are bf16 MMAs on hi/lo halves (~2^-16 relative per product; q's rotation a tf32x3
+dot). `request_decode_reference` is the torch version of 1-3 on the same inputs.
 
     dec = RequestDecode()
     dec.plan(batch=4, rows_per_request=W, row_pages=128, pages_per_seg=4, num_kv_heads=8,
