@@ -74,9 +74,9 @@ def point(ctx: int, bs: int, args) -> list[dict]:
     rows = []
     base = dict(splits=dec.num_splits, warps=dec.num_warps, block=dec.block_n, maxnreg=None,
                 gather=dec.gather)
-    other = "channels" if dec.gather == "tokens" else "tokens"
     # (8 warps, 16-token units: slower on the H200 in every run so far, 2026-12-04/05)
-    variants = [base, {**base, "gather": other},
+    variants = [base, *({**base, "gather": g} for g in ("pairs", "tokens", "channels")
+                        if g != dec.gather),
                 {**base, "splits": min(1024, 2 * dec.num_splits)},
                 {**base, "splits": min(1024, 4 * dec.num_splits)},
                 {**base, "splits": max(1, dec.num_splits // 2)}]

@@ -71,7 +71,7 @@ def _check(graph, bk, pool, q, local, seed, page_ids=None, page_counts=None):
     return got
 
 
-@pytest.fixture(params=["tokens", "channels"])
+@pytest.fixture(params=["pairs", "tokens", "channels"])
 def gather(request, monkeypatch):
     """Both ways stage 1 reads a page (`request_decode.GATHER`, the plan's default)."""
     import mosaickv_kernels.request_decode as rd

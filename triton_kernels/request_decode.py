@@ -52,10 +52,12 @@ HOT_SPLIT_TOKENS = 128  # hot tokens per hot split at most (graph_hot_tokens / t
 STAGE1_PROGRAMS_PER_SM = 2
 # How stage 1 reads a page (`plan(gather=...)`, this by default): "tokens" = one [D] vector per
 # token, a channel per thread (plan fields, scales and zeros one value per thread), dequantized
-# in place, products as three bf16 MMAs of hi/lo halves; "channels" = a [32, D] tile of codes
-# through the per-channel plan broadcast to every token, scales applied to q and to p @ codes.
-# sm_90 SASS per page (scripts/sass_loops.py): 1,682 instructions and 10 barriers vs 2,461 and 43.
-GATHER = "tokens"
+# in place, products as three bf16 MMAs of hi/lo halves; "pairs" = the same with two adjacent
+# channels per thread ([2, D/2, 2] loads: tokens t and t + 16), so K's transpose for the MMA
+# stores channel pairs; "channels" = a [32, D] tile of codes through the per-channel plan
+# broadcast to every token, scales applied to q and to p @ codes. sm_90 SASS per page
+# (scripts/sass_loops.py): 1,581 / 1,682 / ~2,461 instructions, 10 / 10 / 43 barriers.
+GATHER = "pairs"
 
 
 @triton.jit
@@ -201,6 +203,36 @@ def _kind_page_t(U8, F16, plan, base, group, tok0, offs_d, D: tl.constexpr,
 
 
 @triton.jit
+def _kind_page_t2(U8, F16, plan, base, group, tok0, D: tl.constexpr,
+                  R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr,
+                  R_MASK: tl.constexpr, R_SCALE: tl.constexpr, R_ZERO: tl.constexpr,
+                  R_GROUP: tl.constexpr, EMULATE: tl.constexpr):
+    """`_kind_page_t` with a pair of channels per thread: each load is [2, D/2, 2] (tokens t
+    and t + 16, channel pairs), so a thread holds two adjacent channels of 16 tokens and the
+    MMA operands' channel pairs need no 16-bit shuffles. Column of token t: 16 (t // 16) +
+    bit-reversed (t % 16)."""
+    offs_h = tl.arange(0, 2)[:, None, None]
+    ch = (2 * tl.arange(0, D // 2))[None, :, None] + tl.arange(0, 2)[None, None, :] + 0 * offs_h
+    code = tl.load(plan + R_CODE * D + ch)
+    row = tl.load(plan + R_ROW * D + ch)
+    shift = tl.load(plan + R_SHIFT * D + ch)
+    bits = tl.load(plan + R_MASK * D + ch)
+    keep = bits != 0
+    goff = (tok0 // group) * tl.load(plan + R_GROUP * D + ch)
+    f16 = F16 + base // 2
+    scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + ch) + goff) // 2, mask=keep,
+                    other=0.0).to(tl.float32)
+    zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + ch) + goff) // 2, mask=keep,
+                   other=0.0).to(tl.float32)
+    ptr0 = U8 + base + (code + (tok0 + 16 * offs_h) * row)
+    t = tl.reshape(_tok16(ptr0, row, shift, bits, keep, 0), [2, D, 16])
+    x = t.to(tl.float32) * tl.reshape(scale, [2, D])[:, :, None] + \
+        tl.reshape(zero, [2, D])[:, :, None]
+    x = tl.reshape(tl.permute(x, (1, 0, 2)), [D, 32])
+    return _split_bf16(x, EMULATE)
+
+
+@triton.jit
 def _unit(PAGE_IDS, SEG_IDS, HEADERS, bh, max_sel, seg0, pps, h, i, ok, HDR_W: tl.constexpr,
           BASE_COL: tl.constexpr, STRIDE_COL: tl.constexpr, LAYOUT_COL: tl.constexpr,
           K_GROUP_COL: tl.constexpr, V_GROUP_COL: tl.constexpr, HAS_SELECT: tl.constexpr):
@@ -260,7 +292,7 @@ def _request_decode_stage1(
     R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
     R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, SUB: tl.constexpr, HOT_N: tl.constexpr, HAS_SELECT: tl.constexpr,
-    EMULATE: tl.constexpr, TOKEN_GATHER: tl.constexpr,
+    EMULATE: tl.constexpr, TOKEN_GATHER: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """Programs (request, KV head, split): splits [0, num_splits) share the request's selected
     pages, [num_splits, num_splits + hot_splits) its hot tokens. Products: q (or p) split in two
@@ -340,17 +372,27 @@ def _request_decode_stage1(
             plan = PLANS + lay * (2 * PLAN_W * D)
             tok0 = (page % pps) * (SUB * BLOCK_N) + (unit % SUB) * BLOCK_N
             if TOKEN_GATHER:  # whole pages (SUB == 1), dequantized: x^T [D, 32] halves
-                k_hi, k_lo = _kind_page_t(ARENA_U8, ARENA_F16, plan, base, kg, tok0, offs_d, D,
-                                          R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
-                                          R_GROUP, EMULATE)
+                if PAIRS:
+                    k_hi, k_lo = _kind_page_t2(ARENA_U8, ARENA_F16, plan, base, kg, tok0, D,
+                                               R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
+                                               R_GROUP, EMULATE)
+                else:
+                    k_hi, k_lo = _kind_page_t(ARENA_U8, ARENA_F16, plan, base, kg, tok0, offs_d,
+                                              D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
+                                              R_GROUP, EMULATE)
                 s = _dot3(q_hi, q_lo, k_hi, k_lo)
                 m_new = tl.maximum(m, tl.max(s, 1))
                 alpha = tl.exp(m - m_new)
                 p = tl.exp(s - m_new[:, None])
                 l = l * alpha + tl.sum(p, 1)
-                v_hi, v_lo = _kind_page_t(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg,
-                                          tok0, offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK,
-                                          R_SCALE, R_ZERO, R_GROUP, EMULATE)
+                if PAIRS:
+                    v_hi, v_lo = _kind_page_t2(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg,
+                                               tok0, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE,
+                                               R_ZERO, R_GROUP, EMULATE)
+                else:
+                    v_hi, v_lo = _kind_page_t(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg,
+                                              tok0, offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK,
+                                              R_SCALE, R_ZERO, R_GROUP, EMULATE)
                 p_hi, p_lo = _split_bf16(p, EMULATE)
                 acc = acc * alpha[:, None] + _dot3(p_hi, p_lo, tl.trans(v_hi), tl.trans(v_lo))
             else:
@@ -483,9 +525,9 @@ class RequestDecode:
             raise ValueError(f"plan: block_tokens={block_tokens} must be 16 or 32")
         self.block_n = block_tokens
         gather = GATHER if gather is None else gather
-        if gather not in ("channels", "tokens"):
-            raise ValueError(f"plan: gather={gather!r} must be 'channels' or 'tokens'")
-        if gather == "tokens" and block_tokens != PAGE_TOKENS:
+        if gather not in ("channels", "tokens", "pairs"):
+            raise ValueError(f"plan: gather={gather!r} must be 'channels', 'tokens' or 'pairs'")
+        if gather != "channels" and block_tokens != PAGE_TOKENS:
             raise ValueError(f"plan: gather='tokens' reads whole {PAGE_TOKENS}-token pages "
                              f"(block_tokens={block_tokens})")
         self.gather = gather
@@ -571,7 +613,8 @@ class RequestDecode:
             R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"], R_GROUP=PLAN_ROW["group_bytes"],
             BLOCK_N=self.block_n, SUB=PAGE_TOKENS // self.block_n, HOT_N=HOT_TOKENS,
             HAS_SELECT=has_select, EMULATE=interpreting(),
-            TOKEN_GATHER=self.gather == "tokens", num_warps=self.num_warps,
+            TOKEN_GATHER=self.gather in ("tokens", "pairs"), PAIRS=self.gather == "pairs",
+            num_warps=self.num_warps,
             **self.launch)
         block_c = min(d, 32)
         _request_decode_stage2[(b * h, d // block_c)](
