@@ -220,6 +220,26 @@ def graph_decode(d: int, select: bool):
     dec.run(q_rot, q_s, tables, ptrs, 0, torch.empty(bs, hq, d, dtype=torch.bfloat16), **sel)
 
 
+def decode_tables():
+    """build_decode_tables: the decode graph's per-step tables in one launch (a 128K-token
+    context: 33 rows of 32 pages, 1024 hot tokens)."""
+    from mosaickv_kernels.decode_tables import build_decode_tables
+
+    bs, w, block, cap, ps = 4, 33, 32, 1024, 128
+    i32, i64 = dict(dtype=torch.int32), dict(dtype=torch.int64)
+    r2t = torch.zeros(bs + 1, w * block * ps, **i32)
+    pages = r2t.shape[1] // ps * (bs + 1)
+    out = {"seg_indptr": torch.zeros(bs * w + 1, **i32),
+           "seg_ids": torch.zeros(bs * w * block, **i32), "hot_lens": torch.zeros(bs, **i32),
+           "req_pages": torch.zeros(bs, **i32), "basis_ptrs": torch.zeros(bs * w, **i64),
+           "hot_rows": torch.zeros(bs, cap, **i64)}
+    build_decode_tables(r2t, torch.arange(1, bs + 1), torch.full((bs,), 1000, **i64), bs,
+                        torch.zeros(pages, dtype=torch.bool), torch.zeros(pages, **i64),
+                        torch.zeros(pages, **i64), out, page_size=ps, width=w,
+                        block_pages=block, pages_per_seg=4, available=torch.zeros(1, **i64),
+                        count_scale=256)
+
+
 def band_pack(d: int):
     """SegmentStore's install with pack_kernel: one pack_layout per layout, two launches (K,
     V); the pairs (K_i, V_i) cover every K and every V width set of the default candidates."""
@@ -313,6 +333,7 @@ SCENARIOS = [
                + (("page_select._page_bounds", "page_select._select_top_pages") if sel else ()),
                lambda d=d, sel=sel: graph_decode(d, sel))
       for d in (128, 64) for sel in (True, False)),
+    Scenario("decode tables", ("decode_tables._decode_tables",), decode_tables),
     Scenario("pack d128", ("band_pack._pack_kind",), lambda: band_pack(128)),
     Scenario("pack d64", ("band_pack._pack_kind",), lambda: band_pack(64)),
     Scenario("unpack d128", ("band_unpack._unpack_segments",), lambda: band_unpack(128)),

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 
 from mosaickv_kernels.basis_rotate import basis_pointers
+from mosaickv_kernels.common import interpreting
+from mosaickv_kernels.decode_tables import build_decode_tables
 from mosaickv_kernels.page_select import page_bounds, select_page_list
 from mosaickv_kernels.request_decode import DecodeTables, RequestDecode
 
@@ -276,20 +278,33 @@ class GraphDecode:
         return True
 
     def prepare_on_device(self, forward_batch, req_to_token, rows: int) -> None:
-        """`prepare` for a step `can_skip_host` allows: the bucket's tables written by device
-        ops (`device_tables`), ordered after the previous replay on the stream; no host sync."""
+        """`prepare` for a step `can_skip_host` allows: the bucket's tables written on the
+        device, ordered after the previous replay on the stream; no host sync. On CUDA (and
+        under the Triton interpreter) one launch (`decode_tables.build_decode_tables`), else
+        `device_tables`' torch ops (its reference)."""
         bk = self.buckets.get(forward_batch.batch_size)
         if bk is None:
             raise RuntimeError(f"MosaicKV: no decode graph tables for batch size "
                                f"{forward_batch.batch_size}")
-        built = self.device_tables(bk, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                                   req_to_token, rows, self._table)
-        for name, value in built.items():
-            getattr(bk, name).copy_(value)
-        pool = self.pool
-        pages = built["req_pages"].sum().to(torch.int64) * (pool.head_num * pool.layer_num)
-        self.pages_available_dev = pages if self.pages_available_dev is None else \
-            self.pages_available_dev + pages
+        pool, table = self.pool, self._table
+        if self.pages_available_dev is None:
+            self.pages_available_dev = torch.zeros(1, dtype=torch.int64, device=pool.device)
+        if torch.device(pool.device).type == "cuda" or interpreting():
+            build_decode_tables(
+                req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, rows,
+                table.sealed, table.basis_addr, table.hot_page,
+                {name: getattr(bk, name) for name in ("seg_indptr", "seg_ids", "hot_lens",
+                                                      "req_pages", "basis_ptrs", "hot_rows")},
+                page_size=pool.page_size, width=self.width, block_pages=self.block_pages,
+                pages_per_seg=self.pps, available=self.pages_available_dev,
+                count_scale=pool.head_num * pool.layer_num)
+        else:
+            built = self.device_tables(bk, forward_batch.req_pool_indices,
+                                       forward_batch.seq_lens, req_to_token, rows, table)
+            for name, value in built.items():
+                getattr(bk, name).copy_(value)
+            self.pages_available_dev += built["req_pages"].sum().to(torch.int64) * (
+                pool.head_num * pool.layer_num)
         self.bucket = bk
         self.steps += 1
         self.device_steps += 1
