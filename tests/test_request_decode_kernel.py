@@ -73,7 +73,7 @@ def _check(graph, bk, pool, q, local, seed, page_ids=None, page_counts=None):
 
 @pytest.fixture(params=["pairs", "tokens", "channels"])
 def gather(request, monkeypatch):
-    """Both ways stage 1 reads a page (`request_decode.GATHER`, the plan's default)."""
+    """Each way stage 1 reads a page (`request_decode.GATHER`, the plan's default)."""
     import mosaickv_kernels.request_decode as rd
 
     monkeypatch.setattr(rd, "GATHER", request.param)
