@@ -96,6 +96,27 @@ def _request_queries(
 
 
 @triton.jit
+def _channel_plan(plan, F16, base, group, tok0, ch, D: tl.constexpr, R_CODE: tl.constexpr,
+                  R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
+                  R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr):
+    """The layout's per-channel plan at channels `ch` (any shape): each code's byte offset in
+    the head block, row stride, shift and mask (`keep`: not dropped), and the scale and zero of
+    the token group of `tok0` (float32, 0 for dropped channels)."""
+    code = tl.load(plan + R_CODE * D + ch)
+    row = tl.load(plan + R_ROW * D + ch)
+    shift = tl.load(plan + R_SHIFT * D + ch)
+    bits = tl.load(plan + R_MASK * D + ch)
+    keep = bits != 0
+    goff = (tok0 // group) * tl.load(plan + R_GROUP * D + ch)
+    f16 = F16 + base // 2
+    scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + ch) + goff) // 2, mask=keep,
+                    other=0.0).to(tl.float32)
+    zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + ch) + goff) // 2, mask=keep,
+                   other=0.0).to(tl.float32)
+    return code, row, shift, bits, keep, scale, zero
+
+
+@triton.jit
 def _kind_codes(U8, F16, plan, base, group, tok0, tok, offs_d, D: tl.constexpr,
                 R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr,
                 R_MASK: tl.constexpr, R_SCALE: tl.constexpr, R_ZERO: tl.constexpr,
@@ -104,53 +125,28 @@ def _kind_codes(U8, F16, plan, base, group, tok0, tok, offs_d, D: tl.constexpr,
     codes [N, D] as bf16 (integers <= 255: exact) read through the layout's per-channel plan,
     and the group's scale and zero per channel [D] (float32; 0 for dropped channels), so that
     x[n, c] = codes[n, c] * scale[c] + zero[c]."""
-    code = tl.load(plan + R_CODE * D + offs_d)
-    row = tl.load(plan + R_ROW * D + offs_d)
-    shift = tl.load(plan + R_SHIFT * D + offs_d)
-    bits = tl.load(plan + R_MASK * D + offs_d)
-    keep = bits != 0
+    code, row, shift, bits, keep, scale, zero = _channel_plan(
+        plan, F16, base, group, tok0, offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE,
+        R_ZERO, R_GROUP)
     raw = tl.load(U8 + base + code[None, :] + tok[:, None] * row[None, :], mask=keep[None, :],
                   other=0)
     # through float32: the interpreter casts an int straight to bf16 wrongly; exact on a GPU
     codes = ((raw.to(tl.int32) >> shift[None, :]) & bits[None, :]).to(tl.float32).to(tl.bfloat16)
-    goff = (tok0 // group) * tl.load(plan + R_GROUP * D + offs_d)
-    f16 = F16 + base // 2
-    scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + offs_d) + goff) // 2, mask=keep,
-                    other=0.0).to(tl.float32)
-    zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + offs_d) + goff) // 2, mask=keep,
-                   other=0.0).to(tl.float32)
     return codes, scale, zero
 
 
 @triton.jit
-def _tok1(ptr0, row, shift, bits, keep, T: tl.constexpr):
-    """Codes (int32 [D]) of token T of a page: one byte per channel at ptr0 + T * row."""
-    raw = tl.load(ptr0 + T * row, mask=keep, other=0)
-    return (raw.to(tl.int32) >> shift) & bits
-
-
-@triton.jit
-def _tok2(ptr0, row, shift, bits, keep, T: tl.constexpr):
-    return tl.join(_tok1(ptr0, row, shift, bits, keep, T),
-                   _tok1(ptr0, row, shift, bits, keep, T + 1))
-
-
-@triton.jit
-def _tok4(ptr0, row, shift, bits, keep, T: tl.constexpr):
-    return tl.join(_tok2(ptr0, row, shift, bits, keep, T),
-                   _tok2(ptr0, row, shift, bits, keep, T + 2))
-
-
-@triton.jit
-def _tok8(ptr0, row, shift, bits, keep, T: tl.constexpr):
-    return tl.join(_tok4(ptr0, row, shift, bits, keep, T),
-                   _tok4(ptr0, row, shift, bits, keep, T + 4))
-
-
-@triton.jit
-def _tok16(ptr0, row, shift, bits, keep, T: tl.constexpr):
-    return tl.join(_tok8(ptr0, row, shift, bits, keep, T),
-                   _tok8(ptr0, row, shift, bits, keep, T + 8))
+def _tokens(ptr0, row, shift, bits, keep, T: tl.constexpr, N: tl.constexpr):
+    """Codes (int32) of tokens T .. T + N - 1 of a page, one byte per channel at
+    ptr0 + t * row, joined along log2(N) new last axes: token T + i1 + 2 i2 + ... sits at
+    [..., i1, i2, ...]."""
+    if N == 1:
+        raw = tl.load(ptr0 + T * row, mask=keep, other=0)
+        out = (raw.to(tl.int32) >> shift) & bits
+    else:
+        out = tl.join(_tokens(ptr0, row, shift, bits, keep, T, N // 2),
+                      _tokens(ptr0, row, shift, bits, keep, T + N // 2, N // 2))
+    return out
 
 
 @triton.jit
@@ -174,61 +170,37 @@ def _dot3(a_hi, a_lo, b_hi, b_lo):
 
 
 @triton.jit
-def _kind_page_t(U8, F16, plan, base, group, tok0, offs_d, D: tl.constexpr,
-                 R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr,
-                 R_MASK: tl.constexpr, R_SCALE: tl.constexpr, R_ZERO: tl.constexpr,
-                 R_GROUP: tl.constexpr, EMULATE: tl.constexpr):
+def _kind_page(U8, F16, plan, base, group, tok0, D: tl.constexpr,
+               R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr,
+               R_MASK: tl.constexpr, R_SCALE: tl.constexpr, R_ZERO: tl.constexpr,
+               R_GROUP: tl.constexpr, PAIRS: tl.constexpr, EMULATE: tl.constexpr):
     """One kind of a whole 32-token page, dequantized and transposed: x^T [D, 32] as bf16
     halves (hi, lo), x[t, c] = code * scale[c] + zero[c] (0 for dropped channels). Gathered
-    one token at a time as [D] vectors, a channel per thread: every plan field, scale and zero
-    is one value per thread, read once, and the dequantization is thread-local. The tokens are
-    joined along a new last axis in bit-reversed order (t = i1 + 2 i2 + ... + 16 i5 sits at
-    column 16 i1 + 8 i2 + ... + i5), the same for every page and both kinds, so scores, softmax
-    and p @ v agree; a page's tokens share their token group."""
-    code = tl.load(plan + R_CODE * D + offs_d)
-    row = tl.load(plan + R_ROW * D + offs_d)
-    shift = tl.load(plan + R_SHIFT * D + offs_d)
-    bits = tl.load(plan + R_MASK * D + offs_d)
-    keep = bits != 0
-    goff = (tok0 // group) * tl.load(plan + R_GROUP * D + offs_d)
-    f16 = F16 + base // 2
-    scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + offs_d) + goff) // 2, mask=keep,
-                    other=0.0).to(tl.float32)
-    zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + offs_d) + goff) // 2, mask=keep,
-                   other=0.0).to(tl.float32)
-    ptr0 = U8 + base + (code + tok0 * row)
-    t = tl.join(_tok16(ptr0, row, shift, bits, keep, 0), _tok16(ptr0, row, shift, bits, keep, 16))
-    x = tl.reshape(t, [D, 32]).to(tl.float32) * scale[:, None] + zero[:, None]
-    return _split_bf16(x, EMULATE)
-
-
-@triton.jit
-def _kind_page_t2(U8, F16, plan, base, group, tok0, D: tl.constexpr,
-                  R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr,
-                  R_MASK: tl.constexpr, R_SCALE: tl.constexpr, R_ZERO: tl.constexpr,
-                  R_GROUP: tl.constexpr, EMULATE: tl.constexpr):
-    """`_kind_page_t` with a pair of channels per thread: each load is [2, D/2, 2] (tokens t
-    and t + 16, channel pairs), so a thread holds two adjacent channels of 16 tokens and the
-    MMA operands' channel pairs need no 16-bit shuffles. Column of token t: 16 (t // 16) +
-    bit-reversed (t % 16)."""
-    offs_h = tl.arange(0, 2)[:, None, None]
-    ch = (2 * tl.arange(0, D // 2))[None, :, None] + tl.arange(0, 2)[None, None, :] + 0 * offs_h
-    code = tl.load(plan + R_CODE * D + ch)
-    row = tl.load(plan + R_ROW * D + ch)
-    shift = tl.load(plan + R_SHIFT * D + ch)
-    bits = tl.load(plan + R_MASK * D + ch)
-    keep = bits != 0
-    goff = (tok0 // group) * tl.load(plan + R_GROUP * D + ch)
-    f16 = F16 + base // 2
-    scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + ch) + goff) // 2, mask=keep,
-                    other=0.0).to(tl.float32)
-    zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + ch) + goff) // 2, mask=keep,
-                   other=0.0).to(tl.float32)
-    ptr0 = U8 + base + (code + (tok0 + 16 * offs_h) * row)
-    t = tl.reshape(_tok16(ptr0, row, shift, bits, keep, 0), [2, D, 16])
-    x = t.to(tl.float32) * tl.reshape(scale, [2, D])[:, :, None] + \
-        tl.reshape(zero, [2, D])[:, :, None]
-    x = tl.reshape(tl.permute(x, (1, 0, 2)), [D, 32])
+    one token at a time as [D] vectors, a channel per thread (PAIRS: [2, D/2, 2] vectors, tokens
+    t and t + 16 and two adjacent channels per thread, so the MMA operands' channel pairs need
+    no 16-bit shuffles): every plan field, scale and zero is one value per thread, read once,
+    and the dequantization is thread-local. The tokens are joined along new last axes in
+    bit-reversed order (t = i1 + 2 i2 + ... + 16 i5 sits at column 16 i1 + 8 i2 + ... + i5;
+    PAIRS: 16 (t // 16) + bit-reversed (t % 16)), the same for every page and both kinds, so
+    scores, softmax and p @ v agree; a page's tokens share their token group."""
+    if PAIRS:
+        half = tl.arange(0, 2)[:, None, None]
+        ch = (2 * tl.arange(0, D // 2))[None, :, None] + tl.arange(0, 2)[None, None, :] + 0 * half
+    else:
+        half = 0
+        ch = tl.arange(0, D)
+    code, row, shift, bits, keep, scale, zero = _channel_plan(
+        plan, F16, base, group, tok0, ch, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
+        R_GROUP)
+    ptr0 = U8 + base + (code + (tok0 + 16 * half) * row)
+    if PAIRS:
+        t = tl.reshape(_tokens(ptr0, row, shift, bits, keep, 0, 16), [2, D, 16])
+        x = t.to(tl.float32) * tl.reshape(scale, [2, D])[:, :, None] + \
+            tl.reshape(zero, [2, D])[:, :, None]
+        x = tl.reshape(tl.permute(x, (1, 0, 2)), [D, 32])
+    else:
+        t = tl.reshape(_tokens(ptr0, row, shift, bits, keep, 0, 32), [D, 32])
+        x = t.to(tl.float32) * scale[:, None] + zero[:, None]
     return _split_bf16(x, EMULATE)
 
 
@@ -372,48 +344,36 @@ def _request_decode_stage1(
             plan = PLANS + lay * (2 * PLAN_W * D)
             tok0 = (page % pps) * (SUB * BLOCK_N) + (unit % SUB) * BLOCK_N
             if TOKEN_GATHER:  # whole pages (SUB == 1), dequantized: x^T [D, 32] halves
-                if PAIRS:
-                    k_hi, k_lo = _kind_page_t2(ARENA_U8, ARENA_F16, plan, base, kg, tok0, D,
-                                               R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
-                                               R_GROUP, EMULATE)
-                else:
-                    k_hi, k_lo = _kind_page_t(ARENA_U8, ARENA_F16, plan, base, kg, tok0, offs_d,
-                                              D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
-                                              R_GROUP, EMULATE)
+                k_hi, k_lo = _kind_page(ARENA_U8, ARENA_F16, plan, base, kg, tok0, D, R_CODE,
+                                        R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP, PAIRS,
+                                        EMULATE)
                 s = _dot3(q_hi, q_lo, k_hi, k_lo)
-                m_new = tl.maximum(m, tl.max(s, 1))
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l = l * alpha + tl.sum(p, 1)
-                if PAIRS:
-                    v_hi, v_lo = _kind_page_t2(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg,
-                                               tok0, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE,
-                                               R_ZERO, R_GROUP, EMULATE)
-                else:
-                    v_hi, v_lo = _kind_page_t(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg,
-                                              tok0, offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK,
-                                              R_SCALE, R_ZERO, R_GROUP, EMULATE)
-                p_hi, p_lo = _split_bf16(p, EMULATE)
-                acc = acc * alpha[:, None] + _dot3(p_hi, p_lo, tl.trans(v_hi), tl.trans(v_lo))
             else:
                 tok = tok0 + offs_n
                 kc, ks, kz = _kind_codes(ARENA_U8, ARENA_F16, plan, base, kg, tok0, tok, offs_d,
                                          D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
                                          R_GROUP)
-                vc, vs, vz = _kind_codes(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg, tok0,
-                                         tok, offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE,
-                                         R_ZERO, R_GROUP)
                 # q . k = (q * scale) . codes + q . zero
                 s = dot_exact(q * ks[None, :], tl.trans(kc), EMULATE) + \
                     tl.sum(q * kz[None, :], 1)[:, None]
-                m_new = tl.maximum(m, tl.max(s, 1))
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l = l * alpha + tl.sum(p, 1)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            if TOKEN_GATHER:
+                v_hi, v_lo = _kind_page(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg, tok0,
+                                        D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
+                                        R_GROUP, PAIRS, EMULATE)
+                p_hi, p_lo = _split_bf16(p, EMULATE)
+                pv = _dot3(p_hi, p_lo, tl.trans(v_hi), tl.trans(v_lo))
+            else:
+                vc, vs, vz = _kind_codes(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg, tok0,
+                                         tok, offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE,
+                                         R_ZERO, R_GROUP)
                 # p . v = (p . codes) * scale + sum(p) * zero
                 pv = dot_exact(p, vc, EMULATE) * vs[None, :] + \
                     tl.sum(p, 1)[:, None] * vz[None, :]
-                acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + pv
             m = m_new
         if cur >= 0:
             _flush(acc, m_flushed, m, tl.load(PTRS + b * W + cur), v_offset, h, PART_ACC, rows,
@@ -528,7 +488,7 @@ class RequestDecode:
         if gather not in ("channels", "tokens", "pairs"):
             raise ValueError(f"plan: gather={gather!r} must be 'channels', 'tokens' or 'pairs'")
         if gather != "channels" and block_tokens != PAGE_TOKENS:
-            raise ValueError(f"plan: gather='tokens' reads whole {PAGE_TOKENS}-token pages "
+            raise ValueError(f"plan: gather={gather!r} reads whole {PAGE_TOKENS}-token pages "
                              f"(block_tokens={block_tokens})")
         self.gather = gather
         self.launch = {} if maxnreg is None else {"maxnreg": maxnreg}  # stage 1's register cap
