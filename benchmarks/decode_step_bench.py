@@ -11,7 +11,7 @@ replay is timed with CUDA events:
 
 * `mosaickv_ms_per_layer`: one replay / layers (the attention of one layer, inside a graph);
 * `host_ms`: `init_forward_metadata_out_graph` of a step the device plans (nothing to seal or
-  map: the tables built by device ops), median; `host_step_ms`: the first such call, which does
+  map: the tables built on the device), median; `host_step_ms`: the first such call, which does
   the host work (seal check, the new page mapped, the tables filled on the host);
 * `dense_ms_per_layer`: torch SDPA (GQA, bf16, flash kernel) over a dense [B, 8, CTX, 128] cache,
   captured the same way; `dense_floor_ms`: its K and V bytes at `--hbm-tbs` (HBM speed);
@@ -144,7 +144,7 @@ def run_point(ctx: int, bs: int, args, cfg: MosaicConfig) -> dict:
     attention()  # the warm-ups (compiles every width class)
     # live steps: each request one token past its prompt (a host step: its new page mapped,
     # the tables filled on the host), then two past it, again and again (nothing to seal or
-    # map: planned on the device, ~25 small launches outside the graph)
+    # map: the tables built on the device, outside the graph)
     reqs = torch.arange(1, bs + 1)
     host = []
     planned0 = backend.graph.device_steps
@@ -166,7 +166,7 @@ def run_point(ctx: int, bs: int, args, cfg: MosaicConfig) -> dict:
     mosaic_ms = time_graph(attention, args.reps, dev)
     row = {"context": ctx, "batch": bs, "layers": args.layers, "built_s": round(built_s, 1),
            "host_step_ms": host[0],  # seal check, writes mapped, tables filled on the host
-           # the same step planned on the device (~25 small launches outside the graph)
+           # the same step planned on the device (median)
            "host_ms": sorted(host[1:])[len(host[1:]) // 2],
            "device_planned_steps": backend.graph.device_steps - planned0,
            "mosaickv_ms_per_layer": mosaic_ms / args.layers,
@@ -225,7 +225,9 @@ def main() -> None:
             row = run_point(ctx, bs, args, cfg)
             out["rows"].append(row)
             print(f"ctx {ctx} batch {bs}: MosaicKV {row['mosaickv_ms_per_layer']:.4f} ms/layer "
-                  f"(host {row['host_ms']:.2f} ms/step device-planned ({row['device_planned_steps']} steps), {row['host_step_ms']:.2f} host step, {row['layouts']} layouts), "
+                  f"(host {row['host_ms']:.2f} ms/step device-planned "
+                  f"({row['device_planned_steps']} steps), {row['host_step_ms']:.2f} host step, "
+                  f"{row['layouts']} layouts), "
                   f"dense SDPA {row['dense_ms_per_layer']:.4f} ms/layer "
                   f"(HBM floor {row['dense_floor_ms']:.4f}): {row['mosaickv_over_dense']:.2f}x "
                   f"[built in {row['built_s']} s]", flush=True)

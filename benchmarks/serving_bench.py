@@ -207,10 +207,7 @@ def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int,
                kv_cache_gb=memory.get("kvcache"))
     _, info = request(f"{url}/get_server_info")
     row["mosaickv"] = info.get("internal_states", [{}])[0].get("mosaickv")
-    # tokens the memory holds: SGLang's slots, or MosaicKV's `tokens_that_fit` at the layout mix
-    # sealed so far (its slots are an upper bound), read after the batch sealed its pages
-    fits = ((row["mosaickv"] or {}).get("capacity") or {}).get("tokens_that_fit")
-    row["token_capacity"] = fits if fits is not None else row["max_total_num_tokens"]
+    row["token_capacity"] = tokens_held(info)  # after the batch sealed its pages
     for kind in ("decode", "prefill"):
         row[f"{kind}_profile"] = point_profile(state.get("mosaickv"), row["mosaickv"], kind)
     print(f"[{system}] ctx {ctx} batch {batch}: {row['decode_tok_s']:.1f} tok/s, "
@@ -219,10 +216,16 @@ def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int,
 
 
 def token_capacity(url: str) -> int | None:
-    """Tokens the server's KV memory holds: SGLang's slots, or for MosaicKV (whose slots are an
-    upper bound, sized at its smallest layout) the tokens its arena holds at the layout mix
-    sealed so far (before any seal: the mean of its candidates) plus its hot buffer."""
+    """`tokens_held` of the server now."""
     _, info = request(f"{url}/get_server_info")
+    return tokens_held(info)
+
+
+def tokens_held(info: dict) -> int | None:
+    """Tokens the server's KV memory holds, from its /get_server_info: SGLang's slots, or for
+    MosaicKV (whose slots are an upper bound, sized at its smallest layout) the tokens its arena
+    holds at the layout mix sealed so far (before any seal: the mean of its candidates) plus
+    its hot buffer."""
     state = info.get("internal_states", [{}])[0]
     mosaic = (state.get("mosaickv") or {}).get("capacity")
     if mosaic:

@@ -192,3 +192,13 @@ def test_itl_max_shows_a_single_stall_that_p99_hides():
     got = serving_bench.latency_stats([{"start": 0.0, "stamps": stamps}])
     assert got["itl_ms_p99"] == pytest.approx(10.0)
     assert got["itl_ms_max"] == pytest.approx(4000.0)
+
+
+def test_tokens_held_is_mosaickv_tokens_that_fit_not_its_slots():
+    dense = {"internal_states": [{"memory_usage": {"token_capacity": 855889}}]}
+    assert serving_bench.tokens_held(dense) == 855889
+    mosaic = {"internal_states": [{"memory_usage": {"token_capacity": 3015936},
+                                   "mosaickv": {"capacity": {"slots": 3015936,
+                                                             "tokens_that_fit": 2292480}}}]}
+    assert serving_bench.tokens_held(mosaic) == 2292480
+    assert serving_bench.tokens_held({"max_total_num_tokens": 7}) == 7
