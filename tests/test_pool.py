@@ -204,3 +204,25 @@ def test_graph_write_mapping_equals_the_eager_one_and_the_device_table_follows(s
     assert 1 in c.sealed and int(c.hot_page_of[1]) < 0
     with pytest.raises(RuntimeError, match="sealed"):
         c.map_write_pages(np.array([1]))
+
+
+def test_write_by_table_maps_at_each_forwards_first_layer(seed):
+    """`write_by_table` (the decode graph's write) maps its slots through the device hot-page
+    table once per forward, at the first layer, and the other layers reuse it: a slot tensor
+    changed in place between forwards (a graph's static buffer) is mapped again at the next
+    first layer, and every layer's K/V lands in the row `physical_loc` gives."""
+    import numpy as np
+
+    pool = make_pool()
+    gen = torch.Generator().manual_seed(seed)
+    loc = torch.zeros(3, dtype=torch.long)  # one tensor for every forward, as a graph's
+    for step in range(4):
+        loc.copy_(torch.randperm(3 * PS, generator=gen)[:3] + PS)
+        pool.map_write_pages((loc // PS).numpy().astype(np.int64))
+        want = pool.physical_loc(loc)
+        for layer_id in range(LAYERS):
+            k = torch.randn(3, H, D, generator=gen)
+            v = torch.randn(3, H, D, generator=gen)
+            pool.write_by_table(SimpleNamespace(layer_id=layer_id), loc, k, v)
+            assert torch.equal(pool.k_buffer[layer_id][want], k), (step, layer_id, repro(seed))
+            assert torch.equal(pool.v_buffer[layer_id][want], v), (step, layer_id, repro(seed))

