@@ -1,7 +1,8 @@
 """Where the decode graph's stage 1 spends its time: `RequestDecode.run` (stage 1 + stage 2) on a
 real sealed pool (decode_step_bench's build: the default config, the chooser's layout mix), timed
 inside a CUDA graph for several plans (splits, warps, token units), with empty selections (the
-fixed cost), and `band_unpack.unpack_segments` over the same number of (page, head) pairs (the
+fixed cost), the top-k's plans (warps, early exit) on the step's bounds, and
+`band_unpack.unpack_segments` over the same number of (page, head) pairs (the
 cost of dequantizing and rotating them in parallel programs, no softmax).
 
     python benchmarks/request_decode_sweep.py --contexts 32768 --batches 1,4 --json /tmp/sweep.json
@@ -68,10 +69,23 @@ def point(ctx: int, bs: int, args) -> list[dict]:
                          out=bk.bounds, rows_per_out=g.width)
     ids, counts = select_page_list(bounds, bk.req_pages, g.budget_pages, g.sink_pages,
                                    g.recent_pages)
+    # the top-k's plans on these bounds (every plan keeps the same pages: checked here too)
+    rows = []
+    for warps in (4, 8, 16):
+        for early in (False, True):
+            us = timed(lambda: select_page_list(bounds, bk.req_pages, g.budget_pages,
+                                                g.sink_pages, g.recent_pages, num_warps=warps,
+                                                early_exit=early), args.reps)
+            got = select_page_list(bounds, bk.req_pages, g.budget_pages, g.sink_pages,
+                                   g.recent_pages, num_warps=warps, early_exit=early)
+            rows.append({"context": ctx, "batch": bs, "select_warps": warps,
+                         "select_early_exit": early, "select_us": us,
+                         "same_pages": bool(torch.equal(got[0], ids) and
+                                            torch.equal(got[1], counts))})
+            print(rows[-1], flush=True)
     tables = g.tables(bk, 0)
     v_off = pool.layer_num * h
     out = torch.empty(bs, hq, d, device=dev, dtype=torch.bfloat16)
-    rows = []
     base = dict(splits=dec.num_splits, warps=dec.num_warps, block=dec.block_n, maxnreg=None,
                 gather=dec.gather)
     # (8 warps, 16-token units: slower on the H200 in every run so far, 2026-12-04/05)

@@ -89,6 +89,37 @@ def test_top_pages_kernel_matches_torch_topk(p, budget, sink, recent, seed):
     assert torch.equal(ids.cpu(), ref_ids), repro(seed)
 
 
+@pytest.mark.parametrize("early_exit,warps", [(True, None), (False, None), (True, 8)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_pages_plans_agree_with_torch_topk(early_exit, warps, ties, seed):
+    """Every plan of the top-k (radix steps stopped early or not, warps) keeps the reference's
+    pages, with ties at the threshold (bounds on a coarse grid: lowest ids win)."""
+    torch.manual_seed(seed)
+    bsz, h, p = 3, 4, 700
+    num = torch.tensor([p, 513, 37])
+    bounds = torch.randn(bsz, h, p) * 10
+    if ties:
+        bounds = bounds.round() / 4  # ~80 distinct values over 700 pages
+    bounds = bounds.masked_fill(torch.arange(p) >= num[:, None, None], float("-inf"))
+    for budget in (1, 40, 200):
+        ids, counts = select_page_list(bounds.to(DEVICE), num, budget, 2, 8, num_warps=warps,
+                                       early_exit=early_exit)
+        ref_ids, ref_counts = select_page_list_reference(bounds, num, budget, 2, 8)
+        assert torch.equal(counts.cpu(), ref_counts), (budget, repro(seed))
+        # the documented tie rule (torch.topk's order among equal bounds is another): forced
+        # pages, then by bound, equal bounds by lowest id
+        idx = torch.arange(p)
+        score = torch.where(((idx < 2) | (idx >= num[:, None, None] - 8)) &
+                            (idx < num[:, None, None]), torch.inf, bounds)
+        order = score.sort(dim=-1, descending=True, stable=True).indices
+        for b in range(bsz):
+            for hh in range(h):
+                c = int(ref_counts[b, hh])
+                want = order[b, hh, :c].sort().values.to(torch.int32)
+                assert torch.equal(ids[b, hh, :c].cpu(), want), (budget, b, hh, repro(seed))
+                assert bool((ids[b, hh, c:] == p).all()), (budget, b, hh, repro(seed))
+
+
 def test_selection_feeds_the_decode_kernel_shape(seed):
     """bounds of an empty batch and misuse raise or return -inf, never garbage."""
     torch.manual_seed(seed)

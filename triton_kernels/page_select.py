@@ -188,11 +188,13 @@ def _select_top_pages(
     NUM_PAGES,  # int32 [B]
     IDS, COUNTS,  # int32 [B, H, K] (ascending, then P), [B, H]
     H, P, K, BUDGET, SINK, RECENT,
-    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_EXIT: tl.constexpr,
 ):
     """One program per (request, KV head): force sink/recent pages, find the count-th largest
-    bound by a 32-step radix select on order-preserving uint32 keys, then compact the kept page
-    ids in ascending order with a prefix sum (no sort). Ties at the threshold: lowest ids."""
+    bound by a radix select on order-preserving uint32 keys (one bit per step, most significant
+    first; EARLY_EXIT: the steps after a threshold that keeps exactly `take` keys are skipped,
+    the same kept set), then compact the kept page ids in ascending order with a prefix sum (no
+    sort). Ties at the threshold: lowest ids."""
     b = tl.program_id(0).to(tl.int64)
     row = b * H + tl.program_id(1)
     offs = tl.arange(0, BLOCK_P)
@@ -206,9 +208,14 @@ def _select_top_pages(
     key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     one = tl.full((), 1, tl.uint32)
     prefix = tl.full((), 0, tl.uint32)
+    done = take < 0  # false: a block-uniform flag (each step's count is a block reduction)
     for bit in tl.static_range(31, -1, -1):
-        cand = prefix | (one << bit)
-        prefix = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= take, cand, prefix)
+        if not done:
+            cand = prefix | (one << bit)
+            cnt = tl.sum((key >= cand).to(tl.int32), 0)
+            prefix = tl.where(cnt >= take, cand, prefix)
+            if EARLY_EXIT:  # {key >= cand} is exactly the kept set: no later bit changes it
+                done = cnt == take
     gt = key > prefix
     eq = key == prefix
     need = take - tl.sum(gt.to(tl.int32), 0)
@@ -221,15 +228,29 @@ def _select_top_pages(
     tl.store(COUNTS + row, take)
 
 
+# The top-k's plan (H200, 2026-12-05, benchmarks/request_decode_sweep.py --select): warps per
+# program by the bound count, and whether the radix steps stop once the threshold is exact.
+SELECT_EARLY_EXIT = True
+
+
+def select_warps(pages: int) -> int:
+    """Warps of a top-k program over `pages` bounds (its block: the next power of two)."""
+    block = triton.next_power_of_2(pages)
+    return 4 if block <= 4096 else 16 if block <= 16384 else 32
+
+
 def select_page_list(bounds: torch.Tensor, num_pages: torch.Tensor, budget_pages: int,
-                     sink_pages: int, recent_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     sink_pages: int, recent_pages: int, *, num_warps: int | None = None,
+                     early_exit: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """bounds [B, H, P] (-inf past each request's pages), num_pages int [B] (pages per request)
     -> (page_ids int32 [B, H, K] ascending then P, page_counts int32 [B, H]),
     K = min(P, budget + sink + recent).
 
     Like `codec.pages.select_pages`: the first `sink_pages` and last `recent_pages` pages are
     always kept and count toward `budget_pages`; the rest go by largest bound; a request with no
-    more pages than the budget keeps all of them. One launch, no host sync."""
+    more pages than the budget keeps all of them. One launch, no host sync. `num_warps` and
+    `early_exit` choose the plan (defaults: `select_warps`, `SELECT_EARLY_EXIT`); the outputs
+    are the same under every plan."""
     _check_select_args(bounds, budget_pages)
     bsz, h, p = bounds.shape
     if p > MAX_SELECT_PAGES:
@@ -242,7 +263,8 @@ def select_page_list(bounds: torch.Tensor, num_pages: torch.Tensor, budget_pages
     _select_top_pages[(bsz, h)](bounds.contiguous(), num_pages.to(bounds.device, torch.int32),
                                 ids, counts, h, p, k, budget_pages, sink_pages, recent_pages,
                                 BLOCK_P=block, BLOCK_K=triton.next_power_of_2(k),
-                                num_warps=4 if block <= 4096 else 16 if block <= 16384 else 32)
+                                EARLY_EXIT=SELECT_EARLY_EXIT if early_exit is None else early_exit,
+                                num_warps=num_warps or select_warps(p))
     return ids, counts
 
 
