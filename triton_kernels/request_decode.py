@@ -21,8 +21,8 @@ the selection's two (`page_select.page_bounds` over the rows, written request-ma
 3. stage 2, one program per (request, KV head): log-sum-exp merge of the parts, written to the
    output in its dtype. Pages read are counted on the device (one atomic add per program).
 
-Products are bf16 MMAs on hi/lo halves (~2^-16 relative per product; q's rotation a tf32x3
-dot). `request_decode_reference` is the torch version of 1-3 on the same inputs.
+Products are bf16 MMAs on hi/lo halves (~2^-16 relative per product; q's rotation too: two
+MMAs of q's bf16 halves against the bf16 bases, ~2^-17, was a tf32x3 dot). `request_decode_reference` is the torch version of 1-3 on the same inputs.
 
     dec = RequestDecode()
     dec.plan(batch=4, rows_per_request=W, row_pages=128, pages_per_seg=4, num_kv_heads=8,
@@ -67,7 +67,7 @@ def _request_queries(
     REQ_PAGES,  # int32 [B]: the request's compressed pages
     Q_ROT, Q_S,  # fp32 [B * W, H, G, D], [B, H, G, D]
     k_offset, H, G, W, row_pages, sm_scale, stride_b,
-    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """One program per (row, KV head, BLOCK_N output channels)."""
     r = tl.program_id(0).to(tl.int64)
@@ -91,7 +91,7 @@ def _request_queries(
             x = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32) * sm_scale
             mat = addr.to(tl.pointer_type(tl.bfloat16)) + (k_offset + h) * D * D
             rt = tl.load(mat + offs_n[None, :] * D + offs_d[:, None])  # R^T[j, n] = R[n, j]
-            y = tl.dot(x, rt.to(tl.float32), input_precision="tf32x3")
+            y = dot_exact(x, rt, EMULATE)  # R is bf16: q's two bf16 halves, two MMAs
         tl.store(Q_ROT + out + offs_n[None, :], y, mask=mask)
 
 
@@ -527,8 +527,8 @@ class RequestDecode:
         block_n = min(d, 64)
         _request_queries[(b * w, h, d // block_n)](
             q, basis_ptrs, req_pages, self.q_rot, self.q_s, k_offset, h, g, w, self.row_pages,
-            self.sm_scale, q.stride(0), D=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
-            num_warps=4)
+            self.sm_scale, q.stride(0), D=d, BLOCK_G=max(16, triton.next_power_of_2(g)),
+            BLOCK_N=block_n, EMULATE=interpreting(), num_warps=4)
         return self.q_rot, self.q_s
 
     def run(self, q_rot: torch.Tensor, q_s: torch.Tensor, tables: DecodeTables,
