@@ -93,7 +93,10 @@ def point(ctx: int, bs: int, args) -> list[dict]:
                         if g != dec.gather),
                 {**base, "splits": min(1024, 2 * dec.num_splits)},
                 {**base, "splits": min(1024, 4 * dec.num_splits)},
-                {**base, "splits": max(1, dec.num_splits // 2)}]
+                {**base, "splits": max(1, dec.num_splits // 2)},
+                # registers capped for three resident CTAs per SM (spills, if any, to local memory)
+                {**base, "maxnreg": 168, "splits": dec.num_splits * 3 // 2},
+                {**base, "maxnreg": 168}]
     ref = None
     for v in variants:
         dec.plan(batch=bs, rows_per_request=g.width, row_pages=g.row_pages, pages_per_seg=g.pps,
