@@ -158,6 +158,14 @@ class MosaicConfig:
     # of the daemon's speed; a window > 0 means a prefix another request sealed may be read
     # compressed inside it (counted: early_sealed_reads, docs/determinism.md).
     daemon_lag_tokens: int = 128
+    # read_rule "chunk" with daemon "off" only: a page a decode step makes sealable is sealed
+    # this many layers per decode step (between steps, where decode seals) and installed after
+    # its last layer; until then it is read dense from the hot buffer, as the chunk rule reads
+    # any page not sealed yet, so it only stays hot a few steps longer (ceil(layers / this)).
+    # 0: every layer at once, in one step (sealing a Llama-8B page's 32 layers at once stalled
+    # one decode step by ~60 ms on the H200: ITL p99 62 ms vs p50 6.5 ms). Ignored (logged)
+    # under the daemon or the position rule. docs/serving.md, "Decode sealing in slices".
+    decode_seal_layers: int = 0
     daemon_workers: int = 2  # worker processes per scheduler rank
     daemon_threads: int = 1  # torch intra-op threads per worker
     daemon_queue_segments: int = 64  # shared-memory page slots (pages in flight to the workers)
@@ -294,6 +302,11 @@ class MosaicConfig:
                              f"an int >= hot_tokens + 2 * segment_tokens "
                              f"({self.hot_tokens + 2 * self.segment_tokens}) under "
                              f"decode_cuda_graph 'full'")
+        if not isinstance(self.decode_seal_layers, int) or isinstance(
+                self.decode_seal_layers, bool) or self.decode_seal_layers < 0:
+            raise ValueError(f"mosaickv config: decode_seal_layers={self.decode_seal_layers!r} "
+                             "must be an int >= 0 (layers of a page sealed per decode step; 0: "
+                             "all at once)")
         if not isinstance(self.daemon_lag_tokens, int) or self.daemon_lag_tokens < 0:
             raise ValueError(f"mosaickv config: daemon_lag_tokens={self.daemon_lag_tokens!r} must "
                              "be an int >= 0")

@@ -143,6 +143,8 @@ def test_empty_candidate_lists_rejected_except_sink(key):
     ({"decode_cuda_graph": "full", "graph_hot_tokens": 255}, "graph_hot_tokens"),
     ({"decode_cuda_graph": "full", "hot_tokens": 1024}, "graph_hot_tokens"),
     ({"graph_hot_tokens": "1024"}, "graph_hot_tokens"),
+    ({"decode_seal_layers": -1}, "decode_seal_layers=-1 must be an int >= 0"),
+    ({"decode_seal_layers": 2.0}, "'decode_seal_layers' must be int"),
 ])
 def test_bad_values_are_named(data, needle):
     _rejects(data, needle)
@@ -266,3 +268,10 @@ def test_rescue_candidates_are_validated_and_may_be_empty():
     check_fits(cfg, head_dim=32)
     assert fit_rescue(cfg, 32).rescue_candidates == ["lowbit:bits=8,group=32"]
     assert fit_rescue(cfg, 64) is cfg
+
+
+def test_decode_seal_layers_defaults_to_all_at_once():
+    assert MosaicConfig().decode_seal_layers == 0  # every layer in one step (until measured)
+    assert MosaicConfig.parse('{"decode_seal_layers": 4}').decode_seal_layers == 4
+    with pytest.raises(ValueError, match="decode_seal_layers=-2 must be an int >= 0"):
+        MosaicConfig(decode_seal_layers=-2)

@@ -306,7 +306,7 @@ def test_host_work_is_skipped_only_where_nothing_is_due():
     from mosaickv_sglang.serving.graph_decode import GraphDecode
 
     pool = SimpleNamespace(position_rule=False, basis_addr_ok=True, version=7, page_size=128,
-                           dense_window=64)
+                           dense_window=64, decode_sealing={})
     gd = GraphDecode.__new__(GraphDecode)
     gd.pool, gd._table, gd._host_version = pool, object(), 7
 
@@ -318,6 +318,9 @@ def test_host_work_is_skipped_only_where_nothing_is_due():
     assert not skip(300, 129)  # position 128: a new page
     assert not skip(300, 64 + 128 + 1)  # position 192: page 0 is now 64 tokens behind, sealed
     assert skip(300, 64 + 1)  # position 64: nothing to seal yet (no full page)
+    pool.decode_sealing = {5: object()}  # a page sealing in slices: the host seals its layers
+    assert not skip(300, 1000)
+    pool.decode_sealing = {}
     pool.version = 8  # something sealed, freed or mapped since the last host step
     assert not skip(300, 1000)
     gd._host_version, pool.position_rule = 8, True

@@ -9,7 +9,9 @@
 * sealing: full pages ``hot_tokens`` behind their request's last token are sealed (compressed;
   ``daemon: off``: synchronously, else sent to the daemon) after a prefill's last layer, and for
   decode between steps: in the forward-metadata hook, before the step's write mapping and plan
-  (``_prepare_decode``), so the decode forward itself does no host planning or sealing.
+  (``_prepare_decode``), so the decode forward itself does no host planning or sealing. With
+  ``decode_seal_layers`` a page decode makes sealable is sealed that many layers a step there
+  (read dense until its last layer is sealed and it is installed).
 """
 from __future__ import annotations
 
@@ -204,7 +206,9 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         host = lens, page_ids = host_batch(forward_batch, req_to_token, rows, pool.page_size)
         before = pool.counters.sealed_pages
         for i, seq_len in enumerate(lens):
-            pool.seal_request_pages(page_ids[i], seq_len - 1)
+            pool.seal_request_pages(page_ids[i], seq_len - 1, decode_step=True)
+        if pool.decode_sealing:  # decode_seal_layers: the next layers of the pages in flight
+            pool.advance_decode_seals()
         if pool.counters.sealed_pages // LOG_EVERY_PAGES > before // LOG_EVERY_PAGES:
             logger.info(pool.summary())
         if timer is not None:

@@ -264,11 +264,13 @@ class GraphDecode:
         pool's page table has not changed since the last step that did the host work (nothing
         sealed, adopted, freed or mapped since: `pool.version`), and no real request starts a
         new page (its write needs a hot page) or crosses a sealing boundary (the chunk read
-        rule seals a page once `hot_tokens` behind it) at this step. From the host's lengths
-        alone: no device read. Chunk read rule only."""
+        rule seals a page once `hot_tokens` behind it) at this step, and no page is sealing in
+        slices (`decode_seal_layers`: the host seals its next layers; installing it bumps
+        `pool.version`, so the step after the last slice rebuilds the tables too). From the
+        host's lengths alone: no device read. Chunk read rule only."""
         pool = self.pool
         if pool.position_rule or not pool.basis_addr_ok or self._table is None or \
-                self._host_version != pool.version:
+                self._host_version != pool.version or pool.decode_sealing:
             return False
         ps, window = pool.page_size, pool.dense_window
         for seq_len in host_seq_lens(forward_batch, rows):

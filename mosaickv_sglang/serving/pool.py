@@ -41,8 +41,8 @@ from ..codec.basis import unrotate
 from ..codec.cold import cold_candidates, recompress_segment
 from ..codec.layer import Candidates, CompressedLayer, own_storage, segment_bytes
 from ..codec.pages import build_page_meta
-from ..codec.seal import (BasisPair, SealedPage, fit_block_bases, gather_pages, seal_group,
-                         seal_pages, worst_page_bytes)
+from ..codec.seal import (BasisPair, SealedPage, fit_bases, fit_block_bases, gather_pages,
+                         seal_group, seal_pages, worst_page_bytes)
 from ..codec.strategies import parse_strategy
 from ..codec.timing import StepProfiler
 from ..config import MosaicConfig, check_fits, fit_rescue
@@ -73,6 +73,30 @@ class ChunkSeal:
         self.segments = [[] for _ in self.pages]
         self.fitted = [([], []) for _ in self.groups]
 
+    def without(self, drop: set) -> "ChunkSeal | None":
+        """This seal less every group holding a page of `drop` (freed pages), with what the
+        kept groups sealed so far; None when no group is left."""
+        out = ChunkSeal([], [], [])
+        for g, (idx, bases) in enumerate(self.groups):
+            if any(self.pages[j] in drop for j in idx):
+                continue
+            out.groups.append((list(range(len(out.pages), len(out.pages) + len(idx))), bases))
+            out.pages += [self.pages[j] for j in idx]
+            out.positions += [self.positions[j] for j in idx]
+            out.segments += [self.segments[j] for j in idx]
+            out.fitted.append(self.fitted[g])
+        return out if out.pages else None
+
+
+@dataclass(eq=False)
+class DecodeSeal:
+    """Pages one decode step made sealable (one request's, `decode_seal_layers` > 0), sealed
+    that many layers per decode step (`MosaicKVPool.advance_decode_seals`) and installed after
+    their last layer; read dense from the hot buffer until then, as the chunk rule reads any
+    page not sealed yet. Compared by identity (the pool indexes its pages by it)."""
+    seal: ChunkSeal
+    next_layer: int = 0  # the first layer not sealed yet
+
 
 @dataclass
 class PoolCounters:
@@ -99,6 +123,13 @@ class PoolCounters:
     # reads that found pages sealed that the read rule wants dense (only possible with
     # hot_tokens > 0 and a prefix another request sealed): read compressed, counted
     early_sealed_reads: int = 0
+    # decode_seal_layers > 0: (page, layer) segments sealed a slice at a time between decode
+    # steps, pages installed that way, and pages whose remaining layers were sealed at once
+    # because they were needed whole (hot-buffer pressure, a finished request, a prefill or
+    # prefix repair reaching them)
+    decode_seal_slices: int = 0
+    decode_sealed_pages: int = 0
+    decode_seals_forced: int = 0
     strategies: dict = field(default_factory=dict)
     # Per page position in its request (index i: tokens [i*page, (i+1)*page)): pages sealed there
     # and sealed pages handed out there by prefix matches. A prefix shared by N requests shows one
@@ -300,6 +331,18 @@ class MosaicKVPool(MHATokenToKVPool):
             mosaic_config.daemon_lag_tokens if self.daemon is not None and self.position_rule
             else 0)
         self.swaps = SwapLog() if self.daemon is not None else None  # flushed by step_boundary()
+        # decode_seal_layers (chunk rule, no daemon): layers a decode step seals of the pages
+        # in flight (0: all at once), and those pages -> their DecodeSeal, oldest first (the
+        # one record of what is in flight: advance_decode_seals, _finish_decode_seals,
+        # _drop_decode_pages and clear change it)
+        self.decode_seal_layers = mosaic_config.decode_seal_layers
+        if self.decode_seal_layers and (self.daemon is not None or self.position_rule):
+            logger.warning("MosaicKV: decode_seal_layers=%d ignored: it applies to read_rule "
+                           "'chunk' with daemon 'off' (here %s, daemon %s); pages seal as before",
+                           self.decode_seal_layers, mosaic_config.read_rule,
+                           mosaic_config.daemon)
+            self.decode_seal_layers = 0
+        self.decode_sealing: dict[int, DecodeSeal] = {}
         logger.info("MosaicKV pool: %d logical token slots, hot buffer %d tokens (%.1f MB "
                     "dense), arena %.1f MB per layer: it holds %d sealed tokens at the largest "
                     "layout, %d at the candidates' mean, %d at the smallest (%.2fx / %.2fx / "
@@ -331,6 +374,8 @@ class MosaicKVPool(MHATokenToKVPool):
             # Still before any attention of this forward (hot pages are taken at the first
             # layer's write), so installing pages here switches them for the whole forward.
             self._relieve(1)
+        if not self.free_hot_pages and self.decode_sealing:
+            self._relieve_decode_seals()  # the same point: before any attention of the forward
         if not self.free_hot_pages:
             raise RuntimeError(
                 "MosaicKV hot buffer exhausted: raise hot_buffer_fraction in --mosaickv-config "
@@ -430,6 +475,9 @@ class MosaicKVPool(MHATokenToKVPool):
         for i in todo:
             page = pages[i]
             while page not in self.sealed:  # each turn seals this page or brings it closer
+                if page in self.decode_sealing:  # in flight in slices: its other layers now
+                    self._finish_decode_seals([page])
+                    continue
                 if page not in self.pending:  # hot, never submitted: seal it alone
                     first = pages[i // block * block]
                     self._seal_now([(i * self.page_size, page, self.page_gen[page])],
@@ -553,19 +601,22 @@ class MosaicKVPool(MHATokenToKVPool):
 
     def seal_chunk_layer(self, cs: ChunkSeal, local: int) -> dict[int, tuple]:
         """One layer of `cs`'s pages sealed from the hot buffer (the same codec calls and bases as
-        sealing the whole page at once: `fit_block_bases` on the block's first page, then
-        `seal_pages`). Returns page -> (K, V) [S, H, D] in the cache dtype as the sealed segment
-        reads back (raw basis), for this layer's attention."""
+        sealing the whole page at once: `fit_block_bases` on the block's first page, or
+        `fit_bases` on the group's pages under basis_fit "group", then `seal_pages`). Returns
+        page -> (K, V) [S, H, D] in the cache dtype as the sealed segment reads back (raw
+        basis), for this layer's attention."""
         with self._worker_threads():
             return self._seal_chunk_layer(cs, local)
 
-    def _seal_chunk_layer(self, cs: ChunkSeal, local: int) -> dict[int, tuple]:
+    def _seal_chunk_layer(self, cs: ChunkSeal, local: int,
+                          read_back: bool = True) -> dict[int, tuple]:
         out = {}
+        fit = fit_block_bases if self.cfg.basis_fit == "first_page" else fit_bases
         for g, (idx, bases) in enumerate(cs.groups):
             pages = [cs.pages[j] for j in idx]
             k, v = self._read_layer_pages(local, pages)
             if bases is None:
-                one = fit_block_bases(k, v, self.cfg.fit_solver)
+                one = fit(k, v, self.cfg.fit_solver)
                 cs.fitted[g][0].append(one.k[0])
                 cs.fitted[g][1].append(one.v[0])
             else:
@@ -575,13 +626,21 @@ class MosaicKVPool(MHATokenToKVPool):
             for j, sp in zip(idx, sealed):
                 seg = sp.segments[0]
                 cs.segments[j].append(seg)
-                out[cs.pages[j]] = tuple(x.transpose(0, 1).to(self.dtype)
-                                         for x in _decoded(seg, one.k[0], one.v[0]))
+                if read_back:
+                    out[cs.pages[j]] = tuple(x.transpose(0, 1).to(self.dtype)
+                                             for x in _decoded(seg, one.k[0], one.v[0]))
         return out
 
     def finish_chunk_seal(self, cs: ChunkSeal) -> int:
         """After the forward's last layer: install `cs`'s pages (every layer sealed). Returns
         pages installed."""
+        n = self._install_chunk_seal(cs)
+        self.counters.chunk_sealed_pages += n
+        return n
+
+    def _install_chunk_seal(self, cs: ChunkSeal) -> int:
+        """Install `cs`'s pages, every layer sealed (a prefill's `ChunkSeal` after its forward, a
+        `DecodeSeal`'s after its last slice). Returns pages installed."""
         pages, sealed = [], []
         for g, (idx, bases) in enumerate(cs.groups):
             if bases is None:
@@ -589,13 +648,12 @@ class MosaicKVPool(MHATokenToKVPool):
             for j in idx:
                 segs = cs.segments[j]
                 if len(segs) != self.layer_num:
-                    raise RuntimeError(f"MosaicKV: page {cs.pages[j]} sealed on {len(segs)} of "
-                                       f"{self.layer_num} layers in one forward")
+                    raise RuntimeError(f"MosaicKV: page {cs.pages[j]} installed with "
+                                       f"{len(segs)} of {self.layer_num} layers sealed")
                 pages.append(cs.pages[j])
                 sealed.append(SealedPage(cs.positions[j], segs, bases,
                                          sum(sum(segment_bytes(x).values()) for x in segs)))
         self._install(pages, sealed)
-        self.counters.chunk_sealed_pages += len(pages)
         return len(pages)
 
     def _read_layer_pages(self, local: int, pages: list[int]):
@@ -689,11 +747,14 @@ class MosaicKVPool(MHATokenToKVPool):
         # position rule: the pages needed next step are sealed here
         return need, need if self.daemon is None else seq_len // self.page_size, need
 
-    def seal_request_pages(self, page_ids, seq_len: int) -> int:
+    def seal_request_pages(self, page_ids, seq_len: int, decode_step: bool = False) -> int:
         """`seal_request` from the request's logical page ids on the host (numpy or a CPU
         tensor, position order; pages past what it seals are ignored): what the decode step's
         host work calls with the page ids it reads once for the whole batch. The common case,
-        nothing new to seal, is one vectorized look at the page table."""
+        nothing new to seal, is one vectorized look at the page table. `decode_step`: the
+        decode step's call; with `decode_seal_layers` its new pages start sealing in slices
+        (`DecodeSeal`, advanced by `advance_decode_seals`) instead of all at once. Any other
+        call needs its pages whole: those in slices get their other layers sealed now."""
         need, limit, inline_below = self._seal_limits(seq_len)
         pages = np.asarray(page_ids)[:limit]
         if self.position_rule:
@@ -701,10 +762,15 @@ class MosaicKVPool(MHATokenToKVPool):
             if self.daemon is not None:
                 self._seal_pending(listed, need)
             self._drop_kept_hot(listed[:need])
+        if self.decode_sealing and not decode_step:
+            self._finish_decode_seals(pages.tolist())
         unsealed = np.flatnonzero(~self.page_sealed[pages])
-        todo = [(int(i), int(pages[i])) for i in unsealed if int(pages[i]) not in self.pending]
+        todo = [(int(i), int(pages[i])) for i in unsealed if int(pages[i]) not in self.pending
+                and int(pages[i]) not in self.decode_sealing]
         if not todo:
             return 0
+        if decode_step and self.decode_seal_layers:
+            return self._start_decode_seal(todo, pages.tolist())
         ps, pages = self.page_size, pages.tolist()
         for i, p in todo:  # a page may enter `sealed` only after the page before it
             if i:
@@ -729,6 +795,110 @@ class MosaicKVPool(MHATokenToKVPool):
                 else:
                     self._seal(group, None, first)
         return len(todo)
+
+    # ---- decode sealing in slices (decode_seal_layers) ------------------------------------
+    # Sealing a page's every layer at once stalls the decode step that does it (~60 ms for a
+    # Llama-8B page on the H200); under the chunk rule a page not sealed yet is read dense, so
+    # a decode step seals `decode_seal_layers` layers of each page in flight and the page is
+    # installed after its last. Every decision is a function of the pool's state (no timing):
+    # every TP rank seals the same slices at the same step.
+    def _start_decode_seal(self, todo: list[tuple[int, int]], pages: list[int]) -> int:
+        """One request's new sealable pages `todo` ((position index, page), position order;
+        `pages` its page ids) start sealing in slices, grouped by basis block as sealing them
+        at once groups them (same bases, same codec calls: the same bytes). A block whose first
+        page is still in slices has no bases yet: its later pages, and the request's pages
+        after them (sealed pages stay a prefix), wait for a later step. Returns pages started."""
+        ps, block = self.page_size, self.cfg.basis_block_tokens // self.page_size
+        cs = ChunkSeal([], [], [])
+        for blk in sorted({i // block for i, _ in todo}):
+            first = pages[blk * block]
+            if first in self.decode_sealing:
+                break
+            group = [(i, p) for i, p in todo if i // block == blk]
+            bases = self.sealed[first].bases if first in self.sealed else None
+            if bases is None and group[0][1] != first:
+                raise RuntimeError(f"MosaicKV: page {group[0][1]} needs the bases of block page "
+                                   f"{first}, which is neither sealed nor being sealed")
+            cs.groups.append((list(range(len(cs.pages), len(cs.pages) + len(group))), bases))
+            cs.pages += [p for _, p in group]
+            cs.positions += [i * ps for i, _ in group]
+            cs.segments += [[] for _ in group]
+            cs.fitted.append(([], []))
+        if not cs.pages:
+            return 0
+        ds = DecodeSeal(cs)
+        for p in cs.pages:
+            self.decode_sealing[p] = ds
+        return len(cs.pages)
+
+    def _decode_seals(self) -> list[DecodeSeal]:
+        """The seals in flight, oldest first (a seal's pages entered `decode_sealing` together,
+        after every older seal's)."""
+        return list(dict.fromkeys(self.decode_sealing.values()))
+
+    def advance_decode_seals(self) -> int:
+        """Between decode steps, after the step's `seal_request_pages` calls: the next
+        `decode_seal_layers` layers of every seal in flight (the oldest first), and the pages of
+        the seals that reach their last layer installed (read compressed from the next plan on,
+        their hot pages freed). Seals advance alike, so a request's pages install in order.
+        Returns pages installed."""
+        return sum(self._advance_decode_seal(ds, self.decode_seal_layers)
+                   for ds in self._decode_seals())
+
+    def _advance_decode_seal(self, ds: DecodeSeal, layers: int) -> int:
+        stop = min(ds.next_layer + layers, self.layer_num)
+        for local in range(ds.next_layer, stop):
+            self._seal_chunk_layer(ds.seal, local, read_back=False)
+            self.counters.decode_seal_slices += len(ds.seal.pages)
+        ds.next_layer = stop
+        if stop < self.layer_num:
+            return 0
+        for p in ds.seal.pages:
+            del self.decode_sealing[p]
+        n = self._install_chunk_seal(ds.seal)
+        self.counters.decode_sealed_pages += n
+        return n
+
+    def _finish_decode_seals(self, pages: list[int] | None = None) -> int:
+        """Pages in slices needed whole now: every layer left of the seals holding any of
+        `pages` (None: all seals) and of the seals older than those (a request's pages install
+        in order), installed. Counted (`decode_seals_forced`). Returns pages installed."""
+        seals = self._decode_seals()
+        if pages is not None:
+            wanted = {id(self.decode_sealing[p]) for p in pages if p in self.decode_sealing}
+            if not wanted:
+                return 0
+            seals = seals[:max(k for k, ds in enumerate(seals) if id(ds) in wanted) + 1]
+        n = sum(self._advance_decode_seal(ds, self.layer_num) for ds in seals)
+        self.counters.decode_seals_forced += n
+        return n
+
+    def _relieve_decode_seals(self) -> int:
+        """Hot-buffer pressure: the oldest seals in slices finished until a hot page is free
+        (installing frees their hot pages), rather than failing the forward. Counted (forced
+        seals) and logged. Returns pages installed."""
+        done = 0
+        while not self.free_hot_pages and self.decode_sealing:
+            done += self._finish_decode_seals([next(iter(self.decode_sealing))])
+        if done:
+            logger.warning("MosaicKV: hot buffer exhausted with pages sealing in slices "
+                           "(decode_seal_layers): %d pages finished at once (counted as "
+                           "decode_seals_forced)", done)
+        return done
+
+    def _drop_decode_pages(self, pages: list[int]) -> None:
+        """Freed `pages`: out of the seals in flight, with the rest of their basis group (its
+        bases may have been fitted on them); the group's other pages stay hot, unsealed, and
+        start again at their request's next decode step."""
+        gone = {p for p in pages if p in self.decode_sealing}
+        for ds in dict.fromkeys(self.decode_sealing[p] for p in gone):
+            kept = ds.seal.without(gone)
+            left = set(kept.pages) if kept is not None else set()
+            for p in ds.seal.pages:
+                if p not in left:
+                    del self.decode_sealing[p]
+            if kept is not None:
+                ds.seal = kept
 
     def seal_finished(self, slots: torch.Tensor) -> int:
         """A finished request's pages before its radix insert (`slots` its KV slots in position
@@ -1104,6 +1274,8 @@ class MosaicKVPool(MHATokenToKVPool):
     def release_pages(self, pages: list[int]) -> None:
         """Called by the allocator when logical pages return to its free list."""
         self.version += 1
+        if self.decode_sealing:
+            self._drop_decode_pages(pages)
         for page in pages:
             self.page_gen[page] += 1  # a result still in flight for it will be discarded
             self.pending.pop(page, None)
@@ -1131,6 +1303,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.deferred.clear()
         self.prev_page.clear()
         self.kept_hot.clear()
+        self.decode_sealing.clear()
         self.cold_done.clear()
         self._cold_queue.clear()
         if self.daemon is not None:
@@ -1202,6 +1375,8 @@ class MosaicKVPool(MHATokenToKVPool):
             "sealed_pages": len(self.sealed),
             "hot_tokens_in_use": hot_used,
             "hot_tokens_capacity": self.num_hot_pages * self.page_size,
+            # decode_seal_layers: pages sealing in slices now (read dense, hot, until installed)
+            "decode_seal_pending_pages": len(self.decode_sealing),
             "sealed_bytes_per_token": compressed / sealed_tokens if sealed_tokens else None,
             "dense_bytes_per_token": self.layer_num * 2 * self.head_num * self.head_dim * 2,
             "sealed_ratio": dense_equiv / compressed if compressed else None,
