@@ -15,6 +15,8 @@ replay is timed with CUDA events:
   the host work (seal check, the new page mapped, the tables filled on the host);
 * `dense_ms_per_layer`: torch SDPA (GQA, bf16, flash kernel) over a dense [B, 8, CTX, 128] cache,
   captured the same way; `dense_floor_ms`: its K and V bytes at `--hbm-tbs` (HBM speed);
+* `flashinfer_ms_per_layer`: FlashInfer's paged decode (SGLang's dense FlashInfer backend's
+  kernel) over the same shapes, captured the same way (`flashinfer_skipped` says why not);
 * `kernels`: with `--profile`, each kernel's GPU time per layer and launches per layer, from
   torch.profiler over eager runs of the same forward (the kernels a replay launches).
 
@@ -193,7 +195,52 @@ def run_point(ctx: int, bs: int, args, cfg: MosaicConfig) -> dict:
         row["dense_kernels"] = kernel_table(dense, args.dense_layers, 5, dev)[:4]
     row["mosaickv_over_dense"] = row["mosaickv_ms_per_layer"] / row["dense_ms_per_layer"]
     del kd, vd
+    fi, why = flashinfer_ms_per_layer(bs, ctx, hq, h, d, args.dense_layers, args.reps, dev)
+    row["flashinfer_ms_per_layer"] = fi
+    if fi is None:
+        row["flashinfer_skipped"] = why
+    else:
+        row["mosaickv_over_flashinfer"] = row["mosaickv_ms_per_layer"] / fi
     return row
+
+
+def flashinfer_ms_per_layer(bs: int, ctx: int, hq: int, h: int, d: int, layers: int, reps: int,
+                            dev: str) -> tuple[float | None, str | None]:
+    """FlashInfer's paged decode (what SGLang's dense FlashInfer backend runs: 16-token pages
+    here, NHD, tensor cores for GQA groups >= 4) over `layers` bf16 caches of B x CTX tokens,
+    captured in a CUDA graph: (ms per layer, None), or (None, why it did not run)."""
+    if dev != "cuda":
+        return None, "needs CUDA"
+    try:
+        import flashinfer
+    except Exception as exc:  # noqa: BLE001 (reported in the row, never dropped)
+        return None, f"flashinfer not importable: {exc!r}"[:200]
+    page = 16
+    try:
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD",
+                                                                use_tensor_cores=hq // h >= 4)
+        pages = -(-ctx // page)
+        indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev) * pages
+        indices = torch.arange(bs * pages, dtype=torch.int32, device=dev)
+        last = torch.full((bs,), ctx - (pages - 1) * page, dtype=torch.int32, device=dev)
+        wrapper.plan(indptr, indices, last, hq, h, d, page, pos_encoding_mode="NONE",
+                     sm_scale=d ** -0.5, q_data_type=torch.bfloat16,
+                     kv_data_type=torch.bfloat16)
+        caches = [tuple(torch.randn(bs * pages, page, h, d, device=dev, dtype=torch.bfloat16)
+                        for _ in range(2)) for _ in range(layers)]
+        q = torch.randn(bs, hq, d, device=dev, dtype=torch.bfloat16)
+
+        def run():
+            for cache in caches:
+                wrapper.run(q, cache)
+
+        ms = time_graph(run, reps, dev) / layers
+        del caches
+        torch.cuda.empty_cache()
+        return ms, None
+    except Exception as exc:  # noqa: BLE001
+        return None, f"flashinfer failed: {exc!r}"[:300]
 
 
 def main() -> None:
@@ -229,8 +276,10 @@ def main() -> None:
                   f"({row['device_planned_steps']} steps), {row['host_step_ms']:.2f} host step, "
                   f"{row['layouts']} layouts), "
                   f"dense SDPA {row['dense_ms_per_layer']:.4f} ms/layer "
-                  f"(HBM floor {row['dense_floor_ms']:.4f}): {row['mosaickv_over_dense']:.2f}x "
-                  f"[built in {row['built_s']} s]", flush=True)
+                  f"(HBM floor {row['dense_floor_ms']:.4f}): {row['mosaickv_over_dense']:.2f}x; "
+                  f"FlashInfer {row['flashinfer_ms_per_layer'] or float('nan'):.4f} ms/layer "
+                  f"{row.get('flashinfer_skipped') or ''} [built in {row['built_s']} s]",
+                  flush=True)
             for kr in row.get("kernels", [])[:12]:
                 print(f"    {kr['ms_per_layer'] * 1e3:8.1f} us  x{kr['launches_per_layer']:.1f}"
                       f"  {kr['kernel']}")
