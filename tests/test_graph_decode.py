@@ -33,7 +33,7 @@ DEVICE_PLANNED = 4
 
 
 def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024,
-             separate_hot_table: bool = False):
+             separate_hot_table: bool = False, **extra):
     """A pool with `lengths` requests written and sealed (request rows 1..; row 0 is SGLang's
     padding row) and its backend, decode_cuda_graph `mode`, on the packed Triton kernels.
     `separate_hot_table`: the device hot-page table a copy refreshed by spans, as on CUDA (on a
@@ -47,7 +47,8 @@ def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024
                        decode_cuda_graph=mode, k_candidates=["band:b8=4,b4=60,b2=0,group=128"],
                        v_candidates=["band:b8=4,b4=60,b2=0,group=128"],
                        sink_candidates=["band:b8=64,b4=0,b2=0,group=32"],
-                       select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64})
+                       select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64},
+                       **extra)
     pool = MosaicKVPool(40 * PS, PS, torch.bfloat16, H, D, LAYERS, device, False,
                         mosaic_config=cfg)
     if separate_hot_table and pool.hot_page_dev is pool.hot_page_of:
@@ -112,11 +113,17 @@ def _state(pool):
     return (sorted(pool.sealed), pool.hot_page_of.clone().cpu(), sorted(pool.free_hot_pages))
 
 
+# decode_seal_layers 1 (of 2 layers): request 3's first page, sealable at step 1, is sealed over
+# steps 1 and 2 (both host steps: the host seals the slices) and installed at step 2, read
+# compressed from step 3 on: one device-planned step fewer
 @pytest.mark.parametrize("device", [DEVICE])
-def test_full_graph_replay_matches_the_eager_step(device, seed):
+@pytest.mark.parametrize("seal_layers,device_planned", [(0, DEVICE_PLANNED),
+                                                        (1, DEVICE_PLANNED - 1)])
+def test_full_graph_replay_matches_the_eager_step(device, seal_layers, device_planned, seed):
     lengths, bs = (250, 700, 127), 4  # captured size 4: one padded row
-    eager, pool_e = _backend("off", seed, lengths, device)
-    graph, pool_g = _backend("full", seed, lengths, device, separate_hot_table=True)
+    eager, pool_e = _backend("off", seed, lengths, device, decode_seal_layers=seal_layers)
+    graph, pool_g = _backend("full", seed, lengths, device, separate_hot_table=True,
+                             decode_seal_layers=seal_layers)
     assert graph.graph.width == 4  # 1024-token context, 256-token blocks
     layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D,
                               scaling=D ** -0.5) for i in range(LAYERS)]
@@ -200,11 +207,16 @@ def test_full_graph_replay_matches_the_eager_step(device, seed):
         _same_tables(eager.packed.step, graph.graph.bucket, graph.graph.width, n, (i, repro(seed)))
         e, g = _state(pool_e), _state(pool_g)
         assert e[0] == g[0] and torch.equal(e[1][1:], g[1][1:]) and e[2] == g[2], (i, repro(seed))
+        assert sorted(pool_e.decode_sealing) == sorted(pool_g.decode_sealing), (i, repro(seed))
+        if seal_layers and i == 1:  # in flight: read dense (hot) by both, one layer sealed
+            assert len(pool_g.decode_sealing) == 1, repro(seed)
     assert len(pool_g.sealed) > sum(m // PS for m in lengths), repro(seed)  # sealed on the way
+    assert not pool_g.decode_sealing
+    assert pool_g.counters.decode_sealed_pages == (1 if seal_layers else 0), repro(seed)
     stats = graph.packed.stats()["graph"]
     assert stats["graph_steps"] == 5 + 1 and stats["graph_request_steps"] == 15  # + the capture
     # steps with no page to start or seal ran without host reads (tables built on the device)
-    assert stats["device_planned_steps"] == DEVICE_PLANNED, stats
+    assert stats["device_planned_steps"] == device_planned, stats
     assert stats["selection"]["pages_read"] <= stats["selection"]["pages_available"]
 
 
