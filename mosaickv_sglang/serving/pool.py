@@ -73,18 +73,24 @@ class ChunkSeal:
         self.segments = [[] for _ in self.pages]
         self.fitted = [([], []) for _ in self.groups]
 
+    def add_group(self, pages: list[int], positions: list[int], bases: BasisPair | None,
+                  segments: list[list] | None = None, fitted: tuple | None = None) -> None:
+        """One basis block's `pages` (position order) appended as a group, with what was
+        sealed of them so far (`segments` per page, `fitted` bases: none by default)."""
+        self.groups.append((list(range(len(self.pages), len(self.pages) + len(pages))), bases))
+        self.pages += pages
+        self.positions += positions
+        self.segments += segments if segments is not None else [[] for _ in pages]
+        self.fitted.append(fitted if fitted is not None else ([], []))
+
     def without(self, drop: set) -> "ChunkSeal | None":
         """This seal less every group holding a page of `drop` (freed pages), with what the
         kept groups sealed so far; None when no group is left."""
         out = ChunkSeal([], [], [])
         for g, (idx, bases) in enumerate(self.groups):
-            if any(self.pages[j] in drop for j in idx):
-                continue
-            out.groups.append((list(range(len(out.pages), len(out.pages) + len(idx))), bases))
-            out.pages += [self.pages[j] for j in idx]
-            out.positions += [self.positions[j] for j in idx]
-            out.segments += [self.segments[j] for j in idx]
-            out.fitted.append(self.fitted[g])
+            if not any(self.pages[j] in drop for j in idx):
+                out.add_group([self.pages[j] for j in idx], [self.positions[j] for j in idx],
+                              bases, [self.segments[j] for j in idx], self.fitted[g])
         return out if out.pages else None
 
 
@@ -571,16 +577,20 @@ class MosaicKVPool(MHATokenToKVPool):
         by_first: dict[int, list[int]] = {}
         for p, (i, first) in sorted(todo.items(), key=lambda item: item[1][0]):
             by_first.setdefault(first, []).append(p)
-        pages, positions, groups = [], [], []
+        cs = ChunkSeal([], [], [])
         for first, group in by_first.items():
-            bases = self.sealed[first].bases if first in self.sealed else None
-            if bases is None and group[0] != first:
-                raise RuntimeError(f"MosaicKV: page {group[0]} needs the bases of block page "
-                                   f"{first}, which is neither sealed nor being sealed")
-            groups.append((list(range(len(pages), len(pages) + len(group))), bases))
-            pages += group
-            positions += [todo[p][0] * ps for p in group]
-        return ChunkSeal(pages, positions, groups)
+            cs.add_group(group, [todo[p][0] * ps for p in group], self._block_bases(first, group))
+        return cs
+
+    def _block_bases(self, first: int, group: list[int]) -> BasisPair | None:
+        """The bases of the basis block whose first page is `first` for sealing `group` (its
+        pages, position order): the sealed first page's, or None when `group` starts with
+        `first` (fitted while sealing it)."""
+        bases = self.sealed[first].bases if first in self.sealed else None
+        if bases is None and group[0] != first:
+            raise RuntimeError(f"MosaicKV: page {group[0]} needs the bases of block page "
+                               f"{first}, which is neither sealed nor being sealed")
+        return bases
 
     @contextmanager
     def _worker_threads(self):
@@ -815,15 +825,8 @@ class MosaicKVPool(MHATokenToKVPool):
             if first in self.decode_sealing:
                 break
             group = [(i, p) for i, p in todo if i // block == blk]
-            bases = self.sealed[first].bases if first in self.sealed else None
-            if bases is None and group[0][1] != first:
-                raise RuntimeError(f"MosaicKV: page {group[0][1]} needs the bases of block page "
-                                   f"{first}, which is neither sealed nor being sealed")
-            cs.groups.append((list(range(len(cs.pages), len(cs.pages) + len(group))), bases))
-            cs.pages += [p for _, p in group]
-            cs.positions += [i * ps for i, _ in group]
-            cs.segments += [[] for _ in group]
-            cs.fitted.append(([], []))
+            bases = self._block_bases(first, [p for _, p in group])
+            cs.add_group([p for _, p in group], [i * ps for i, _ in group], bases)
         if not cs.pages:
             return 0
         ds = DecodeSeal(cs)
