@@ -33,6 +33,11 @@ def variants(meta_channels: list[int], budgets: list[int], rescore: list[int] = 
         # every channel's min/max (Quest's bound, on the rotated K): the metadata upper end
         out.append((f"budget_tokens={b} meta_channels=all", replace(d, select=replace(
             d.select, budget_tokens=b, meta_channels=4096))))
+        # Quest itself: dense values, every channel's min/max on the raw K, 16-token pages
+        out.append((f"budget_tokens={b} quest (dense values)", MosaicConfig(
+            k_candidates=["dense"], v_candidates=["dense"], hot_tokens=d.hot_tokens,
+            sink_segments=0, page_tokens=16,
+            select=replace(d.select, budget_tokens=b, meta_channels=4096))))
         for f in rescore:
             out.append((f"budget_tokens={b} rescore_factor={f}", replace(d, select=replace(
                 d.select, budget_tokens=b, rescore_factor=f))))

@@ -18,6 +18,7 @@ def test_selection_sweep_rows(tmp_path):
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["no selection", "meta_channels=8 (default)", "budget_tokens=512",
                           "budget_tokens=512 meta_channels=all",
+                          "budget_tokens=512 quest (dense values)",
                           "budget_tokens=512 rescore_factor=4",
                           "budget_tokens=512 rescore_factor=4 meta_only"]
     full, tight = rows["no selection"], rows["budget_tokens=512"]
@@ -27,3 +28,6 @@ def test_selection_sweep_rows(tmp_path):
     assert rescored["pages_read"] == tight["pages_read"]  # the same budget read
     assert rescored["pages_rescored"] > rescored["pages_read"]  # more pages' K scored
     assert tight["pages_rescored"] == 0
+    quest = rows["budget_tokens=512 quest (dense values)"]  # nothing compressed: bytes above bf16
+    assert quest["physical_ratio"] < 1.0 < tight["physical_ratio"]
+    assert 0 < quest["pages_read"] < 1.0

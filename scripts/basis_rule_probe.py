@@ -1,0 +1,112 @@
+"""Which basis fit could a traffic-independent read rule use: the codec's attention error on real
+SmolLM2 KV (`bench.fidelity`'s capture, evaluation and metrics) when each block's SVD bases are
+fitted on another token range than the whole block (`basis_fit: group` when a chunk seals the
+block at once) -- the block's first page (`first_page`, what `read_rule: position` needs
+today), its first N tokens, the same after the sink segment, or the previous block. A page's
+sealed bytes may depend only on tokens up to its own end for a cached prefix to hold exactly
+what a request would seal itself (docs/determinism.md); the rules are here to measure what each
+costs, the table there says which of them satisfy that.
+
+    python scripts/basis_rule_probe.py --length 8192 --seeds 0 1 2 --budgets 4096 1024 \
+        --rules group first_page first:1024 nosink:1024 prev:1024 prev:4096
+
+Rules: `group` (the whole block), `first_page`, `first:N` (the block's first N tokens),
+`nosink:N` (N tokens from the end of the sink segments, or the block's start), `prev:N` (block
+b >= 1 on block b-1's tokens; block 0 as `nosink:N`), `prevdec:N` (as `prev:N`, on block b-1's
+K/V as its sealed pages read back: what a pool that no longer holds them dense could fit on).
+One JSON line per (seed, budget, rule).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+import torch
+
+from mosaickv_sglang.bench import fidelity
+from mosaickv_sglang.bench.capture import capture
+from mosaickv_sglang.codec import layer as codec_layer
+from mosaickv_sglang.config import MosaicConfig
+from mosaickv_sglang.serving.pool import _decoded
+
+
+def fit_range(rule: str, block_start: int, block_end: int, cfg: MosaicConfig) -> tuple[int, int]:
+    """Token range [a, b) a block's bases are fitted on under `rule`."""
+    seg = cfg.segment_tokens
+    name, _, n = rule.partition(":")
+    if name == "group":
+        return block_start, block_end
+    if name == "first_page":
+        return block_start, block_start + seg
+    n = int(n)
+    if name == "first":
+        return block_start, min(block_start + n, block_end)
+    if name in ("prev", "prevdec") and block_start > 0:
+        return block_start - cfg.basis_block_tokens, block_start
+    if name in ("nosink", "prev", "prevdec"):
+        a = max(block_start, cfg.sink_segments * seg)
+        return a, min(a + n, block_end)
+    raise ValueError(f"unknown rule {rule!r}")
+
+
+def compressor(rule: str):
+    """`codec.layer.compress_layer` with the bases fitted on `fit_range(rule, ...)`."""
+    def compress_layer(k, v, cfg, select_meta=None):
+        select_meta = cfg.select.enabled if select_meta is None else select_meta
+        seg = cfg.segment_tokens
+        sealed = max((k.shape[1] - cfg.hot_tokens) // seg, 0) * seg
+        cands = codec_layer.Candidates.from_config(cfg)
+        out = codec_layer.CompressedLayer(hot_start=sealed)
+        kf, vf = k.float(), v.float()
+        solver = codec_layer.resolve_fit_solver(cfg.fit_solver, k.device)
+        for block_start in range(0, sealed, cfg.basis_block_tokens):
+            block_end = min(block_start + cfg.basis_block_tokens, sealed)
+            a, b = fit_range(rule, block_start, block_end, cfg)
+            fk, fv = kf[:, a:b], vf[:, a:b]
+            if rule.startswith("prevdec:") and block_start > 0:  # block b-1 as it reads back
+                prev = [s for s in out.segments if a <= s.start < b]
+                back = [_decoded(s, out.k_bases[s.basis], out.v_bases[s.basis]) for s in prev]
+                fk, fv = (torch.cat([x[i] for x in back], 1) for i in (0, 1))
+            kb, vb = codec_layer.fit_with(fk, solver), codec_layer.fit_with(fv, solver)
+            out.k_bases.append(kb)
+            out.v_bases.append(vb)
+            for start in range(block_start, block_end, seg):
+                out.segments.append(codec_layer.seal_segment(
+                    kf[:, start:start + seg], vf[:, start:start + seg], kb, vb,
+                    len(out.k_bases) - 1, start, cfg, cands,
+                    sink=start // seg < cfg.sink_segments, select_meta=select_meta))
+        out.hot_k = k[:, sealed:].to(torch.bfloat16).contiguous()
+        out.hot_v = v[:, sealed:].to(torch.bfloat16).contiguous()
+        return out
+    return compress_layer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[4096])
+    ap.add_argument("--rules", nargs="+", default=["group", "first_page", "prev:4096"])
+    args = ap.parse_args()
+    for seed in args.seeds:
+        cap = capture(args.length, seed=seed)
+        layers = list(range(len(cap.k)))
+        for budget in args.budgets:
+            base = MosaicConfig()
+            cfg = replace(base, select=replace(base.select, budget_tokens=budget))
+            for rule in args.rules:
+                fidelity.compress_layer = compressor(rule)
+                t0 = time.time()
+                r = fidelity.evaluate(fidelity.Method(rule, cfg, "mosaickv"), cap, layers)
+                print(json.dumps({"length": args.length, "seed": seed, "budget": budget,
+                                  "rule": rule, "physical_ratio": round(r["physical_ratio"], 3),
+                                  "attn_rel_err": round(r["attn_rel_err"], 4),
+                                  "mass_recall": round(r["mass_recall"], 4),
+                                  "pages_read": round(r["pages_read"], 3),
+                                  "seconds": round(time.time() - t0, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
