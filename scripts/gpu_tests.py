@@ -58,13 +58,14 @@ GPU_TEST_FILES = {
     "tests/test_class_partition_kernel.py": 1,  # a selection grouped by width class
     "tests/test_request_decode_kernel.py": 2,  # the decode graph's attention kernels
     "tests/test_decode_tables_kernel.py": 1,  # the decode graph's per-step tables, one launch
+    "tests/test_page_rescore_kernel.py": 1,  # selection's second stage on the compressed K
 }
 # Files of GPU_TEST_FILES that import SGLang (the server bundle): without it they are reported
 # as not run, the others still run.
 NEEDS_SGLANG = {"tests/test_packed_decode.py", "tests/test_pack_install.py",
                 "tests/test_decode_graph_gpu.py", "tests/test_extend_attention.py",
                 "tests/test_graph_decode.py", "tests/test_request_decode_kernel.py",
-                "tests/test_decode_tables_kernel.py"}
+                "tests/test_decode_tables_kernel.py", "tests/test_page_rescore_kernel.py"}
 # Test files that name CUDA but run on the CPU only (tests/test_gpu_tests_script.py checks that
 # every file naming CUDA is in one of the two lists).
 CPU_ONLY = {

@@ -183,10 +183,12 @@ def select_rows(context_tokens: int):
 
 def graph_decode(d: int, select: bool):
     """GraphDecode.attend (the full decode graph): q into each reached row's K basis, the page
-    bounds written request-major and the top pages per request (`select`), stage 1 over the
+    bounds written request-major and the top pages per request (`select`: candidates, their
+    second stage on the compressed K, the budget's pages), stage 1 over the
     selected pages (every layout through its plan) with the hot tokens as one more split,
     stage 2 into the layer's bf16 output."""
     from kernel_bench import synth_page_meta
+    from mosaickv_kernels.page_rescore import page_rescore
     from mosaickv_kernels.page_select import page_bounds as bounds, select_page_list
     from mosaickv_kernels.request_decode import DecodeTables, RequestDecode
     from mosaickv_sglang.config import MosaicConfig
@@ -211,7 +213,12 @@ def graph_decode(d: int, select: bool):
     if select:
         meta = synth_page_meta(arena, cfg.select.meta_channels)
         b = bounds(q_rot, meta, indptr, seg_ids, row_pages, rows_per_out=w)
-        ids, counts = select_page_list(b, req_pages, 4, 1, 2)
+        ids, counts = select_page_list(b, req_pages, 8, 1, 2)
+        # the second stage (select.rescore_factor): candidates scored on 32 channels of K
+        scores = page_rescore(q_rot, arena.data, arena.headers, arena.plans, indptr, seg_ids,
+                              ids, counts, rows_per_owner=w, row_pages=row_pages,
+                              pages_per_seg=pps, channels=32, out=torch.empty_like(b))
+        ids, counts = select_page_list(scores, req_pages, 4, 1, 2)
         sel = dict(page_ids=ids, page_counts=counts)
     buf = torch.zeros(4 * SEGMENT, h, d, dtype=torch.bfloat16)
     tables = DecodeTables(arena.data, arena.headers, arena.plans, indptr, seg_ids, req_pages,
@@ -330,7 +337,8 @@ SCENARIOS = [
     *(Scenario(f"graph decode d{d}{' select' if sel else ''}",
                ("request_decode._request_queries", "request_decode._request_decode_stage1",
                 "request_decode._request_decode_stage2")
-               + (("page_select._page_bounds", "page_select._select_top_pages") if sel else ()),
+               + (("page_select._page_bounds", "page_select._select_top_pages",
+                   "page_rescore._page_rescore") if sel else ()),
                lambda d=d, sel=sel: graph_decode(d, sel))
       for d in (128, 64) for sel in (True, False)),
     Scenario("decode tables", ("decode_tables._decode_tables",), decode_tables),

@@ -1,0 +1,172 @@
+"""Second stage of page selection on the GPU: the candidate pages the bound kept (`page_select`
+at `select.rescore_factor` x the budget) scored on their compressed K itself, so that the
+budget's pages are those with the highest real scores rather than the highest bounds.
+
+    score(page) = max over the page's 32 tokens and the group's G query heads of
+                  sum_{c < R} q_rot[c] * k_rot[t, c]
+
+k_rot is the page's K in its block's SVD basis as the arena stores it (codes * scale + zero,
+through the layout's per-channel plan), q_rot the query in the same basis (`queries`). R =
+`select.rescore_channels` leading channels (where the basis puts K's energy), or every channel.
+The codec's torch reference decode does the same (`codec.attention._rescore`,
+`_leading_channel_scores`); measured there on real SmolLM2 KV at 8K and a 1/8 budget: attention
+error 0.226 -> 0.142 with 4x candidates and R = 32 (docs/codec.md).
+
+One program per (list owner, KV head, block of candidates); each candidate read once, R channels
+of its 32 tokens. Writes only the candidates' entries of `out` ([B, H, P_out], a page id's
+column); `page_rescore` fills the rest with -inf first, so the output is what `select_page_list`
+(or `RowSelection.select`) takes to keep the budget's best. A list owner is a request whose
+pages span W query rows of `row_pages` pages each (the decode graph: page p reads q row
+b * W + p // row_pages), or one arena row (the eager path: W = 1, row_pages >= its pages).
+
+    scores = page_rescore(q_rot, data, headers, plans, seg_indptr, seg_ids, ids, counts,
+                          rows_per_owner=W, row_pages=row_pages, pages_per_seg=pps,
+                          channels=32, out=bounds)
+    ids, counts = select_page_list(scores, req_pages, budget, sink, recent)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .band_unpack import PLAN_ROW
+from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
+
+PAGE_TOKENS = 32
+BLOCK_CANDIDATES = 16  # candidates per program
+
+
+@triton.jit
+def _page_rescore(
+    Q_ROT,  # fp32 [B * W, H, G, D]: each query row's q in its row's K basis
+    ARENA_U8, ARENA_F16, HEADERS, PLANS,  # the layer's arena, headers, layout plans
+    SEG_INDPTR, SEG_IDS,  # int32 [B * W + 1] (an owner's segments from SEG_INDPTR[b * W]), [S]
+    PAGE_IDS, PAGE_COUNTS,  # int32 [B, H, K] candidates (owner-local page ids), [B, H]
+    OUT,  # fp32 [B, H, P_out]
+    H, G, W, row_pages, pps, max_sel, P_out,
+    D: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    HDR_W: tl.constexpr, PLAN_W: tl.constexpr, BASE_COL: tl.constexpr,
+    STRIDE_COL: tl.constexpr, LAYOUT_COL: tl.constexpr, K_GROUP_COL: tl.constexpr,
+    R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
+    R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    bh = b * H + h
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_c = tl.arange(0, R)
+    offs_t = tl.arange(0, 32)
+    mask_g = offs_g < G
+    count = tl.load(PAGE_COUNTS + bh)
+    start = tl.program_id(2) * BLOCK_C
+    end = tl.minimum(start + BLOCK_C, count)
+    seg0 = tl.load(SEG_INDPTR + b * W)
+    for i in range(start, end):
+        page = tl.load(PAGE_IDS + bh * max_sel + i)
+        seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
+        hdr = HEADERS + seg * HDR_W
+        base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
+        plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)  # K's plan
+        group = tl.load(hdr + K_GROUP_COL)
+        tok0 = (page % pps) * 32
+        # the leading R channels' per-channel plan (a dropped channel: mask 0, reads as 0)
+        code = tl.load(plan + R_CODE * D + offs_c)
+        row = tl.load(plan + R_ROW * D + offs_c)
+        shift = tl.load(plan + R_SHIFT * D + offs_c)
+        bits = tl.load(plan + R_MASK * D + offs_c)
+        keep = bits != 0
+        goff = (tok0 // group) * tl.load(plan + R_GROUP * D + offs_c)
+        f16 = ARENA_F16 + base // 2
+        scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + offs_c) + goff) // 2, mask=keep,
+                        other=0.0).to(tl.float32)
+        zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + offs_c) + goff) // 2, mask=keep,
+                       other=0.0).to(tl.float32)
+        raw = tl.load(ARENA_U8 + base + code[None, :] + (tok0 + offs_t)[:, None] * row[None, :],
+                      mask=keep[None, :], other=0)
+        codes = ((raw.to(tl.int32) >> shift[None, :]) & bits[None, :]).to(tl.float32)
+        k = codes * scale[None, :] + zero[None, :]  # [32, R]
+        k = tl.where(keep[None, :], k, 0.0)
+        qrow = b * W + page // row_pages
+        q = tl.load(Q_ROT + ((qrow * H + h) * G + offs_g)[:, None] * D + offs_c[None, :],
+                    mask=mask_g[:, None], other=0.0)  # [BLOCK_G, R]
+        s = tl.sum(q[:, None, :] * k[None, :, :], 2)  # [BLOCK_G, 32], float32 products
+        s = tl.where(mask_g[:, None], s, float("-inf"))
+        tl.store(OUT + bh * P_out + page, tl.max(tl.max(s, 1), 0))
+
+
+def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
+                 plans: torch.Tensor, seg_indptr: torch.Tensor, seg_ids: torch.Tensor,
+                 page_ids: torch.Tensor, page_counts: torch.Tensor, *, rows_per_owner: int,
+                 row_pages: int, pages_per_seg: int, channels: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """Candidates `page_ids` int32 [B, H, K] (the first `page_counts` [B, H] of each list) scored
+    on the leading `channels` of their compressed K against `q_rot` fp32 [B * W, H, G, D]
+    (W = `rows_per_owner`); `out` fp32 [B, H, P] (P > every candidate id) filled with -inf and
+    the candidates' scores. Two launches (the fill, the scores), no host sync."""
+    b, h, k = page_ids.shape
+    nq, hq, g, d = q_rot.shape
+    if q_rot.dtype != torch.float32 or not q_rot.is_contiguous() or hq != h or \
+            nq != b * rows_per_owner:
+        raise ValueError(f"page_rescore: q_rot must be contiguous float32 "
+                         f"[{b * rows_per_owner}, {h}, G, D], got {q_rot.dtype} "
+                         f"{tuple(q_rot.shape)}")
+    if page_ids.dtype != torch.int32 or not page_ids.is_contiguous() or \
+            tuple(page_counts.shape) != (b, h) or page_counts.dtype != torch.int32:
+        raise ValueError(f"page_rescore: page_ids must be contiguous int32 [B, H, K] and "
+                         f"page_counts int32 [B, H], got {page_ids.dtype} "
+                         f"{tuple(page_ids.shape)} and {page_counts.dtype} "
+                         f"{tuple(page_counts.shape)}")
+    if out.dtype != torch.float32 or out.dim() != 3 or tuple(out.shape[:2]) != (b, h) or \
+            not out.is_contiguous():
+        raise ValueError(f"page_rescore: out must be contiguous float32 [{b}, {h}, P], got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if channels < 16 or channels > d or channels & (channels - 1):
+        raise ValueError(f"page_rescore: channels={channels} must be a power of two in "
+                         f"[16, head_dim={d}]")
+    if seg_indptr.numel() != nq + 1:
+        raise ValueError(f"page_rescore: seg_indptr has {seg_indptr.numel()} entries for {nq} "
+                         f"query rows")
+    out.fill_(float("-inf"))
+    if k == 0 or b == 0:
+        return out
+    _page_rescore[(b, h, triton.cdiv(k, BLOCK_CANDIDATES))](
+        q_rot, data, data.view(torch.float16), headers, plans, seg_indptr, seg_ids, page_ids,
+        page_counts, out, h, g, rows_per_owner, row_pages, pages_per_seg, k, out.shape[2],
+        D=d, R=channels, BLOCK_G=max(2, triton.next_power_of_2(g)), BLOCK_C=BLOCK_CANDIDATES,
+        HDR_W=HEADER_WIDTH, PLAN_W=len(PLAN_FIELDS), BASE_COL=HDR["base16"],
+        STRIDE_COL=HDR["head_stride"], LAYOUT_COL=HDR["layout"], K_GROUP_COL=HDR["k_group"],
+        R_CODE=PLAN_ROW["code"], R_ROW=PLAN_ROW["row"], R_SHIFT=PLAN_ROW["shift"],
+        R_MASK=PLAN_ROW["mask"], R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"],
+        R_GROUP=PLAN_ROW["group_bytes"], num_warps=4)
+    return out
+
+
+def page_rescore_reference(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
+                           plans: torch.Tensor, seg_indptr: torch.Tensor, seg_ids: torch.Tensor,
+                           page_ids: torch.Tensor, page_counts: torch.Tensor, *,
+                           rows_per_owner: int, row_pages: int, pages_per_seg: int, channels: int,
+                           pages_out: int) -> torch.Tensor:
+    """Torch oracle of `page_rescore` (float32 [B, H, pages_out] on the CPU), candidate by
+    candidate: the page's K decoded from the arena bytes (`band_unpack.decode_rotated_reference`),
+    scored on its leading `channels` against its query row."""
+    from types import SimpleNamespace
+
+    from .band_unpack import decode_rotated_reference
+
+    b_n, h, _ = page_ids.shape
+    arena = SimpleNamespace(data=data, headers=headers, plans=plans, num_kv_heads=h,
+                            segment_tokens=pages_per_seg * PAGE_TOKENS, device=data.device)
+    out = torch.full((b_n, h, pages_out), float("-inf"))
+    indptr = seg_indptr.cpu().long()
+    segs = seg_ids.long()
+    for b in range(b_n):
+        seg0 = int(indptr[b * rows_per_owner])
+        for hh in range(h):
+            for p in page_ids[b, hh, :int(page_counts[b, hh])].tolist():
+                k_rot, _ = decode_rotated_reference(arena, segs[seg0 + p // pages_per_seg].view(1))
+                t0 = (p % pages_per_seg) * PAGE_TOKENS
+                k = k_rot[0, hh, t0:t0 + PAGE_TOKENS, :channels].float().cpu()  # [32, R]
+                q = q_rot[b * rows_per_owner + p // row_pages, hh, :, :channels].float().cpu()
+                out[b, hh, p] = (q @ k.T).max()
+    return out
