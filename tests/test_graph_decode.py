@@ -47,7 +47,8 @@ def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024
                        decode_cuda_graph=mode, k_candidates=["band:b8=4,b4=60,b2=0,group=128"],
                        v_candidates=["band:b8=4,b4=60,b2=0,group=128"],
                        sink_candidates=["band:b8=64,b4=0,b2=0,group=32"],
-                       select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64},
+                       select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64,
+                               **extra.pop("select", {})},
                        **extra)
     pool = MosaicKVPool(40 * PS, PS, torch.bfloat16, H, D, LAYERS, device, False,
                         mosaic_config=cfg)
@@ -116,14 +117,20 @@ def _state(pool):
 # decode_seal_layers 1 (of 2 layers): request 3's first page, sealable at step 1, is sealed over
 # steps 1 and 2 (both host steps: the host seals the slices) and installed at step 2, read
 # compressed from step 3 on: one device-planned step fewer
+# rescore: selection's second stage (page_rescore), 16 candidates re-ranked on 32 channels of
+# their K for the 8-page budget, request-major in the graph and per arena row in the eager step
 @pytest.mark.parametrize("device", [DEVICE])
-@pytest.mark.parametrize("seal_layers,device_planned", [(0, DEVICE_PLANNED),
-                                                        (1, DEVICE_PLANNED - 1)])
-def test_full_graph_replay_matches_the_eager_step(device, seal_layers, device_planned, seed):
+@pytest.mark.parametrize("seal_layers,device_planned,rescore", [
+    (0, DEVICE_PLANNED, {}), (1, DEVICE_PLANNED - 1, {}),
+    (0, DEVICE_PLANNED, {"rescore_factor": 2, "rescore_channels": 32})])
+def test_full_graph_replay_matches_the_eager_step(device, seal_layers, device_planned, rescore,
+                                                  seed):
     lengths, bs = (250, 700, 127), 4  # captured size 4: one padded row
-    eager, pool_e = _backend("off", seed, lengths, device, decode_seal_layers=seal_layers)
+    eager, pool_e = _backend("off", seed, lengths, device, decode_seal_layers=seal_layers,
+                             select=rescore)
     graph, pool_g = _backend("full", seed, lengths, device, separate_hot_table=True,
-                             decode_seal_layers=seal_layers)
+                             decode_seal_layers=seal_layers, select=rescore)
+    assert graph.graph.rescore == eager.packed.rescore == ((2, 32) if rescore else None)
     assert graph.graph.width == 4  # 1024-token context, 256-token blocks
     layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D,
                               scaling=D ** -0.5) for i in range(LAYERS)]

@@ -1,6 +1,7 @@
 """The server's batched kernel decode (PackedDecode over the pool's SegmentStore) against the
 torch reference per request: several requests, a request spanning two basis blocks, page
 selection active, and a request with an unpacked (dense) segment routed to the reference."""
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -43,10 +44,17 @@ def reference(pool, q, slots, layer):
     return out[0]
 
 
-@pytest.mark.parametrize("lengths", [(700, 90, 300), (129,)])
-def test_packed_decode_matches_reference(lengths, seed):
+# the second selection stage (page_rescore): 16 candidates for the 8-page budget, scored on
+# 32 leading channels of their compressed K, or on every channel
+RESCORE = [{}, {"rescore_factor": 2, "rescore_channels": 32}, {"rescore_factor": 2}]
+
+
+@pytest.mark.parametrize("lengths,rescore", [((700, 90, 300), {}), ((129,), {}),
+                                             *(((700, 90, 300), r) for r in RESCORE[1:])])
+def test_packed_decode_matches_reference(lengths, rescore, seed):
     gen = torch.Generator().manual_seed(seed)
-    pool = make_pool()
+    pool = make_pool(select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64,
+                             **rescore})
     req_to_token = torch.zeros(len(lengths), 1024, dtype=torch.long, device=DEVICE)
     slots, page = [], 1
     for rid, n in enumerate(lengths):
@@ -55,7 +63,9 @@ def test_packed_decode_matches_reference(lengths, seed):
     batch = SimpleNamespace(batch_size=len(lengths), req_pool_indices=torch.arange(len(lengths), device=DEVICE),
                             seq_lens=torch.tensor(lengths, device=DEVICE))
     dec = PackedDecode(pool)
+    assert dec.rescore == ((2, rescore.get("rescore_channels") or D) if rescore else None)
     dec.begin(batch, req_to_token)
+    changed = 0
     assert not dec.step.reference_slots and dec.step.merge == (max(lengths) > 512)
     # 5 sealed pages > the 256-token budget: the GPU selector runs
     assert (dec.step.rows is not None) == (max(lengths) > 512)
@@ -68,6 +78,23 @@ def test_packed_decode_matches_reference(lengths, seed):
             want = reference(pool, q[i], s, layer)
             err = float((out[i] - want).norm() / want.norm())
             assert err < 2e-3, (i, err, repro(seed))  # NaN fails this comparison too
+            if rescore and len(s) > 512:  # the second stage changes what is read
+                changed += _rescore_changes(pool, q[i], s, layer)
+    if rescore:
+        assert changed > 0, ("the second stage kept the bound's pages everywhere: the test "
+                             "would not see it missing", repro(seed))
+
+
+def _rescore_changes(pool, q, slots, layer) -> int:
+    """(query, KV head) page sets the reference's second stage changes against the bound's."""
+    view = pool.layer_view(layer.layer_id, slots)
+    keeps = []
+    for sel in (pool.cfg.select, replace(pool.cfg.select, rescore_factor=0,
+                                         rescore_channels=0)):
+        _, info = decode_attention(q[None].float(), view, torch.tensor([len(slots) - 1]), sel,
+                                   pool.cfg.page_tokens, sm_scale=layer.scaling)
+        keeps.append(info.page_keep)
+    return int((keeps[0] != keeps[1]).any(-1).sum())
 
 
 def test_stats_report_the_pages_selection_read(seed):

@@ -35,6 +35,7 @@ from .common import dot_exact, dot_fp16, interpreting
 from .basis_rotate import rotate_rows
 from .class_partition import class_partition
 from .dense_decode import dense_decode_partial
+from .page_rescore import page_rescore
 from .page_select import PackedPageMeta, RowSelection, page_bounds, select_page_list
 
 PAGE_TOKENS = 32
@@ -602,11 +603,15 @@ class BandDecodeWrapper:
     def select(self, q: torch.Tensor, arena: PackedArena, meta: PackedPageMeta, *,
                budget_pages: int, sink_pages: int, recent_pages: int,
                rows: RowSelection | None = None,
-               queries: tuple[torch.Tensor, torch.Tensor] | None = None):
+               queries: tuple[torch.Tensor, torch.Tensor] | None = None,
+               rescore: tuple[int, int] | None = None):
         """Query-aware page list on the device (`page_select`): bounds of every compressed page
         from `meta` (the arena's segments' page metadata, by segment id), then the top pages per
         (arena row, KV head) -> (page_ids, page_counts) for `run`. When a request spans several
-        rows (basis blocks), pass `rows` so its budget covers all of them. No host sync."""
+        rows (basis blocks), pass `rows` so its budget covers all of them. `rescore` = (factor,
+        channels): the bound keeps factor x the budget's pages as candidates, and the budget's
+        pages are the candidates with the best scores on `channels` leading channels of their
+        compressed K (`page_rescore`). No host sync."""
         if not self._planned:
             raise RuntimeError("select: call plan() first")
         self._check_arena(arena)
@@ -619,10 +624,24 @@ class BandDecodeWrapper:
         out = rows.bounds_out(h) if rows is not None and rows.row_pmax == self.max_pages \
             else None  # then RowSelection reads the bounds where they are written
         bounds = page_bounds(q_rot, meta, arena.seg_indptr, arena.seg_ids, self.max_pages, out)
-        if rows is not None:
-            return rows.select(bounds, budget_pages, sink_pages, recent_pages)
-        num_pages = (arena.seg_indptr[1:] - arena.seg_indptr[:-1]) * self.pages_per_seg
-        return select_page_list(bounds, num_pages, budget_pages, sink_pages, recent_pages)
+
+        def top(scores, budget):
+            if rows is not None:
+                return rows.select(scores, budget, sink_pages, recent_pages)
+            num_pages = (arena.seg_indptr[1:] - arena.seg_indptr[:-1]) * self.pages_per_seg
+            return select_page_list(scores, num_pages, budget, sink_pages, recent_pages)
+
+        if rescore is None:
+            return top(bounds, budget_pages)
+        factor, channels = rescore
+        ids, counts = top(bounds, factor * budget_pages)  # candidates, per arena row
+        # each arena row owns its list (one query row: page ids are row-local, < max_pages)
+        scores = page_rescore(q_rot, arena.data, arena.headers, arena.plans, arena.seg_indptr,
+                              arena.seg_ids, ids, counts, rows_per_owner=1,
+                              row_pages=self.max_pages, pages_per_seg=self.pages_per_seg,
+                              channels=channels,
+                              out=rows.bounds_out(h) if rows is not None else bounds)
+        return top(scores, budget_pages)
 
     def queries(self, q: torch.Tensor, arena: PackedArena) -> tuple[torch.Tensor, torch.Tensor]:
         """(q scaled by sm_scale in the raw basis, the same in the K basis), fp32 [B, H, G, D]:

@@ -13,7 +13,9 @@ SGLang captures per batch size, so a replay launches nothing from Python. What t
   hot-buffer rows and its compressed page count.
 * **Five launches per layer with grids fixed per batch size** (`request_decode`): q into every
   reached row's K basis; the page bounds over the rows, written request-major, and the top pages
-  per request (the selection always on: a request within the budget keeps all its pages); one
+  per request (the selection always on: a request within the budget keeps all its pages; with
+  `select.rescore_factor` the bound's candidates re-ranked on their compressed K, two more
+  launches and a second top-k, `page_rescore`); one
   stage-1 launch over each request's selected pages, every layout in one compiled variant (the
   per-channel plan, no width classes), rows' V accumulators rotated back as the row changes, the
   hot tokens as one more split; one merge writing the layer's output.
@@ -34,10 +36,12 @@ import torch
 from mosaickv_kernels.basis_rotate import basis_pointers
 from mosaickv_kernels.common import interpreting
 from mosaickv_kernels.decode_tables import build_decode_tables
+from mosaickv_kernels.page_rescore import page_rescore
 from mosaickv_kernels.page_select import page_bounds, select_page_list
 from mosaickv_kernels.request_decode import DecodeTables, RequestDecode
 
-from .packed_decode import host_batch, host_seq_lens, hot_slots, readable, request_reads
+from .packed_decode import (host_batch, host_seq_lens, hot_slots, readable, request_reads,
+                            rescore_plan)
 from .pool import upload_changed_span
 
 logger = logging.getLogger(__name__)
@@ -110,6 +114,7 @@ class GraphDecode:
         sel, pt = cfg.select, cfg.page_tokens
         self.budget_pages = sel.budget_tokens // pt
         self.sink_pages, self.recent_pages = -(-sel.sink_tokens // pt), -(-sel.recent_tokens // pt)
+        self.rescore = rescore_plan(sel, pool.head_dim)  # (factor, channels) or None
         self.buckets: dict[int, _Bucket] = {}
         # the kernels' float32 workspace, shared by every bucket (one graph replays at a time):
         # the largest bucket's size, not the sum over buckets
@@ -401,8 +406,20 @@ class GraphDecode:
         if bk.bounds is not None:
             bounds = page_bounds(q_rot, pool.store.meta[local], bk.seg_indptr, bk.seg_ids,
                                  self.row_pages, out=bk.bounds, rows_per_out=self.width)
-            sel = dict(zip(("page_ids", "page_counts"), select_page_list(
-                bounds, bk.req_pages, self.budget_pages, self.sink_pages, self.recent_pages)))
+            rescore = self.rescore
+            ids, counts = select_page_list(
+                bounds, bk.req_pages, self.budget_pages * (rescore[0] if rescore else 1),
+                self.sink_pages, self.recent_pages)
+            if rescore:  # the candidates re-ranked on their compressed K (bounds overwritten)
+                store = pool.store
+                scores = page_rescore(q_rot, store.data[local], store.headers[local],
+                                      store.plans, bk.seg_indptr, bk.seg_ids, ids, counts,
+                                      rows_per_owner=self.width, row_pages=self.row_pages,
+                                      pages_per_seg=self.pps, channels=rescore[1],
+                                      out=bk.bounds)
+                ids, counts = select_page_list(scores, bk.req_pages, self.budget_pages,
+                                               self.sink_pages, self.recent_pages)
+            sel = {"page_ids": ids, "page_counts": counts}
         dec.run(q_rot, q_s, self.tables(bk, local), bk.basis_ptrs, (pool.layer_num + local) * h,
                 out, **sel)
 

@@ -7,7 +7,8 @@ into *rows* by basis block (the kernel rotates q once per row), plus its hot tok
 its last row. Per layer the kernel runs over every row of the batch in one launch, reading the
 arena in place; rows of one request are merged with their log-sum-exps. Page selection runs on
 the device from the store's page metadata (`page_select`: bounds, then the top pages per request
-across its rows), the same rule as the reference selector. A request whose sealed pages include a
+across its rows; with `select.rescore_factor` the bound's candidates re-ranked on their
+compressed K, `page_rescore`), the same rule as the reference selector. A request whose sealed pages include a
 segment the kernel cannot read (dense fallback, non-band sink) goes through the reference path,
 counted and logged once. Per layer nothing waits on the device: the bases are the stored read
 transforms (no inverse, see codec/basis.py), read in place by address (a table of each row's
@@ -118,16 +119,31 @@ def hot_slots(hot_pages: torch.Tensor, page_size: int, count: int) -> torch.Tens
     return torch.from_numpy((hot[:, None] * page_size + np.arange(page_size)).ravel()[:count])
 
 
+def rescore_plan(sel, head_dim: int) -> tuple[int, int] | None:
+    """The decode kernels' second selection stage (`page_rescore`) for SelectionConfig `sel`:
+    (candidate factor, leading channels scored) or None; what they cannot do is refused."""
+    if not (sel.enabled and sel.rescore_factor):
+        return None
+    if sel.rescore_meta_only:
+        raise ValueError("mosaickv select.rescore_meta_only is read by the torch reference "
+                         "decode only (the kernels' second stage scores leading channels, "
+                         "`select.rescore_channels`): set decode_kernel 'reference' or drop "
+                         "rescore_meta_only in --mosaickv-config")
+    r = sel.rescore_channels or head_dim
+    if r < 16 or r > head_dim or r & (r - 1):
+        raise ValueError(f"mosaickv select.rescore_channels={sel.rescore_channels}: the decode "
+                         f"kernels score a power of two of leading channels in [16, "
+                         f"head_dim={head_dim}] (0: every channel)")
+    return sel.rescore_factor, r
+
+
 class PackedDecode:
     def __init__(self, pool):
         if pool.dtype != torch.bfloat16:
             raise ValueError(f"mosaickv decode_kernel 'triton' reads a bf16 hot buffer, but the KV "
                              f"cache is {pool.dtype}: serve with --dtype bfloat16 or set "
                              f"decode_kernel 'reference' in --mosaickv-config")
-        if pool.cfg.select.enabled and pool.cfg.select.rescore_factor:
-            raise ValueError("mosaickv select.rescore_factor is read by the torch reference decode "
-                             "only (the decode kernels select by the page bound): set "
-                             "decode_kernel 'reference' or rescore_factor 0 in --mosaickv-config")
+        self.rescore = rescore_plan(pool.cfg.select, pool.head_dim)
         if torch.device(pool.device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("mosaickv decode_kernel 'triton' on a CPU runs through Triton's "
                              "interpreter: set TRITON_INTERPRET=1, or use decode_kernel 'auto'")
@@ -239,7 +255,8 @@ class PackedDecode:
             sel = dict(zip(("page_ids", "page_counts"), self.wrapper.select(
                 q_rows, arena, pool.store.meta[layer.layer_id - pool.start_layer],
                 budget_pages=self.budget_pages, sink_pages=self.sink_pages,
-                recent_pages=self.recent_pages, rows=st.rows, queries=queries)))
+                recent_pages=self.recent_pages, rows=st.rows, queries=queries,
+                rescore=self.rescore)))
         timer.lap("select")
         o_rows = self.wrapper.run(q_rows, arena, out_dtype=torch.float32, queries=queries, **sel)
         timer.lap("kernels")
