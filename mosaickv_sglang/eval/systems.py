@@ -19,6 +19,11 @@ thing buys:
   about the bytes the default reads per step (4096 tokens at ~4.6 bits); selection saves reads,
   not memory, so "equal bytes" is equal bytes read;
 * ``mosaickv_sel1k``: the default with the same 1024-token selection budget;
+* ``mosaickv_sel512``, ``mosaickv_sel512_rescore`` / ``mosaickv_sel1024_rescore``,
+  ``quest_sel512`` / ``quest_sel1024``: selection at 1/8 of 4K and of 8K: the bound alone, the
+  bound's 4x candidates re-ranked on 32 leading channels of their compressed K (the kernels'
+  second stage), and a Quest-like baseline (near-lossless 8-bit values on raw channels, every
+  channel's min/max per 32-token page: kernel-readable, unlike bf16 values);
 * ``mosaickv_k4``: the default without its 2-bit K candidate (K at >= 4.5 bits/scalar): the
   rotated chooser sends more K segments to 2 bits than the raw-basis one (18% vs 2% on the CPU);
 * ``mosaickv_hi`` / ``mosaickv_lo`` / ``mosaickv_xlo``: fixed band layouts at ~5.5 / 3.5 / 2.9
@@ -37,6 +42,8 @@ SELECTION_ONLY_BUDGET = 2048  # 8-bit tokens read per step by selection_only: ~ 
 NEAR_LOSSLESS = "band:b8=64,b4=0,b2=0,group=32"  # 8 bits on every channel (the default sink)
 MASK_MATCH = "band:b8=4,b4=60,b2=0,group=128"  # the default's middle candidate (4.5 bits/scalar)
 SMOLLM2_HEAD_DIM = 64
+EIGHTH_BUDGETS = (512, 1024)  # 1/8 of 4K and of 8K
+RESCORE_FACTOR, RESCORE_CHANNELS = 4, 32  # the codec probe's best (docs/codec.md)
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,25 @@ def build_systems() -> dict[str, System]:
                family="ablation"),
         System("mosaickv_sel1k", f"default with a {SELECTION_BUDGET}-token selection budget",
                config=sel_budget, family="budget"),
+        # selection at 1/8 of the context (512 tokens at 4K, 1024 at 8K): the bound alone, the
+        # second stage on the compressed K, and a Quest-like baseline at the same budget
+        *(System(f"mosaickv_sel{b}_rescore", f"default with a {b}-token selection budget and "
+                 f"the second stage: {RESCORE_FACTOR}x candidates re-ranked on "
+                 f"{RESCORE_CHANNELS} leading channels of their compressed K",
+                 config={"select": {"enabled": True, "budget_tokens": b,
+                                    "rescore_factor": RESCORE_FACTOR,
+                                    "rescore_channels": RESCORE_CHANNELS}}, family="budget")
+          for b in EIGHTH_BUDGETS),
+        *(System(f"quest_sel{b}", f"Quest-like at a {b}-token budget: 8 bits on every raw "
+                 f"channel ({NEAR_LOSSLESS}, identity bases), every channel's min/max per "
+                 f"32-token page", config={**_fixed(NEAR_LOSSLESS, NEAR_LOSSLESS),
+                                          "fit_solver": "identity",
+                                          "select": {"enabled": True, "budget_tokens": b,
+                                                     "meta_channels": SMOLLM2_HEAD_DIM}},
+                 family="baseline")
+          for b in EIGHTH_BUDGETS),
+        System("mosaickv_sel512", "default with a 512-token selection budget",
+               config={"select": {"enabled": True, "budget_tokens": 512}}, family="budget"),
         System("mosaickv_k4", "default without the 2-bit K candidate (K >= 4.5 bits/scalar)",
                config={"k_candidates": [c for c in d.k_candidates if ",b2=0," in c]},
                family="budget"),
