@@ -1,5 +1,5 @@
-"""Helpers shared by the kernels: dots on tensor cores (fp32-accurate, or one fp16 MMA), and
-launch flags."""
+"""Helpers shared by the kernels: dots on tensor cores (fp32-accurate, or one fp16 MMA), launch
+flags, and the packed layout's per-channel read plan (`channel_plan`)."""
 from __future__ import annotations
 
 import os
@@ -52,3 +52,23 @@ def dot_fp16(a, b, EMULATE: tl.constexpr):
         out = tl.dot(a.to(tl.float16), b.to(tl.float16))
     return out
 
+
+@triton.jit
+def channel_plan(plan, F16, base, group, tok0, ch, D: tl.constexpr, R_CODE: tl.constexpr,
+                 R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
+                 R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr):
+    """The layout's per-channel plan at channels `ch` (any shape): each code's byte offset in
+    the head block, row stride, shift and mask (`keep`: not dropped), and the scale and zero of
+    the token group of `tok0` (float32, 0 for dropped channels)."""
+    code = tl.load(plan + R_CODE * D + ch)
+    row = tl.load(plan + R_ROW * D + ch)
+    shift = tl.load(plan + R_SHIFT * D + ch)
+    bits = tl.load(plan + R_MASK * D + ch)
+    keep = bits != 0
+    goff = (tok0 // group) * tl.load(plan + R_GROUP * D + ch)
+    f16 = F16 + base // 2
+    scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + ch) + goff) // 2, mask=keep,
+                    other=0.0).to(tl.float32)
+    zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + ch) + goff) // 2, mask=keep,
+                   other=0.0).to(tl.float32)
+    return code, row, shift, bits, keep, scale, zero

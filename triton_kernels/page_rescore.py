@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .band_unpack import PLAN_ROW
+from .common import channel_plan
 from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
 
 PAGE_TOKENS = 32
@@ -71,17 +72,9 @@ def _page_rescore(
         group = tl.load(hdr + K_GROUP_COL)
         tok0 = (page % pps) * 32
         # the leading R channels' per-channel plan (a dropped channel: mask 0, reads as 0)
-        code = tl.load(plan + R_CODE * D + offs_c)
-        row = tl.load(plan + R_ROW * D + offs_c)
-        shift = tl.load(plan + R_SHIFT * D + offs_c)
-        bits = tl.load(plan + R_MASK * D + offs_c)
-        keep = bits != 0
-        goff = (tok0 // group) * tl.load(plan + R_GROUP * D + offs_c)
-        f16 = ARENA_F16 + base // 2
-        scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + offs_c) + goff) // 2, mask=keep,
-                        other=0.0).to(tl.float32)
-        zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + offs_c) + goff) // 2, mask=keep,
-                       other=0.0).to(tl.float32)
+        code, row, shift, bits, keep, scale, zero = channel_plan(
+            plan, ARENA_F16, base, group, tok0, offs_c, D, R_CODE, R_ROW, R_SHIFT, R_MASK,
+            R_SCALE, R_ZERO, R_GROUP)
         raw = tl.load(ARENA_U8 + base + code[None, :] + (tok0 + offs_t)[:, None] * row[None, :],
                       mask=keep[None, :], other=0)
         codes = ((raw.to(tl.int32) >> shift[None, :]) & bits[None, :]).to(tl.float32)

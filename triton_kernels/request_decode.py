@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .band_decode import MIN_PAGES_PER_SPLIT, choose_num_splits  # noqa: F401 (re-exported)
 from .band_unpack import PLAN_ROW
-from .common import _round_bf16, dot_exact, interpreting
+from .common import _round_bf16, channel_plan as _channel_plan, dot_exact, interpreting
 from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
 
 PAGE_TOKENS = 32
@@ -93,27 +93,6 @@ def _request_queries(
             rt = tl.load(mat + offs_n[None, :] * D + offs_d[:, None])  # R^T[j, n] = R[n, j]
             y = dot_exact(x, rt, EMULATE)  # R is bf16: q's two bf16 halves, two MMAs
         tl.store(Q_ROT + out + offs_n[None, :], y, mask=mask)
-
-
-@triton.jit
-def _channel_plan(plan, F16, base, group, tok0, ch, D: tl.constexpr, R_CODE: tl.constexpr,
-                  R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
-                  R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr):
-    """The layout's per-channel plan at channels `ch` (any shape): each code's byte offset in
-    the head block, row stride, shift and mask (`keep`: not dropped), and the scale and zero of
-    the token group of `tok0` (float32, 0 for dropped channels)."""
-    code = tl.load(plan + R_CODE * D + ch)
-    row = tl.load(plan + R_ROW * D + ch)
-    shift = tl.load(plan + R_SHIFT * D + ch)
-    bits = tl.load(plan + R_MASK * D + ch)
-    keep = bits != 0
-    goff = (tok0 // group) * tl.load(plan + R_GROUP * D + ch)
-    f16 = F16 + base // 2
-    scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + ch) + goff) // 2, mask=keep,
-                    other=0.0).to(tl.float32)
-    zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + ch) + goff) // 2, mask=keep,
-                   other=0.0).to(tl.float32)
-    return code, row, shift, bits, keep, scale, zero
 
 
 @triton.jit
