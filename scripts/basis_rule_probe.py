@@ -52,34 +52,16 @@ def fit_range(rule: str, block_start: int, block_end: int, cfg: MosaicConfig) ->
 
 
 def compressor(rule: str):
-    """`codec.layer.compress_layer` with the bases fitted on `fit_range(rule, ...)`."""
+    """`codec.layer.compress_layer` with the bases fitted as `rule` says."""
     def compress_layer(k, v, cfg, select_meta=None):
-        select_meta = cfg.select.enabled if select_meta is None else select_meta
-        seg = cfg.segment_tokens
-        sealed = max((k.shape[1] - cfg.hot_tokens) // seg, 0) * seg
-        cands = codec_layer.Candidates.from_config(cfg)
-        out = codec_layer.CompressedLayer(hot_start=sealed)
-        kf, vf = k.float(), v.float()
-        solver = codec_layer.resolve_fit_solver(cfg.fit_solver, k.device)
-        for block_start in range(0, sealed, cfg.basis_block_tokens):
-            block_end = min(block_start + cfg.basis_block_tokens, sealed)
+        def fit_on(block_start, block_end, kf, vf, layer):
             a, b = fit_range(rule, block_start, block_end, cfg)
-            fk, fv = kf[:, a:b], vf[:, a:b]
             if rule.startswith("prevdec:") and block_start > 0:  # block b-1 as it reads back
-                prev = [s for s in out.segments if a <= s.start < b]
-                back = [_decoded(s, out.k_bases[s.basis], out.v_bases[s.basis]) for s in prev]
-                fk, fv = (torch.cat([x[i] for x in back], 1) for i in (0, 1))
-            kb, vb = codec_layer.fit_with(fk, solver), codec_layer.fit_with(fv, solver)
-            out.k_bases.append(kb)
-            out.v_bases.append(vb)
-            for start in range(block_start, block_end, seg):
-                out.segments.append(codec_layer.seal_segment(
-                    kf[:, start:start + seg], vf[:, start:start + seg], kb, vb,
-                    len(out.k_bases) - 1, start, cfg, cands,
-                    sink=start // seg < cfg.sink_segments, select_meta=select_meta))
-        out.hot_k = k[:, sealed:].to(torch.bfloat16).contiguous()
-        out.hot_v = v[:, sealed:].to(torch.bfloat16).contiguous()
-        return out
+                back = [_decoded(s, layer.k_bases[s.basis], layer.v_bases[s.basis])
+                        for s in layer.segments if a <= s.start < b]
+                return tuple(torch.cat([x[i] for x in back], 1) for i in (0, 1))
+            return kf[:, a:b], vf[:, a:b]
+        return codec_layer.compress_layer(k, v, cfg, select_meta, fit_on=fit_on)
     return compress_layer
 
 

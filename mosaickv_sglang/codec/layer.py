@@ -292,12 +292,15 @@ def _errors(dec: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 
 def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
-                   select_meta: bool | None = None) -> CompressedLayer:
+                   select_meta: bool | None = None, fit_on=None) -> CompressedLayer:
     """k, v: [H, T, D] (bf16 values as the dense cache holds them) -> CompressedLayer.
 
     Tokens past the last whole segment that leaves >= hot_tokens behind stay in the hot buffer
     (what the server's next token, at position T, reads compressed).
     `select_meta` (default: cfg.select.enabled) builds per-page metadata for query-aware selection.
+    `fit_on(block_start, block_end, k, v, layer)` -> (k, v) [H, N, D] float32: what a block's
+    bases are fitted on (default: the config's `basis_fit`, as the server fits them); `layer`
+    holds the blocks before it (scripts/basis_rule_probe.py measures other rules).
     """
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k and v must both be [H, T, D], got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -311,10 +314,14 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
     solver = resolve_fit_solver(cfg.fit_solver, k.device)
     for block_start in range(0, sealed, cfg.basis_block_tokens):
         block_end = min(block_start + cfg.basis_block_tokens, sealed)
-        # fitted on the block's first segment, as the server does (codec/seal.fit_block_bases)
-        fit_end = block_start + seg if cfg.basis_fit == "first_page" else block_end
-        kb = fit_with(kf[:, block_start:fit_end], solver)
-        vb = fit_with(vf[:, block_start:fit_end], solver)
+        if fit_on is None:
+            # fitted on the block's first segment, as the server does (codec/seal.fit_block_bases)
+            fit_end = block_start + seg if cfg.basis_fit == "first_page" else block_end
+            fk, fv = kf[:, block_start:fit_end], vf[:, block_start:fit_end]
+        else:
+            fk, fv = fit_on(block_start, block_end, kf, vf, layer)
+        kb = fit_with(fk, solver)
+        vb = fit_with(fv, solver)
         layer.k_bases.append(kb)
         layer.v_bases.append(vb)
         basis_id = len(layer.k_bases) - 1
