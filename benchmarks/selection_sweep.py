@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mosaickv_sglang.bench.capture import capture
-from mosaickv_sglang.bench.fidelity import Method, evaluate
+from mosaickv_sglang.bench.fidelity import Method, evaluate, quest_config
 from mosaickv_sglang.config import MosaicConfig, SelectionConfig
 
 METRICS = ("physical_ratio", "attn_rel_err", "mass_recall", "pages_read", "pages_rescored")
@@ -34,10 +34,8 @@ def variants(meta_channels: list[int], budgets: list[int], rescore: list[int] = 
         out.append((f"budget_tokens={b} meta_channels=all", replace(d, select=replace(
             d.select, budget_tokens=b, meta_channels=4096))))
         # Quest itself: dense values, every channel's min/max on the raw K, 16-token pages
-        out.append((f"budget_tokens={b} quest (dense values)", MosaicConfig(
-            k_candidates=["dense"], v_candidates=["dense"], hot_tokens=d.hot_tokens,
-            sink_segments=0, page_tokens=16,
-            select=replace(d.select, budget_tokens=b, meta_channels=4096))))
+        out.append((f"budget_tokens={b} quest (dense values)",
+                    quest_config(replace(d.select, budget_tokens=b), 4096)))
         for f in rescore:
             out.append((f"budget_tokens={b} rescore_factor={f}", replace(d, select=replace(
                 d.select, budget_tokens=b, rescore_factor=f))))

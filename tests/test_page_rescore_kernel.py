@@ -12,7 +12,7 @@ from conftest import repro
 from test_request_decode_kernel import DEVICE, D, H, HQ, LAYERS, _graph
 
 
-def _scores(graph, bk, pool, local, q, ids, counts, channels):
+def _scores(graph, bk, local, q, ids, counts, channels):
     from mosaickv_kernels.page_rescore import page_rescore, page_rescore_reference
 
     q_rot, _ = bk.decoder.queries(q, bk.basis_ptrs, local * H, bk.req_pages)
@@ -41,7 +41,7 @@ def test_candidates_scored_as_the_reference(seed, channels):
                              graph.row_pages, out=bk.bounds, rows_per_out=graph.width)
         ids, counts = select_page_list(bounds, bk.req_pages, 2 * graph.budget_pages,
                                        graph.sink_pages, graph.recent_pages)
-        got, want = _scores(graph, bk, pool, local, q, ids, counts, channels)
+        got, want = _scores(graph, bk, local, q, ids, counts, channels)
         listed = torch.zeros_like(want, dtype=torch.bool)
         for b in range(bk.bs):
             for hh in range(H):
@@ -67,7 +67,7 @@ def test_random_lists_and_empty_ones(seed):
             ids[b, hh, :take.numel()] = take.to(torch.int32)
             counts[b, hh] = take.numel()
     q = torch.randn(bk.bs, HQ, D, device=DEVICE)
-    got, want = _scores(graph, bk, pool, 1, q, ids.to(DEVICE), counts.to(DEVICE), 16)
+    got, want = _scores(graph, bk, 1, q, ids.to(DEVICE), counts.to(DEVICE), 16)
     assert torch.equal(torch.isneginf(got), torch.isneginf(want)), repro(seed)
     fin = ~torch.isneginf(want)
     assert (got[fin] - want[fin]).abs().max() <= 1e-4 * want[fin].abs().max(), repro(seed)

@@ -78,8 +78,7 @@ def _page_rescore(
         raw = tl.load(ARENA_U8 + base + code[None, :] + (tok0 + offs_t)[:, None] * row[None, :],
                       mask=keep[None, :], other=0)
         codes = ((raw.to(tl.int32) >> shift[None, :]) & bits[None, :]).to(tl.float32)
-        k = codes * scale[None, :] + zero[None, :]  # [32, R]
-        k = tl.where(keep[None, :], k, 0.0)
+        k = codes * scale[None, :] + zero[None, :]  # [32, R]; 0 on a dropped channel
         qrow = b * W + page // row_pages
         q = tl.load(Q_ROT + ((qrow * H + h) * G + offs_g)[:, None] * D + offs_c[None, :],
                     mask=mask_g[:, None], other=0.0)  # [BLOCK_G, R]

@@ -156,6 +156,14 @@ def matched(family_spec: str, target_ratio: float, cap: Capture, probe_layer: in
     return best
 
 
+def quest_config(select: SelectionConfig, head_dim: int) -> MosaicConfig:
+    """Quest as a config: dense values, every channel's min/max per 16-token page (raw K),
+    `select`'s budget, the same dense recent window as every baseline."""
+    return MosaicConfig(k_candidates=["dense"], v_candidates=["dense"], hot_tokens=BASELINE_HOT,
+                        sink_segments=0, page_tokens=16,
+                        select=replace(select, enabled=True, meta_channels=head_dim))
+
+
 def methods_for(cap: Capture, default_ratio: float, default_cfg: MosaicConfig) -> list[Method]:
     d = cap.k[0].shape[-1]
     probe = len(cap.k) // 2
@@ -170,11 +178,8 @@ def methods_for(cap: Capture, default_ratio: float, default_cfg: MosaicConfig) -
             v_candidates=[_unrotated(s) for s in default_cfg.v_candidates])),
             "ablation", note="same strategies and budgets in the raw basis"),
         Method("dense", _uniform("dense"), "baseline"),
-        Method("quest (selection only, 1/4 budget)", MosaicConfig(
-            k_candidates=["dense"], v_candidates=["dense"], hot_tokens=BASELINE_HOT,
-            sink_segments=0, page_tokens=16,
-            select=replace(quarter, meta_channels=d)),
-            "baseline", note="dense values, per-page per-channel min/max, same token budget"),
+        Method("quest (selection only, 1/4 budget)", quest_config(quarter, d),
+               "baseline", note="dense values, per-page per-channel min/max, same token budget"),
     ]
     for bits in (8, 4, 2):
         out.append(Method(f"kivi-int{bits}", _uniform(f"lowbit:bits={bits},group=32"), "baseline",
