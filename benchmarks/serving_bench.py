@@ -1,9 +1,16 @@
 """Serving benchmark: dense SGLang vs MosaicKV servers, side by side in one run.
 
 For each system a real server starts (one at a time, same model and settings), then for each
-batch size B, B long prompts (distinct random ids: no prefix caching) are streamed concurrently
-with greedy decoding and a fixed output length. Reported per (system, context, batch): TTFT,
-decode throughput (tokens after each request's first, over the decode window), inter-token
+batch size B, B long prompts (distinct random ids) are streamed concurrently with greedy decoding
+and a fixed output length. By default a point runs in two phases: the B prompts are prefilled
+together (one output token each: TTFT at batch B), then sent again with the output length, so
+that the prefixes come from the radix cache and all B requests decode at once (a MosaicKV prefill
+of 19 x 32K prompts took 100 s: with a 128-token output the first requests had finished before
+the last began, and the "batch 19" point decoded at ~6 requests on average);
+`--concurrent-prefill` sends each prompt once, prefill and decode interleaved. Reported per
+(system, context, batch): TTFT, decode throughput over the steady window (from the last request's
+first token to the first request's last: every request decoding; None, with `decode_note`, when
+that window has fewer than MIN_STEADY_STEPS steps), the end-to-end output rate, inter-token
 latency p50/p99 (client-side stream arrival gaps), the tokens the server's KV memory holds
 (`token_capacity`: SGLang's `max_total_num_tokens`; for MosaicKV, whose slots are an upper bound,
 `stats()["capacity"]["tokens_that_fit"]` at the layout mix sealed so far) and, for MosaicKV, the
@@ -140,9 +147,18 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def latency_stats(recs: list[dict]) -> dict:
+MIN_STEADY_STEPS = 8  # per request, for a decode throughput at the batch the point names
+
+
+def latency_stats(recs: list[dict], min_steady_steps: int = MIN_STEADY_STEPS) -> dict:
     """TTFT, decode throughput and inter-token gaps of one batch's streams (each rec: its
-    request's start time and its tokens' arrival times, seconds after that start)."""
+    request's start time and its tokens' arrival times, seconds after that start).
+
+    `decode_tok_s` counts the tokens that arrive inside the steady window, from the last
+    request's first token to the first request's last one, when every request of the batch is
+    decoding; fewer than `min_steady_steps` steps there (requests that finished before others
+    began) give None and say so in `decode_note`: a rate over tokens made at a smaller batch
+    would not be the batch's. `output_tok_s` is every output token over the whole point."""
     t0 = min(r["start"] for r in recs)
     firsts = [r["start"] - t0 + r["stamps"][0] for r in recs]
     ends = [r["start"] - t0 + r["stamps"][-1] for r in recs]
@@ -153,21 +169,27 @@ def latency_stats(recs: list[dict]) -> dict:
     all_in = max(firsts)
     steady = [b - a for r in recs for a, b in zip(r["stamps"], r["stamps"][1:])
               if r["start"] - t0 + a >= all_in]
-    window = max(ends) - max(firsts)
-    after_first = sum(len(r["stamps"]) - 1 for r in recs)
+    lo, hi = all_in, min(ends)
+    inside = [sum(lo < r["start"] - t0 + s <= hi for s in r["stamps"]) for r in recs]
+    decode, note = None, None
+    if hi - lo > 0 and min(inside) >= min_steady_steps:
+        decode = sum(inside) / (hi - lo)
+    else:
+        note = (f"no steady window of {min_steady_steps} steps: every request decoded together "
+                f"for {max(hi - lo, 0.0):.2f} s ({min(inside) if hi > lo else 0} tokens of the "
+                f"slowest; TTFT spread {all_in - min(firsts):.2f} s): raise the output length")
+    total = sum(len(r["stamps"]) for r in recs)
     return {"ttft_s_p50": statistics.median(firsts), "ttft_s_max": max(firsts),
-            "decode_tok_s": after_first / window if window > 0 else None,
+            "decode_tok_s": decode, "decode_note": note, "steady_s": max(hi - lo, 0.0),
+            "output_tok_s": total / max(ends) if max(ends) > 0 else None,
             "itl_ms_p50": 1e3 * statistics.median(gaps),
             "itl_ms_p99": 1e3 * percentile(gaps, 0.99),
             "itl_ms_max": 1e3 * max(gaps),  # a once-per-server stall (a compile) p99 hides
             "itl_ms_p99_all_decoding": 1e3 * percentile(steady, 0.99) if steady else None}
 
 
-def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int,
-              logprobs: bool = False) -> dict:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab) for _ in range(ctx - n_out)] for _ in range(batch)]
-    recs = [{} for _ in range(batch)]
+def _stream_all(url: str, prompts: list[list[int]], n_out: int, logprobs: bool) -> list[dict]:
+    recs = [{} for _ in prompts]
     threads = [threading.Thread(target=stream_one, args=(url, p, n_out, r, logprobs))
                for p, r in zip(prompts, recs)]
     for t in threads:
@@ -175,10 +197,31 @@ def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int,
     for t in threads:
         t.join()
     if failed := sum("start" not in r for r in recs):
-        raise RuntimeError(f"{failed} of {batch} requests at context {ctx} got no output (the "
-                           "server log says why)")
-    return {"context": ctx, "batch": batch, "output": n_out, **latency_stats(recs),
-            "tokens": [len(r["stamps"]) for r in recs],
+        raise RuntimeError(f"{failed} of {len(prompts)} requests at context "
+                           f"{len(prompts[0]) + n_out} got no output (the server log says why)")
+    return recs
+
+
+def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int,
+              logprobs: bool = False, prefill_first: bool = False) -> dict:
+    """One point: `batch` prompts of `ctx - n_out` random ids, streamed at once. With
+    `prefill_first` they are prefilled together first (one output token each: the TTFT columns)
+    and then sent again with `n_out` (their prefixes from the radix cache, so that every request
+    decodes at once: the decode columns; `ttft_cached_s_p50` is that phase's TTFT)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(ctx - n_out)] for _ in range(batch)]
+    prefill = {}
+    if prefill_first:
+        recs = _stream_all(url, prompts, 1, False)
+        t0 = min(r["start"] for r in recs)
+        firsts = [r["start"] - t0 + r["stamps"][0] for r in recs]
+        prefill = {"ttft_s_p50": statistics.median(firsts), "ttft_s_max": max(firsts)}
+    recs = _stream_all(url, prompts, n_out, logprobs)
+    stats = latency_stats(recs)
+    if prefill_first:
+        stats.update(ttft_cached_s_p50=stats["ttft_s_p50"], **prefill)
+    return {"context": ctx, "batch": batch, "output": n_out, "prefill_first": prefill_first,
+            **stats, "tokens": [len(r["stamps"]) for r in recs],
             # greedy outputs, so two servers of the same weights can be compared id for id
             "output_sha1": [hashlib.sha1(json.dumps(r["output_ids"]).encode()).hexdigest()[:16]
                             for r in recs],
@@ -197,12 +240,13 @@ def warm_up(url: str, system: str, tokens: int, vocab: int) -> dict:
 
 
 def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int,
-            logprobs: bool = False) -> dict:
+            logprobs: bool = False, prefill_first: bool = True) -> dict:
     """One (context, batch) point on a running server, with its capacity and MosaicKV stats."""
     _, info = request(f"{url}/get_server_info")
     state = info.get("internal_states", [{}])[0]
     memory = state.get("memory_usage", {})
-    row = run_batch(url, ctx, batch, n_out, seed=ctx + batch, vocab=vocab, logprobs=logprobs)
+    row = run_batch(url, ctx, batch, n_out, seed=ctx + batch, vocab=vocab, logprobs=logprobs,
+                    prefill_first=prefill_first)
     row.update(system=system, max_total_num_tokens=memory.get("token_capacity"),
                kv_cache_gb=memory.get("kvcache"))
     _, info = request(f"{url}/get_server_info")
@@ -210,8 +254,10 @@ def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int,
     row["token_capacity"] = tokens_held(info)  # after the batch sealed its pages
     for kind in ("decode", "prefill"):
         row[f"{kind}_profile"] = point_profile(state.get("mosaickv"), row["mosaickv"], kind)
-    print(f"[{system}] ctx {ctx} batch {batch}: {row['decode_tok_s']:.1f} tok/s, "
-          f"ITL p50 {row['itl_ms_p50']:.1f} ms", flush=True)
+    rate = (f"{row['decode_tok_s']:.1f} tok/s" if row["decode_tok_s"] is not None
+            else f"decode tok/s not measured ({row['decode_note']})")
+    print(f"[{system}] ctx {ctx} batch {batch}: {rate}, ITL p50 {row['itl_ms_p50']:.1f} ms, "
+          f"TTFT p50 {row['ttft_s_p50']:.2f} s", flush=True)
     return row
 
 
@@ -264,6 +310,10 @@ def phase_line(ms: dict) -> str:
     return " ".join(f"{k} {v:.2f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1]))
 
 
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
 def print_table(results: list) -> None:
     print(f"\n{'system':<10}{'ctx':>7}{'batch':>6}{'TTFT p50 s':>11}{'decode tok/s':>13}"
           f"{'ITL p50 ms':>11}{'ITL p99 ms':>11}{'ITL max ms':>11}{'p99 all-dec':>12}"
@@ -275,7 +325,7 @@ def print_table(results: list) -> None:
         mk = r.get("mosaickv") or {}
         ratio = mk.get("sealed_ratio")
         print(f"{r['system']:<10}{r['context']:>7}{r['batch']:>6}{r['ttft_s_p50']:>11.2f}"
-              f"{r['decode_tok_s']:>13.1f}{r['itl_ms_p50']:>11.1f}{r['itl_ms_p99']:>11.1f}"
+              f"{_num(r['decode_tok_s']):>13}{r['itl_ms_p50']:>11.1f}{r['itl_ms_p99']:>11.1f}"
               f"{r.get('itl_ms_max') or 0:>11.1f}{r.get('itl_ms_p99_all_decoding') or 0:>12.1f}"
               f"{r.get('token_capacity') or r['max_total_num_tokens'] or 0:>10}"
               f"{ratio or 0:>7.2f}")
@@ -357,6 +407,11 @@ def main() -> None:
                     help="keep each output token's log-prob and compare them across systems "
                          "(equal greedy ids say little on dummy weights); SGLang then computes "
                          "log-probs in every step, for every system alike")
+    ap.add_argument("--concurrent-prefill", action="store_true",
+                    help="send each point's prompts once, prefill and decode interleaved (TTFT "
+                         "with running requests around it; decode tok/s only if a steady window "
+                         "of every request decoding remains); default: prefill the batch first, "
+                         "then decode it from the prefix cache")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
     systems = args.systems.split(",")
@@ -420,7 +475,8 @@ def main() -> None:
                     print(f"[{system}] ctx {ctx}: batch {b} skipped: the largest that fits its "
                           f"{capacity} tokens is {largest}", flush=True)
                     continue
-                row = measure(srv.url, system, ctx, b, args.output, vocab, args.logprobs)
+                row = measure(srv.url, system, ctx, b, args.output, vocab, args.logprobs,
+                              prefill_first=not args.concurrent_prefill)
                 row["is_largest_batch"] = b == largest
                 row["largest_batch"] = largest
                 row["startup_s"] = round(startup_s, 1)

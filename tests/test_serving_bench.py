@@ -94,6 +94,8 @@ class _FakeGenerate:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append((len(body["input_ids"]),
+                                      body["sampling_params"]["max_new_tokens"]))
                 self.send_response(200)
                 self.end_headers()
                 if fake.broken:  # a scheduler that died: the stream ends with no data
@@ -112,6 +114,7 @@ class _FakeGenerate:
                 pass
 
         self.broken = broken
+        self.requests = []  # (prompt length, max_new_tokens) per /generate
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -142,7 +145,39 @@ def test_itl_p99_all_decoding_leaves_out_the_waits_while_later_prompts_prefill()
     assert got["itl_ms_p99"] == pytest.approx(3990.0)  # the wait is among all the gaps
     assert got["itl_ms_max"] == pytest.approx(3990.0)
     assert got["itl_ms_p99_all_decoding"] == pytest.approx(10.0)
-    assert got["decode_tok_s"] == pytest.approx(7 / 0.03)  # 7 tokens after the firsts, 5 -> 5.03 s
+    # both decode from 5.0 s to A's last token at 5.02 s: 2 tokens each in 0.02 s
+    assert serving_bench.latency_stats(recs, min_steady_steps=2)["decode_tok_s"] == \
+        pytest.approx(4 / 0.02)
+    assert got["decode_tok_s"] is None and "no steady window of 8 steps" in got["decode_note"]
+
+
+def test_decode_rate_counts_only_tokens_made_while_every_request_decodes():
+    # the 32K x 19 shape on the H100 (2026-12-05): A decodes all its tokens at 10 ms a step
+    # long before B's prompt is in; the old rate (every token after each request's first, over
+    # the last first token to the last token) called that 20 tokens in 0.09 s
+    a = [1.0 + 0.01 * i for i in range(11)]
+    b = [5.0 + 0.01 * i for i in range(11)]
+    got = serving_bench.latency_stats([{"start": 0.0, "stamps": a}, {"start": 0.0, "stamps": b}])
+    assert got["decode_tok_s"] is None and "0 tokens of the slowest" in got["decode_note"]
+    assert got["output_tok_s"] == pytest.approx(22 / 5.1)
+    # overlapping: B starts at 1.05 s; both decode from 1.05 to 1.10 s, 2 tokens a 10 ms step
+    b = [1.05 + 0.005 * i for i in range(21)]
+    got = serving_bench.latency_stats([{"start": 0.0, "stamps": a}, {"start": 0.0, "stamps": b}],
+                                      min_steady_steps=5)
+    assert got["steady_s"] == pytest.approx(0.05)
+    assert got["decode_tok_s"] == pytest.approx((5 + 10) / 0.05)
+
+
+def test_prefill_first_prefills_the_batch_then_decodes_the_same_prompts():
+    fake = _FakeGenerate()
+    row = serving_bench.run_batch(fake.url, ctx=40, batch=3, n_out=12, seed=7, vocab=1000,
+                                  prefill_first=True)
+    plain = serving_bench.run_batch(fake.url, ctx=40, batch=3, n_out=12, seed=7, vocab=1000)
+    fake.server.shutdown()
+    assert sorted(fake.requests[:3]) == [(28, 1)] * 3  # the prompts, one token each
+    assert sorted(fake.requests[3:]) == [(28, 12)] * 6  # then with the output length
+    assert row["prefill_first"] and "ttft_cached_s_p50" in row and not plain["prefill_first"]
+    assert row["output_sha1"] == plain["output_sha1"] and row["tokens"] == [12] * 3
 
 
 def test_log_probs_are_kept_on_request_and_compared_while_the_ids_agree():
