@@ -201,3 +201,54 @@ def test_kernel_install_equals_torch_install_gpu(seed):
     stores, _ = _install_both(8, 128, True, 8, seed, "cuda")
     _assert_same_store(stores["torch"], stores["triton"], seed)
     assert stores["triton"].pack_counts["kernel"] > 0
+
+
+# ---- every pack variant compiled at start-up -------------------------------------------------
+
+class _PackRecorder:
+    """Stands in for band_pack._pack_kind: records what each launch and each warm-up compile
+    would key Triton's cache on (argument dtypes, ints, compile-time arguments)."""
+
+    def __init__(self):
+        self.launched, self.warmed = set(), set()
+
+    @staticmethod
+    def _key(args, kwargs):
+        return (tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
+                tuple(sorted(kwargs.items())))
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launched.add(self._key(args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmed.add(self._key(args, kwargs))
+
+
+def test_start_up_compiles_every_pack_variant_sealing_launches(monkeypatch, seed):
+    """What `SegmentStore.compile_pack_kernels` compiles (on CUDA, at start-up) covers every
+    launch that installing pages of those layouts makes, compile-time arguments included: a
+    variant it missed would be compiled inside a live step (the H100's 2.8 s decode stall at
+    1 x 32K on a cold Triton cache, 2026-12-05, is the kind of thing this prevents)."""
+    from mosaickv_kernels import band_pack
+
+    rec = _PackRecorder()
+    monkeypatch.setattr(band_pack, "_pack_kind", rec)
+    h, d = 2, 128
+    gen = torch.Generator().manual_seed(seed)
+    segs = _segments(h, d, 1, False, gen, DEVICE)
+    store = _store("triton", h, d, len(segs), False, DEVICE)
+    store.install(0, list(range(1, len(segs) + 1)), segs)
+    sink = MosaicConfig().sink_candidates[0]
+    pairs = [(kc[0], vc[0]) for kc, vc, _, _ in CALLS if kc is not None] + [(sink, sink)]
+    variants = store.pack_variants(pairs, S)
+    assert band_pack.compile_variants(variants, h, S, d) == len(variants) == 9
+    assert rec.launched and rec.launched <= rec.warmed, repro(seed)
+    # the pairs the server compiles for: every K and V band candidate, sink and rescue
+    from mosaickv_sglang.serving.graph_decode import band_pairs
+    cfg = MosaicConfig()
+    kinds = {kind for kind, _ in store.pack_variants(band_pairs(cfg), S)}
+    assert kinds == {"k", "v"}
+    assert len(store.pack_variants(band_pairs(cfg), S)) == len(
+        {(x, s) for x, specs in (("k", cfg.k_candidates), ("v", cfg.v_candidates))
+         for s in specs + cfg.sink_candidates + cfg.rescue_candidates if s.startswith("band:")})
+    assert store.compile_pack_kernels(pairs, S) == (9 if DEVICE == "cuda" else 0)

@@ -177,17 +177,35 @@ def _check(who: str, k_rot: torch.Tensor, v_rot: torch.Tensor, seg_list: torch.T
         raise ValueError(f"{who}: the arena must be 1-D uint8 of even size")
 
 
+def _constants(kind: str, widths: tuple, t: int, d: int) -> dict:
+    """`_pack_kind`'s compile-time arguments for one (kind, widths) at T tokens and head_dim D:
+    what a launch passes and what `compile_variants` compiles ahead."""
+    n8, n4, n2, group = widths
+    if t % group:
+        raise ValueError(f"band_pack: token group {group} does not divide {t}")
+    return dict(T=t, D=d, HDR_W=HEADER_WIDTH, BASE_COL=HDR["base16"],
+                STRIDE_COL=HDR["head_stride"], KC=HDR[f"{kind}_b8"], GROUP=group, N8=n8, N4=n4,
+                N2=n2, W8=max(16, triton.next_power_of_2(max(n8, 1))),
+                W4=max(16, triton.next_power_of_2(max(n4, 1))),
+                W2=max(16, triton.next_power_of_2(max(n2, 1))), num_warps=4)
+
+
 def _launch(kind: str, widths: tuple, x: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
             seg_list: torch.Tensor) -> None:
     """One `_pack_kind` launch: x [n, H, T, D] float32 contiguous, row i for segment seg_list[i],
     all of band widths `widths` = (b8, b4, b2, group)."""
-    n8, n4, n2, group = widths
     n, h, t, d = x.shape
-    if t % group:
-        raise ValueError(f"band_pack: token group {group} does not divide {t}")
-    _pack_kind[(n, h)](
-        x, data, data.view(torch.float16), headers, seg_list, h, T=t, D=d, HDR_W=HEADER_WIDTH,
-        BASE_COL=HDR["base16"], STRIDE_COL=HDR["head_stride"], KC=HDR[f"{kind}_b8"],
-        GROUP=group, N8=n8, N4=n4, N2=n2, W8=max(16, triton.next_power_of_2(max(n8, 1))),
-        W4=max(16, triton.next_power_of_2(max(n4, 1))),
-        W2=max(16, triton.next_power_of_2(max(n2, 1))), num_warps=4)
+    _pack_kind[(n, h)](x, data, data.view(torch.float16), headers, seg_list, h,
+                       **_constants(kind, widths, t, d))
+
+
+def compile_variants(variants, heads: int, tokens: int, head_dim: int) -> int:
+    """Compile `_pack_kind` for every (kind, (b8, b4, b2, group)) in `variants` now, with the
+    argument types and specializations a launch has (Triton's `warmup`: nothing runs, nothing
+    is allocated), so that the first page sealed in a layout does not stall a live step on a
+    compile (seconds each on the H200). CUDA only. Returns how many were asked for."""
+    variants = list(dict.fromkeys(variants))
+    for kind, widths in variants:
+        _pack_kind.warmup(torch.float32, torch.uint8, torch.float16, torch.int32, torch.int32,
+                          heads, grid=(1, heads), **_constants(kind, widths, tokens, head_dim))
+    return len(variants)

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -115,6 +116,16 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             self.graph = GraphDecode(pool, model_runner.model_config.context_len,
                                      self.packed.timer)
             self.packed.graph = self.graph
+        # Every band-pack variant a seal may launch, compiled now rather than inside a live
+        # step (seconds each); a failure only moves the compiles to first use: logged.
+        t0 = time.perf_counter()
+        try:
+            if n := pool.store.compile_pack_kernels(band_pairs(self.cfg), pool.page_size):
+                logger.info("MosaicKV: compiled %d band-pack kernel variants (every candidate "
+                            "layout's K and V) in %.1f s", n, time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 (performance only; the launch compiles anyway)
+            logger.warning("MosaicKV: compiling the band-pack kernel variants at start-up "
+                           "failed (%r): each compiles when a page first needs it", exc)
         # Real rows of the batch under a breakable decode graph (None: an eager step); see
         # init_forward_metadata_out_graph.
         self.graph_rows: int | None = None

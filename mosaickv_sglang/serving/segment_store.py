@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from mosaickv_kernels.band_decode import band_width_classes
-from mosaickv_kernels.band_pack import pack_layout
+from mosaickv_kernels.band_pack import compile_variants, pack_layout
 from mosaickv_kernels.page_select import PackedPageMeta
 from mosaickv_kernels.row_copy import COPY, WIDEN, copy_rows
 
@@ -272,6 +272,24 @@ class SegmentStore:
             self.blocks[(layer, page)] = (base, size)
         self.live_bytes += size * len(segs)
         self.layer_live[layer] += size * len(segs)
+
+    def pack_variants(self, pairs: list[tuple[str, str]], segment_tokens: int) -> list[tuple]:
+        """The pack kernel's compile-time variants that sealing pages of the (K spec, V spec)
+        band `pairs` launches: (kind, (b8, b4, b2, group)), each once."""
+        out = []
+        for k, v in pairs:
+            lay = layout_of(k, v, segment_tokens, self.head_dim)
+            out += [("k", band_widths(lay.k, self.head_dim)), ("v", band_widths(lay.v, self.head_dim))]
+        return list(dict.fromkeys(out))
+
+    def compile_pack_kernels(self, pairs: list[tuple[str, str]], segment_tokens: int) -> int:
+        """On CUDA with the pack kernel: compile its variant for every layout of `pairs` now
+        (start-up), not when the first page of a layout is sealed inside a live step. Returns
+        variants compiled (0 where the kernel does not write blocks)."""
+        if self.device_type != "cuda" or not self.pack_kernel:
+            return 0
+        return compile_variants(self.pack_variants(pairs, segment_tokens), self.heads,
+                                segment_tokens, self.head_dim)
 
     def freeze_layouts(self, pairs: list[tuple[str, str]], segment_tokens: int) -> None:
         """Register the layout of every (K spec, V spec) band pair up front and allow no other:
