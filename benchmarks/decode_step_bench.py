@@ -48,11 +48,16 @@ def build(ctx: int, bs: int, layers: int, kv_heads: int, head_dim: int, device: 
     from mosaickv_sglang.serving.backend import MosaicAttnBackend
     from mosaickv_sglang.serving.pool import MosaicKVPool
 
+    from mosaickv_sglang.serving.sizing import auto_hot_tokens
+
     ps = cfg.segment_tokens
     width = -(-(ctx + 2 * ps) // ps) * ps  # token slots per request: the prompt and the decode
-    size = (bs * width + ps) * 4  # logical slots; the hot buffer is hot_buffer_fraction of it
+    size = bs * width + ps  # logical slots: every request's, and the padding page
+    # the hot buffer a server with `chunk`-token prefill chunks sizes (built without it, a
+    # pool's hot buffer is every slot: 8 x 128K did not fit an H100 beside the arenas)
+    hot = auto_hot_tokens(cfg, ps, chunk, ctx + 2 * ps, cfg.hot_tokens)
     pool = MosaicKVPool(size, ps, torch.bfloat16, kv_heads, head_dim, layers, device, False,
-                        mosaic_config=cfg)
+                        mosaic_config=cfg, hot_tokens=hot)
     gen = torch.Generator(device=device).manual_seed(seed)
     scale = (1 + torch.arange(head_dim, device=device) % 7).to(torch.float32)
     req_to_token = torch.zeros(bs + 1, width, dtype=torch.int32)
