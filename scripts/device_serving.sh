@@ -153,5 +153,8 @@ for r in json.load(open(sys.argv[1])):  # the daemon's counters where it ran (mo
 PY
 for f in "$OUT"/logs/*.log; do
   echo "== $f"; grep -E "Error|error|Traceback|MosaicKV|max_total_num_tokens|Capture cuda graph end" "$f" | tail -5 | cut -c1-300
+  # what compiled after start-up (a decode stall of seconds on a cold Triton cache): the lines
+  # that name a compile, with their times, kept even when the logs are not brought back
+  grep -nE "compil|width class" "$f" | tail -8 | cut -c1-240
 done
 exit $rc
