@@ -168,12 +168,19 @@ def test_decode_rate_counts_only_tokens_made_while_every_request_decodes():
     assert got["decode_tok_s"] == pytest.approx((5 + 10) / 0.05)
 
 
-def test_prefill_first_prefills_the_batch_then_decodes_the_same_prompts():
+def _with_and_without(batch: int, n_out: int, **option):
+    """One point run with `option` and then plainly, on one fake server: (row, plain, fake)."""
     fake = _FakeGenerate()
-    row = serving_bench.run_batch(fake.url, ctx=40, batch=3, n_out=12, seed=7, vocab=1000,
-                                  prefill_first=True)
-    plain = serving_bench.run_batch(fake.url, ctx=40, batch=3, n_out=12, seed=7, vocab=1000)
+    row = serving_bench.run_batch(fake.url, ctx=40, batch=batch, n_out=n_out, seed=7,
+                                  vocab=1000, **option)
+    plain = serving_bench.run_batch(fake.url, ctx=40, batch=batch, n_out=n_out, seed=7,
+                                    vocab=1000)
     fake.server.shutdown()
+    return row, plain, fake
+
+
+def test_prefill_first_prefills_the_batch_then_decodes_the_same_prompts():
+    row, plain, fake = _with_and_without(3, 12, prefill_first=True)
     assert sorted(fake.requests[:3]) == [(28, 1)] * 3  # the prompts, one token each
     assert sorted(fake.requests[3:]) == [(28, 12)] * 6  # then with the output length
     assert row["prefill_first"] and "ttft_cached_s_p50" in row and not plain["prefill_first"]
@@ -181,11 +188,7 @@ def test_prefill_first_prefills_the_batch_then_decodes_the_same_prompts():
 
 
 def test_log_probs_are_kept_on_request_and_compared_while_the_ids_agree():
-    fake = _FakeGenerate()
-    row = serving_bench.run_batch(fake.url, ctx=40, batch=2, n_out=4, seed=7, vocab=1000,
-                                  logprobs=True)
-    plain = serving_bench.run_batch(fake.url, ctx=40, batch=2, n_out=4, seed=7, vocab=1000)
-    fake.server.shutdown()
+    row, plain, _ = _with_and_without(2, 4, logprobs=True)
     assert row["output_logprobs"] == [[0.0, -0.5, -1.0, -1.5]] * 2
     assert "output_logprobs" not in plain and "output_ids" not in plain
     other = {"output_ids": [list(row["output_ids"][0]), list(row["output_ids"][1])],
