@@ -47,7 +47,6 @@ def build(ctx: int, bs: int, layers: int, kv_heads: int, head_dim: int, device: 
     """(backend, pool, req_to_token) with `bs` requests of `ctx` tokens written and sealed."""
     from mosaickv_sglang.serving.backend import MosaicAttnBackend
     from mosaickv_sglang.serving.pool import MosaicKVPool
-
     from mosaickv_sglang.serving.sizing import auto_hot_tokens
 
     ps = cfg.segment_tokens

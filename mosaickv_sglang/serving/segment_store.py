@@ -279,7 +279,8 @@ class SegmentStore:
         out = []
         for k, v in pairs:
             lay = layout_of(k, v, segment_tokens, self.head_dim)
-            out += [("k", band_widths(lay.k, self.head_dim)), ("v", band_widths(lay.v, self.head_dim))]
+            out += [(kind, band_widths(band, self.head_dim))
+                    for kind, band in (("k", lay.k), ("v", lay.v))]
         return list(dict.fromkeys(out))
 
     def compile_pack_kernels(self, pairs: list[tuple[str, str]], segment_tokens: int) -> int:
