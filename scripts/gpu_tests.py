@@ -337,6 +337,10 @@ def record(args) -> int:
     report = json.loads(Path(args.file).read_text())
     if report.get("schema") != SCHEMA:
         raise SystemExit(f"{args.file}: not a {SCHEMA} report")
+    if "fingerprints" not in report:  # `record` drops them: e.g. the repo's copy sent back
+        raise SystemExit(f"{args.file}: a report recorded already ({report.get('commit')}, "
+                         f"recorded {report.get('recorded_utc')}), not one `run` wrote: record "
+                         f"the $OUT/gpu-tests.json of the device call")
     found = identify(REPO, report["fingerprints"])
     if report.get("git_on_device") and report["commit"] != found["commit"]:
         found["note"] = f"the device's git named {report['commit']}"

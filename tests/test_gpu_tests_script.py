@@ -205,3 +205,14 @@ def test_device_script_parses():
     proc = subprocess.run(["bash", "-n", str(REPO / "scripts" / "device_gpu_tests.sh")],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_record_refuses_a_report_recorded_already(tmp_path):
+    """The repo's own benchmarks/results/gpu-tests.json copied back from a device call (it has no
+    fingerprints: `record` drops them) is named as such, not a KeyError."""
+    recorded = tmp_path / "gpu-tests.json"
+    recorded.write_text(json.dumps({"schema": gpu_tests.SCHEMA, "commit": "de714a5",
+                                    "recorded_utc": "2026-12-05T05:44:53+00:00"}))
+    with pytest.raises(SystemExit, match="a report recorded already .de714a5"):
+        gpu_tests.main(["record", str(recorded), "--out", str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()
