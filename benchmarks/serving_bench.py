@@ -222,6 +222,9 @@ def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int,
         stats.update(ttft_cached_s_p50=stats["ttft_s_p50"], **prefill)
     return {"context": ctx, "batch": batch, "output": n_out, "prefill_first": prefill_first,
             **stats, "tokens": [len(r["stamps"]) for r in recs],
+            # prompt tokens each request found in the prefix cache (SGLang's meta_info): with
+            # prefill_first, a request that missed it prefilled again (evicted under pressure)
+            "cached_tokens": [r["meta"].get("cached_tokens") for r in recs],
             # greedy outputs, so two servers of the same weights can be compared id for id
             "output_sha1": [hashlib.sha1(json.dumps(r["output_ids"]).encode()).hexdigest()[:16]
                             for r in recs],
@@ -271,12 +274,15 @@ def tokens_held(info: dict) -> int | None:
     """Tokens the server's KV memory holds, from its /get_server_info: SGLang's slots, or for
     MosaicKV (whose slots are an upper bound, sized at its smallest layout) the tokens its arena
     holds at the layout mix sealed so far (before any seal: the mean of its candidates) plus
-    its hot buffer."""
+    its hot buffer, or its slots where those are fewer (`--max-total-tokens` set below what the
+    bytes hold: a CPU run's "largest batch" of 6 then queued on 4096 slots)."""
     state = info.get("internal_states", [{}])[0]
+    slots = state.get("memory_usage", {}).get("token_capacity") or info.get("max_total_num_tokens")
     mosaic = (state.get("mosaickv") or {}).get("capacity")
     if mosaic:
-        return mosaic["tokens_that_fit"]
-    return state.get("memory_usage", {}).get("token_capacity") or info.get("max_total_num_tokens")
+        return min(mosaic["tokens_that_fit"], mosaic.get("slots") or slots or
+                   mosaic["tokens_that_fit"])
+    return slots
 
 
 def parse_batches(text: str) -> list:

@@ -103,7 +103,8 @@ class _FakeGenerate:
                 first, n = body["input_ids"][0], body["sampling_params"]["max_new_tokens"]
                 for i in range(1, n + 1):
                     out = {"output_ids": [first + j for j in range(i)],
-                           "meta_info": {"completion_tokens": i}}
+                           "meta_info": {"completion_tokens": i,
+                                         "cached_tokens": len(body["input_ids"]) // 2}}
                     if body.get("return_logprob"):
                         out["meta_info"]["output_token_logprobs"] = [
                             [-0.5 * j, first + j, None] for j in range(i)]
@@ -185,6 +186,7 @@ def test_prefill_first_prefills_the_batch_then_decodes_the_same_prompts():
     assert sorted(fake.requests[3:]) == [(28, 12)] * 6  # then with the output length
     assert row["prefill_first"] and "ttft_cached_s_p50" in row and not plain["prefill_first"]
     assert row["output_sha1"] == plain["output_sha1"] and row["tokens"] == [12] * 3
+    assert row["cached_tokens"] == [14] * 3  # the fake says half of each 28-token prompt
 
 
 def test_log_probs_are_kept_on_request_and_compared_while_the_ids_agree():
@@ -239,4 +241,8 @@ def test_tokens_held_is_mosaickv_tokens_that_fit_not_its_slots():
                                    "mosaickv": {"capacity": {"slots": 3015936,
                                                              "tokens_that_fit": 2292480}}}]}
     assert serving_bench.tokens_held(mosaic) == 2292480
+    capped = {"internal_states": [{"memory_usage": {"token_capacity": 4096},
+                                   "mosaickv": {"capacity": {"slots": 4096,
+                                                             "tokens_that_fit": 7040}}}]}
+    assert serving_bench.tokens_held(capped) == 4096  # the slots bind (--max-total-tokens)
     assert serving_bench.tokens_held({"max_total_num_tokens": 7}) == 7
