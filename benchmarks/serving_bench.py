@@ -261,7 +261,17 @@ def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int,
             else f"decode tok/s not measured ({row['decode_note']})")
     print(f"[{system}] ctx {ctx} batch {batch}: {rate}, ITL p50 {row['itl_ms_p50']:.1f} ms, "
           f"TTFT p50 {row['ttft_s_p50']:.2f} s", flush=True)
+    if prefill_first and (missed := prefix_misses(row, ctx - n_out)):
+        print(f"[{system}] ctx {ctx} batch {batch}: {missed} of {batch} requests decoded without "
+              f"their prefilled prompt in the prefix cache (evicted: they prefilled again)",
+              flush=True)
     return row
+
+
+def prefix_misses(row: dict, prompt: int, page: int = 128) -> int:
+    """Requests of a two-phase point that found less than their prompt (one page of slack) in
+    the prefix cache; unknown counts (a server without `cached_tokens`) are not misses."""
+    return sum(c is not None and c < prompt - page for c in row.get("cached_tokens", []))
 
 
 def token_capacity(url: str) -> int | None:

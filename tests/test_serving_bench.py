@@ -246,3 +246,10 @@ def test_tokens_held_is_mosaickv_tokens_that_fit_not_its_slots():
                                                              "tokens_that_fit": 7040}}}]}
     assert serving_bench.tokens_held(capped) == 4096  # the slots bind (--max-total-tokens)
     assert serving_bench.tokens_held({"max_total_num_tokens": 7}) == 7
+
+
+def test_prefix_misses_counts_requests_that_prefilled_again():
+    # 872-token prompts: 871 and 768 (whole pages of it) are hits, 0 a miss, None unknown
+    assert serving_bench.prefix_misses({"cached_tokens": [871, 0, 768, None]}, 872) == 1
+    assert serving_bench.prefix_misses({"cached_tokens": [0, 0, 768]}, 872) == 2  # the CPU run
+    assert serving_bench.prefix_misses({}, 872) == 0
