@@ -147,6 +147,12 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def _firsts(recs: list[dict]) -> tuple[float, list[float]]:
+    """(the batch's first start, each request's first token in seconds after it)."""
+    t0 = min(r["start"] for r in recs)
+    return t0, [r["start"] - t0 + r["stamps"][0] for r in recs]
+
+
 MIN_STEADY_STEPS = 8  # per request, for a decode throughput at the batch the point names
 
 
@@ -159,8 +165,7 @@ def latency_stats(recs: list[dict], min_steady_steps: int = MIN_STEADY_STEPS) ->
     decoding; fewer than `min_steady_steps` steps there (requests that finished before others
     began) give None and say so in `decode_note`: a rate over tokens made at a smaller batch
     would not be the batch's. `output_tok_s` is every output token over the whole point."""
-    t0 = min(r["start"] for r in recs)
-    firsts = [r["start"] - t0 + r["stamps"][0] for r in recs]
+    t0, firsts = _firsts(recs)
     ends = [r["start"] - t0 + r["stamps"][-1] for r in recs]
     gaps = [b - a for r in recs for a, b in zip(r["stamps"], r["stamps"][1:])]
     # Gaps once every request has its first token: no prompt of this point is prefilling then,
@@ -212,9 +217,7 @@ def run_batch(url: str, ctx: int, batch: int, n_out: int, seed: int, vocab: int,
     prompts = [[rng.randrange(100, vocab) for _ in range(ctx - n_out)] for _ in range(batch)]
     prefill = {}
     if prefill_first:
-        recs = _stream_all(url, prompts, 1, False)
-        t0 = min(r["start"] for r in recs)
-        firsts = [r["start"] - t0 + r["stamps"][0] for r in recs]
+        _, firsts = _firsts(_stream_all(url, prompts, 1, False))
         prefill = {"ttft_s_p50": statistics.median(firsts), "ttft_s_max": max(firsts)}
     recs = _stream_all(url, prompts, n_out, logprobs)
     stats = latency_stats(recs)
@@ -289,10 +292,10 @@ def tokens_held(info: dict) -> int | None:
     state = info.get("internal_states", [{}])[0]
     slots = state.get("memory_usage", {}).get("token_capacity") or info.get("max_total_num_tokens")
     mosaic = (state.get("mosaickv") or {}).get("capacity")
-    if mosaic:
-        return min(mosaic["tokens_that_fit"], mosaic.get("slots") or slots or
-                   mosaic["tokens_that_fit"])
-    return slots
+    if not mosaic:
+        return slots
+    slots = mosaic.get("slots") or slots
+    return min(mosaic["tokens_that_fit"], slots) if slots else mosaic["tokens_that_fit"]
 
 
 def parse_batches(text: str) -> list:
