@@ -58,6 +58,11 @@ from mosaickv_sglang.launch import request, running_server, stop_servers_on_sign
 # (298 sizes: a start-up of hours); a long prefill is compute bound, so TTFT barely depends on it.
 NO_PREFILL_GRAPHS = ["--disable-prefill-cuda-graph"]
 PAGE_MARGIN = 256  # tokens per request kept aside when sizing the largest batch (page rounding)
+# Share of an *estimated* capacity (MosaicKV's tokens_that_fit at the layout mix sealed so far)
+# kept aside when sizing the largest batch. Measured (H100, 2026-12-05): the estimate was 653,184
+# tokens after one 32K prompt and 605,184 after 19, so a batch of 19 sized on the first did not
+# fit: 17 of 19 prompts were evicted between the prefill and the decode phase.
+ESTIMATE_MARGIN = 0.10
 SYSTEMS = {  # name -> what it adds to the common server arguments
     "dense": NO_PREFILL_GRAPHS,  # SGLang's own cache, decode CUDA graphs on
     "dense_eager": ["--disable-cuda-graph"],  # the same without CUDA graphs (as MosaicKV runs)
@@ -264,7 +269,8 @@ def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int,
             else f"decode tok/s not measured ({row['decode_note']})")
     print(f"[{system}] ctx {ctx} batch {batch}: {rate}, ITL p50 {row['itl_ms_p50']:.1f} ms, "
           f"TTFT p50 {row['ttft_s_p50']:.2f} s", flush=True)
-    if prefill_first and (missed := prefix_misses(row, ctx - n_out)):
+    row["prefix_misses"] = prefix_misses(row, ctx - n_out) if prefill_first else None
+    if missed := row["prefix_misses"]:
         print(f"[{system}] ctx {ctx} batch {batch}: {missed} of {batch} requests decoded without "
               f"their prefilled prompt in the prefix cache (evicted: they prefilled again)",
               flush=True)
@@ -277,10 +283,33 @@ def prefix_misses(row: dict, prompt: int, page: int = 128) -> int:
     return sum(c is not None and c < prompt - page for c in row.get("cached_tokens", []))
 
 
-def token_capacity(url: str) -> int | None:
-    """`tokens_held` of the server now."""
+def token_capacity(url: str) -> tuple[int | None, bool]:
+    """(`tokens_held` of the server now, whether that is an estimate: `capacity_estimated`)."""
     _, info = request(f"{url}/get_server_info")
-    return tokens_held(info)
+    return tokens_held(info), capacity_estimated(info)
+
+
+def capacity_estimated(info: dict) -> bool:
+    """Whether `tokens_held` is an estimate (MosaicKV's arena bytes over the bytes per token of
+    the layout mix sealed so far, which moves as more is sealed) rather than a count of slots."""
+    state = info.get("internal_states", [{}])[0]
+    mosaic = (state.get("mosaickv") or {}).get("capacity")
+    if not mosaic:
+        return False
+    slots = mosaic.get("slots") or state.get("memory_usage", {}).get("token_capacity") \
+        or info.get("max_total_num_tokens")
+    return not slots or mosaic["tokens_that_fit"] < slots
+
+
+def largest_batch(capacity: int | None, ctx: int, output: int, estimated: bool,
+                  margin: float = ESTIMATE_MARGIN) -> int | None:
+    """Requests of `ctx` prompt and `output` new tokens that fit `capacity` tokens at once, with
+    PAGE_MARGIN tokens each for page rounding and, for an estimated capacity, `margin` of it
+    kept aside (None: capacity unknown)."""
+    if not capacity:
+        return None
+    usable = int(capacity * (1 - margin)) if estimated else capacity
+    return usable // (ctx + output + PAGE_MARGIN)
 
 
 def tokens_held(info: dict) -> int | None:
@@ -431,6 +460,9 @@ def main() -> None:
                          "with running requests around it; decode tok/s only if a steady window "
                          "of every request decoding remains); default: prefill the batch first, "
                          "then decode it from the prefix cache")
+    ap.add_argument("--estimate-margin", type=float, default=ESTIMATE_MARGIN,
+                    help="share of an estimated capacity (MosaicKV's tokens that fit at the "
+                         "layout mix sealed so far) kept aside when sizing the largest batch")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
     systems = args.systems.split(",")
@@ -475,16 +507,20 @@ def main() -> None:
         if args.warmup:
             warm_up(srv.url, system, args.warmup, vocab)
         for ctx in contexts:
-            capacity = token_capacity(srv.url)
             for b in batches:
-                largest = capacity // (ctx + args.output + PAGE_MARGIN) if capacity else None
+                # read before every point: an estimated capacity moves as pages are sealed
+                capacity, estimated = token_capacity(srv.url)
+                largest = largest_batch(capacity, ctx, args.output, estimated,
+                                        args.estimate_margin)
                 if b == "max":
                     b = largest
                     if not b:
                         results.append({"system": system, "context": ctx, "batch": 0,
                                         "error": f"not one request fits {capacity} tokens"})
                         continue
-                    print(f"[{system}] ctx {ctx}: largest batch that fits = {b}", flush=True)
+                    print(f"[{system}] ctx {ctx}: largest batch that fits = {b} ({capacity} tokens"
+                          + (f", an estimate less {args.estimate_margin:.0%})" if estimated
+                             else ")"), flush=True)
                     done = [r for r in results if r.get("system") == system
                             and r.get("context") == ctx and r.get("batch") == b]
                     if done:  # measured already (same prompts: it would be a prefix-cache hit)
@@ -498,6 +534,8 @@ def main() -> None:
                               prefill_first=not args.concurrent_prefill)
                 row["is_largest_batch"] = b == largest
                 row["largest_batch"] = largest
+                row["capacity_before"] = capacity
+                row["capacity_estimated"] = estimated
                 row["startup_s"] = round(startup_s, 1)
                 results.append(row)
                 save(args.json, results)  # partial results survive a time limit

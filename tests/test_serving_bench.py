@@ -253,3 +253,23 @@ def test_prefix_misses_counts_requests_that_prefilled_again():
     assert serving_bench.prefix_misses({"cached_tokens": [871, 0, 768, None]}, 872) == 1
     assert serving_bench.prefix_misses({"cached_tokens": [0, 0, 768]}, 872) == 2  # the CPU run
     assert serving_bench.prefix_misses({}, 872) == 0
+
+
+def test_largest_batch_keeps_a_margin_of_an_estimated_capacity_only():
+    mosaic = {"internal_states": [{"memory_usage": {"token_capacity": 872320},
+                                   "mosaickv": {"capacity": {"slots": 872320,
+                                                             "tokens_that_fit": 653184}}}]}
+    capped = {"internal_states": [{"memory_usage": {"token_capacity": 4096},
+                                   "mosaickv": {"capacity": {"slots": 4096,
+                                                             "tokens_that_fit": 7040}}}]}
+    dense = {"internal_states": [{"memory_usage": {"token_capacity": 240668}}]}
+    assert serving_bench.capacity_estimated(mosaic)
+    assert not serving_bench.capacity_estimated(capped)  # the slots bind: counted, not estimated
+    assert not serving_bench.capacity_estimated(dense)
+    # the H100 case: 653,184 estimated after one 32K prompt sized 19 (605,184 held after them)
+    assert serving_bench.largest_batch(653184, 32768, 128, estimated=False) == 19
+    assert serving_bench.largest_batch(653184, 32768, 128, estimated=True) == 17
+    assert 17 * (32768 + 128 + serving_bench.PAGE_MARGIN) <= 605184
+    assert serving_bench.largest_batch(240668, 32768, 128, estimated=False) == 7
+    assert serving_bench.largest_batch(None, 32768, 128, estimated=True) is None
+    assert serving_bench.largest_batch(653184, 32768, 128, True, margin=0.0) == 19
