@@ -1,17 +1,20 @@
 """The decode step's seal phase, step by step, with `decode_seal_layers` 0 (every layer of a
-page at once) against slices of a few layers per step: one request decoding across page
-boundaries on a bare pool (no model, no server), as `_prepare_decode` seals
-(`seal_request_pages(..., decode_step=True)` then `advance_decode_seals`). Prints, per setting,
-the longest step, the steps over 1 ms and the total: the peak a step pays, and that the total
-work stays the same.
+page at once) against slices of a few layers per step: `--requests` requests decoding across
+page boundaries on the same steps (equal lengths, as a batch of equal prompts) on a bare pool
+(no model, no server), as `_prepare_decode` seals (`seal_request_pages(..., decode_step=True)`
+per request, inside `batched_seals` unless `--unbatched`, then `advance_decode_seals`). Prints,
+per setting, the longest step, the steps over 1 ms and the total: the peak a step pays, and
+that the total work stays the same.
 
     python scripts/decode_seal_probe.py                         # CPU: 32 layers, 8 KV heads x 128
     python scripts/decode_seal_probe.py --device cuda --layers-per-step 0,1,4,8
+    python scripts/decode_seal_probe.py --requests 16 --layers-per-step 0,0 --batched-vs-not
 """
 from __future__ import annotations
 
 import argparse
 import time
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -20,29 +23,34 @@ from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.serving.pool import MosaicKVPool
 
 
-def run(n: int, args) -> dict:
+def run(n: int, args, batched: bool = True) -> dict:
     ps, h, d, layers, hot = 128, args.heads, args.head_dim, args.layers, 64
-    pool = MosaicKVPool(24 * ps, ps, torch.bfloat16, h, d, layers, args.device, False,
+    per = args.pages + 1  # pages per request
+    pool = MosaicKVPool((per * args.requests + 2) * ps, ps, torch.bfloat16, h, d, layers,
+                        args.device, False,
                         mosaic_config=MosaicConfig(hot_tokens=hot, decode_seal_layers=n))
     gen = torch.Generator().manual_seed(0)
-    slots = torch.arange(ps, ps + (args.pages + 1) * ps)
+    slots = torch.arange(ps, ps + per * args.requests * ps)
     for layer in range(layers):
         k = torch.randn(len(slots), h, d, generator=gen) * (1 + torch.arange(d) % 7)
         pool.set_kv_buffer(SimpleNamespace(layer_id=layer), slots.to(args.device),
                            k.bfloat16().to(args.device),
                            torch.randn(len(slots), h, d, generator=gen).bfloat16().to(args.device))
-    pages = (slots[::ps] // ps).numpy()
+    pages = (slots[::ps] // ps).numpy().reshape(args.requests, per)
     times = []
     for pos in range(ps + hot - 2, args.pages * ps + hot + 40):
         t = time.perf_counter()
-        pool.seal_request_pages(pages, pos, decode_step=True)
+        with pool.batched_seals() if batched else nullcontext():
+            for req in pages:
+                pool.seal_request_pages(req, pos, decode_step=True)
         if pool.decode_sealing:
             pool.advance_decode_seals()
         if args.device != "cpu":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    return {"decode_seal_layers": n, "sealed_pages": len(pool.sealed),
-            "max_ms": max(times) * 1e3, "steps_over_1ms": sum(x > 1e-3 for x in times),
+    return {"decode_seal_layers": n, "batched": batched, "sealed_pages": len(pool.sealed),
+            "max_ms": max(times) * 1e3,
+            "seal_steps_ms": [round(x * 1e3, 1) for x in times if x > 1e-3], "steps_over_1ms": sum(x > 1e-3 for x in times),
             "total_ms": sum(times) * 1e3, "slices": pool.counters.decode_seal_slices}
 
 
@@ -53,14 +61,24 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--pages", type=int, default=3, help="page boundaries crossed")
+    ap.add_argument("--requests", type=int, default=1, help="requests sealing on the same steps")
+    ap.add_argument("--batched-vs-not", action="store_true",
+                    help="each setting with and without `batched_seals`")
     ap.add_argument("--layers-per-step", default="0,0,1,4,8",
                     help="settings, in order (the first run warms up)")
     args = ap.parse_args()
     for n in (int(x) for x in args.layers_per_step.split(",")):
-        r = run(n, args)
-        print(f"decode_seal_layers={r['decode_seal_layers']}: {r['sealed_pages']} pages sealed; "
-              f"longest step {r['max_ms']:.1f} ms; {r['steps_over_1ms']} steps over 1 ms; "
-              f"total {r['total_ms']:.1f} ms; {r['slices']} slices", flush=True)
+        for batched in (True, False) if args.batched_vs_not else (True,):
+            report(run(n, args, batched))
+
+
+def report(r: dict) -> None:
+    print(f"decode_seal_layers={r['decode_seal_layers']}, "
+          f"{'batched' if r['batched'] else 'request by request'}: "
+          f"{r['sealed_pages']} pages sealed; "
+          f"longest step {r['max_ms']:.1f} ms; {r['steps_over_1ms']} steps over 1 ms; "
+          f"total {r['total_ms']:.1f} ms; {r['slices']} slices; steps over 1 ms: "
+          f"{r['seal_steps_ms']} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -327,3 +327,47 @@ def test_sealing_pages_of_a_block_inverts_each_basis_once(seed):
                 assert x.strategy.spec == y.strategy.spec, repro(seed)
                 for name, t in x.encoded.tensors.items():
                     assert torch.equal(t, y.encoded.tensors[name]), (name, repro(seed))
+
+
+@pytest.mark.parametrize("seal_batch", [256, 5])
+def test_pages_of_several_blocks_in_one_call_equal_each_block_alone(seed, seal_batch,
+                                                                   monkeypatch):
+    """`seal_pages` with per-page bases (one decode step's pages of several requests, or a
+    batch's basis blocks) gives every page what sealing its own block's pages alone gives:
+    strategies, errors, bytes, page metadata and headers. Pages of two blocks interleaved (and
+    a sink page); SEAL_BATCH 5 cuts the batch inside pages (the per-segment gather path)."""
+    from mosaickv_sglang.codec import seal as seal_mod
+    from mosaickv_sglang.codec.seal import seal_pages
+    from mosaickv_sglang.codec.strategies import parse_strategy
+
+    monkeypatch.setattr(seal_mod, "SEAL_BATCH", seal_batch)
+    cfg, layers = MosaicConfig(k_error_budget=0.12), 3
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(5, layers, H, S, D, generator=gen) * (1 + torch.arange(D) % 5)
+    k[1] = k[1] * torch.randn(S, D, generator=gen).exp()  # outliers: another candidate
+    v = torch.randn(5, layers, H, S, D, generator=gen)
+    blocks = [0, 1, 0, 1, 1]  # the block of each page
+    bases = [fit_bases(k[[0]], v[[0]], cfg.fit_solver), fit_bases(k[[1]], v[[1]], cfg.fit_solver)]
+    positions = [0, 4096, S, 4096 + S, 4096 + 2 * S]  # page 0 is a sink page
+    cands, dense = Candidates.from_config(cfg), parse_strategy("dense")
+    together = seal_pages(k, v, positions, [bases[b] for b in blocks], cfg, cands, dense)
+    for b in (0, 1):
+        idx = [j for j in range(5) if blocks[j] == b]
+        alone = seal_pages(k[idx], v[idx], [positions[j] for j in idx], bases[b], cfg, cands,
+                           dense)
+        for j, one in zip(idx, alone):
+            assert together[j].bases is bases[b] and together[j].nbytes == one.nbytes
+            for got, want in zip(together[j].segments, one.segments):
+                assert (got.k.strategy.spec, got.v.strategy.spec, got.k.reason) == \
+                    (want.k.strategy.spec, want.v.strategy.spec, want.k.reason), repro(seed)
+                assert (got.k.error, got.v.error) == (want.k.error, want.v.error), repro(seed)
+                assert torch.equal(got.header, want.header), repro(seed)
+                for x, y in ((got.k, want.k), (got.v, want.v)):
+                    for name, t in x.encoded.tensors.items():
+                        assert torch.equal(t, y.encoded.tensors[name]), (name, repro(seed))
+                for ta, tb in zip(got.pages.tensors().values(), want.pages.tensors().values()):
+                    assert torch.equal(ta, tb), repro(seed)
+    kinds = {s.k.strategy.spec for sp in together for s in sp.segments}
+    assert len(kinds) > 1, kinds  # more than one candidate was picked
+    with pytest.raises(ValueError, match="BasisPairs for"):
+        seal_pages(k, v, positions, bases, cfg, cands, dense)

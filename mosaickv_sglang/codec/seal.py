@@ -12,7 +12,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -210,18 +210,34 @@ def write_transforms(bases: BasisPair) -> tuple[torch.Tensor, torch.Tensor]:
     return write_transform(torch.stack(bases.k)), write_transform(torch.stack(bases.v))
 
 
-def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int], bases: BasisPair,
-               cfg: MosaicConfig, cands: Candidates, dense: Strategy,
-               timer=None, keep_rotated: bool = False,
+def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
+               bases: BasisPair | Sequence[BasisPair], cfg: MosaicConfig, cands: Candidates,
+               dense: Strategy, timer=None, keep_rotated: bool = False,
                write: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[SealedPage]:
-    """Pages K and V [P, L, H, S, D] sharing `bases` -> SealedPages, the (page, layer) segments
-    batched through the chooser (`seal_segments`) SEAL_BATCH at a time, sink pages apart.
-    `keep_rotated` keeps each segment's rotated K/V for the store's pack kernel (all batches'
-    rotated float32 K/V stay alive until the pages are installed). `write`: the bases'
-    `write_transforms` when the caller seals more pages of the block one call at a time."""
+    """Pages K and V [P, L, H, S, D] -> SealedPages, the (page, layer) segments batched through
+    the chooser (`seal_segments`) SEAL_BATCH at a time, sink pages apart. `bases`: one
+    BasisPair all pages share, or one per page (pages of several basis blocks, e.g. one page of
+    each request a decode step seals: one chooser batch and one install for all of them
+    instead of one per block; each segment is rotated by its own page's bases, so a page gets
+    the bytes it gets sealed alone). `keep_rotated` keeps each segment's rotated K/V for the
+    store's pack kernel (all batches' rotated float32 K/V stay alive until the pages are
+    installed). `write`: the bases' `write_transforms` when the caller seals more pages of one
+    block one call at a time (one shared BasisPair only)."""
     layers = k.shape[1]
+    per_page = not isinstance(bases, BasisPair)
+    if per_page and len(bases) != len(positions):
+        raise ValueError(f"seal_pages: {len(bases)} BasisPairs for {len(positions)} pages")
+    if per_page and write is not None:
+        raise ValueError("seal_pages: `write` goes with one shared BasisPair, not per-page bases")
+    uniq = list({id(b): b for b in bases}.values()) if per_page else [bases]
     with phase(timer, "choose_encode"):
-        kws, vws = write if write is not None else write_transforms(bases)
+        if write is not None:
+            tables = [write]
+        else:
+            tables = [write_transforms(b) for b in uniq]
+    # per page: the row of its bases in `tables`
+    which = [next(u for u, b in enumerate(uniq) if b is pb) for pb in bases] if per_page \
+        else [0] * len(positions)
     segs = {}
     for sink in (True, False):
         todo = [(j, local) for j, pos in enumerate(positions)
@@ -230,7 +246,7 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int], bases: Ba
         for c in range(0, len(todo), SEAL_BATCH):
             part = todo[c:c + SEAL_BATCH]
             with phase(timer, "gather"):
-                kk, vv, transforms = _batch(k, v, kws, vws, part)
+                kk, vv, transforms = _batch(k, v, tables, which, part)
             sealed = seal_segments(kk, vv, None, None, 0, [positions[j] for j, _ in part], cfg,
                                    cands, sink, cfg.select.enabled, dense, timer, keep_rotated,
                                    write=transforms)
@@ -239,29 +255,45 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int], bases: Ba
         pages = []
         for j, pos in enumerate(positions):
             page_segs = [segs[(j, local)] for local in range(layers)]
-            pages.append(SealedPage(pos, page_segs, bases,
+            pages.append(SealedPage(pos, page_segs, uniq[which[j]],
                                     sum(sum(segment_bytes(x).values()) for x in page_segs)))
     return pages
 
 
-def _batch(k: torch.Tensor, v: torch.Tensor, kws: torch.Tensor, vws: torch.Tensor,
-           part: list[tuple[int, int]]):
+def _batch(k: torch.Tensor, v: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
+           which: list[int], part: list[tuple[int, int]]):
     """The chooser's input for `part` ((page, layer) pairs, page-major): K and V as contiguous
-    float32 [N, H, S, D] (the layout the chooser's kernels always saw) and the write transforms.
-    Whole consecutive pages (a daemon job's page, or 8 pages of 32 layers) are a slice converted
-    in one pass, and their transforms stay the per-layer [L, H, D, D] tensors, which
+    float32 [N, H, S, D] (the layout the chooser's kernels always saw) and the write transforms
+    (`tables`: per basis block its [L, H, D, D] K and V transforms; `which`: per page its
+    block). Whole consecutive pages of one block (a daemon job's page, or 8 pages of 32 layers)
+    are a slice converted in one pass, and their transforms stay the per-layer tensors, which
     `seal_segments` broadcasts over the pages: no gathered copy of a basis per segment (those
-    copies and the index gather were 14% of sealing a Llama-8B page on one core)."""
+    copies and the index gather were 14% of sealing a Llama-8B page on one core). Other parts
+    gather one transform per segment (the same matrices: per segment the same product)."""
     layers = k.shape[1]
     first, pages = part[0][0], len(part) // layers
-    if part == [(first + i, local) for i in range(pages) for local in range(layers)]:
+    whole = part == [(first + i, local) for i in range(pages) for local in range(layers)]
+    one_block = len({which[j] for j, _ in part}) == 1
+    if whole and one_block:
         kk, vv = (x[first:first + pages].to(torch.float32, memory_format=torch.contiguous_format)
                   .flatten(0, 1) for x in (k, v))
-        return kk, vv, (kws, vws)
-    pj = torch.tensor([j for j, _ in part], device=k.device)
-    pl = torch.tensor([local for _, local in part], device=k.device)
-    kk, vv = (x[pj, pl].to(torch.float32, memory_format=torch.contiguous_format) for x in (k, v))
-    return kk, vv, (kws[pl], vws[pl])
+        return kk, vv, tables[which[first]]
+    if whole:
+        kk, vv = (x[first:first + pages].to(torch.float32, memory_format=torch.contiguous_format)
+                  .flatten(0, 1) for x in (k, v))
+    else:
+        pj = torch.tensor([j for j, _ in part], device=k.device)
+        pl = torch.tensor([local for _, local in part], device=k.device)
+        kk, vv = (x[pj, pl].to(torch.float32, memory_format=torch.contiguous_format)
+                  for x in (k, v))
+    if len(tables) == 1:
+        pl = torch.tensor([local for _, local in part], device=k.device)
+        return kk, vv, (tables[0][0][pl], tables[0][1][pl])
+    # several blocks: one [U * L, H, D, D] table per kind, a row per segment
+    kt = torch.cat([t[0] for t in tables])
+    vt = torch.cat([t[1] for t in tables])
+    rows = torch.tensor([which[j] * layers + local for j, local in part], device=kt.device)
+    return kk, vv, (kt[rows], vt[rows])
 
 
 def worst_encoded_bytes(specs, kind: str, heads: int, tokens: int, head_dim: int) -> int:

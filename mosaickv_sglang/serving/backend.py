@@ -216,8 +216,9 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         # read once for the sealing and the plan: lengths, and every request's logical pages
         host = lens, page_ids = host_batch(forward_batch, req_to_token, rows, pool.page_size)
         before = pool.counters.sealed_pages
-        for i, seq_len in enumerate(lens):
-            pool.seal_request_pages(page_ids[i], seq_len - 1, decode_step=True)
+        with pool.batched_seals():  # every request's new pages sealed in one batch
+            for i, seq_len in enumerate(lens):
+                pool.seal_request_pages(page_ids[i], seq_len - 1, decode_step=True)
         if pool.decode_sealing:  # decode_seal_layers: the next layers of the pages in flight
             pool.advance_decode_seals()
         if pool.counters.sealed_pages // LOG_EVERY_PAGES > before // LOG_EVERY_PAGES:
@@ -335,10 +336,11 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             return False
         req_to_token = self.req_to_token_pool.req_to_token
         before = self.pool.counters.sealed_pages
-        for i in range(forward_batch.batch_size):
-            rid = int(forward_batch.req_pool_indices[i])
-            seq_len = int(forward_batch.seq_lens[i])
-            self.pool.seal_request(req_to_token[rid, :seq_len], seq_len)
+        with self.pool.batched_seals():  # the batch's pages sealed together
+            for i in range(forward_batch.batch_size):
+                rid = int(forward_batch.req_pool_indices[i])
+                seq_len = int(forward_batch.seq_lens[i])
+                self.pool.seal_request(req_to_token[rid, :seq_len], seq_len)
         after = self.pool.counters.sealed_pages
         if after // LOG_EVERY_PAGES > before // LOG_EVERY_PAGES:
             logger.info(self.pool.summary())

@@ -136,6 +136,10 @@ class PoolCounters:
     decode_seal_slices: int = 0
     decode_sealed_pages: int = 0
     decode_seals_forced: int = 0
+    # `batched_seals`: inline seals of several groups (requests or basis blocks) sealed in one
+    # batch, and the groups they held
+    seal_batches: int = 0
+    seal_batch_groups: int = 0
     strategies: dict = field(default_factory=dict)
     # Per page position in its request (index i: tokens [i*page, (i+1)*page)): pages sealed there
     # and sealed pages handed out there by prefix matches. A prefix shared by N requests shows one
@@ -161,6 +165,18 @@ def upload_changed_span(now: np.ndarray, uploaded: np.ndarray, dev: torch.Tensor
         lo, hi = int(changed[0]), int(changed[-1]) + 1
         dev[lo:hi].copy_(torch.from_numpy(now[lo:hi]))
         uploaded[lo:hi] = now[lo:hi]
+
+
+def _runs(queue: list[tuple]) -> list[tuple[bool, list[tuple]]]:
+    """`batched_seals`' queue ((group, bases, keep_hot) items) split into runs of consecutive
+    items with the same keep_hot: (keep_hot, items) in order."""
+    runs: list[tuple[bool, list[tuple]]] = []
+    for item in queue:
+        if runs and runs[-1][0] == item[2]:
+            runs[-1][1].append(item)
+        else:
+            runs.append((item[2], [item]))
+    return runs
 
 
 def _bump(counts: list, index: int) -> None:
@@ -349,6 +365,10 @@ class MosaicKVPool(MHATokenToKVPool):
                            mosaic_config.daemon)
             self.decode_seal_layers = 0
         self.decode_sealing: dict[int, DecodeSeal] = {}
+        # inside `batched_seals`: the inline seals asked for so far ((group, bases, keep_hot)
+        # as `_seal_now` got them) and their pages, sealed together when the block ends
+        self._seal_queue: list[tuple] | None = None
+        self._queued: set[int] = set()
         logger.info("MosaicKV pool: %d logical token slots, hot buffer %d tokens (%.1f MB "
                     "dense), arena %.1f MB per layer: it holds %d sealed tokens at the largest "
                     "layout, %d at the candidates' mean, %d at the smallest (%.2fx / %.2fx / "
@@ -767,6 +787,10 @@ class MosaicKVPool(MHATokenToKVPool):
         call needs its pages whole: those in slices get their other layers sealed now."""
         need, limit, inline_below = self._seal_limits(seq_len)
         pages = np.asarray(page_ids)[:limit]
+        if self._queued and not self._queued.isdisjoint(pages.tolist()):
+            # a page of this request waits in `batched_seals` (a shared prefix another request
+            # asked for, or its block's first page): sealed now, as if no batch were open
+            self._flush_seals()
         if self.position_rule:
             listed = pages.tolist()
             if self.daemon is not None:
@@ -795,15 +819,18 @@ class MosaicKVPool(MHATokenToKVPool):
                     continue
                 if first in self.sealed:
                     bases = self.sealed[first].bases
-                    self._seal_now(group, bases) if now else self._seal(group, bases, first)
+                    if now:
+                        self._seal_now(group, bases, may_queue=True)
+                    else:
+                        self._seal(group, bases, first, may_queue=True)
                 elif now:
-                    self._seal_now(group, None)  # the group starts with `first`
+                    self._seal_now(group, None, may_queue=True)  # starts with `first`
                 elif first in self.pending:  # the daemon is fitting this block's bases: wait
                     self.deferred.setdefault(first, []).extend(group)
                     for _, p, _ in group:
                         self.pending[p] = None
                 else:
-                    self._seal(group, None, first)
+                    self._seal(group, None, first, may_queue=True)
         return len(todo)
 
     # ---- decode sealing in slices (decode_seal_layers) ------------------------------------
@@ -958,10 +985,12 @@ class MosaicKVPool(MHATokenToKVPool):
         self.counters.early_sealed_reads += 1
         return n
 
-    def _seal(self, group: list[tuple[int, int, int]], bases: BasisPair | None, first: int):
-        """Pages (position, page, gen) of one basis block: inline, or submitted to the daemon."""
+    def _seal(self, group: list[tuple[int, int, int]], bases: BasisPair | None, first: int,
+              may_queue: bool = False):
+        """Pages (position, page, gen) of one basis block: inline, or submitted to the daemon.
+        `may_queue`: see `_seal_now`."""
         if self.daemon is None:
-            self._seal_now(group, bases)
+            self._seal_now(group, bases, may_queue=may_queue)
             return
         if self.daemon.broken:
             self.daemon.counters.sync_seals_fallback += len(group)
@@ -974,10 +1003,68 @@ class MosaicKVPool(MHATokenToKVPool):
         for _, p, _ in group:
             self.pending[p] = job
 
+    @contextmanager
+    def batched_seals(self):
+        """Inline seals asked for inside this block (one `seal_request_pages` per request of a
+        decode step or of a prefill batch) are sealed together when it ends: one gather, one
+        chooser batch per SEAL_BATCH segments over every request's pages (each page rotated by
+        its own block's bases: `seal_pages` with per-page bases) and one install, instead of
+        one of each per request and block. The same pages get the same bytes and enter
+        `sealed` in the same order as sealed one by one: a request whose page is already
+        waiting (a shared prefix) seals the queue first. Nested blocks join the outer one. On
+        an exception the queued pages stay hot and unsealed (sealed at a later step)."""
+        if self._seal_queue is not None:
+            yield
+            return
+        self._seal_queue = []
+        try:
+            yield
+            self._flush_seals()
+        finally:
+            self._seal_queue, self._queued = None, set()
+
+    def _flush_seals(self) -> None:
+        """Seal what `batched_seals` has queued (see there); the queue stays open."""
+        queue, self._seal_queue, self._queued = self._seal_queue, [], set()
+        if not queue:
+            return
+        if len(queue) == 1:
+            self._seal_now(*queue[0])
+            return
+        pages = [p for group, _, _ in queue for _, p, _ in group]
+        positions = [pos for group, _, _ in queue for pos, _, _ in group]
+        with self._worker_threads():
+            k, v = self._read_pages(pages)
+            per_page, at = [], 0
+            for group, bases, _ in queue:
+                if bases is None:  # the group starts with its block's first page: fit here
+                    idx = torch.arange(at, at + len(group), device=k.device)
+                    gk, gv = k.index_select(0, idx), v.index_select(0, idx)
+                    bases = (fit_block_bases(gk, gv, self.cfg.fit_solver)
+                             if self.cfg.basis_fit == "first_page"
+                             else fit_bases(gk, gv, self.cfg.fit_solver))
+                per_page += [bases] * len(group)
+                at += len(group)
+            sealed = seal_pages(k, v, positions, per_page, self.cfg, self.cands, self.dense,
+                                keep_rotated=self.store.pack_kernel)
+        self.counters.seal_batches += 1
+        self.counters.seal_batch_groups += len(queue)
+        at = 0
+        for keep_hot, run in _runs(queue):  # installs in queue order, by keep_hot
+            n = sum(len(group) for group, _, _ in run)
+            self._install(pages[at:at + n], sealed[at:at + n], keep_hot=keep_hot)
+            at += n
+
     def _seal_now(self, group: list[tuple[int, int, int]], bases: BasisPair | None,
-                  keep_hot: bool = False) -> None:
-        """Seal on this thread from the hot buffer (the codec code the worker runs too)."""
+                  keep_hot: bool = False, may_queue: bool = False) -> None:
+        """Seal on this thread from the hot buffer (the codec code the worker runs too).
+        `may_queue` (`seal_request_pages`' own seals, daemon off): inside `batched_seals`,
+        queued; every other caller needs its pages sealed on return."""
         pages = [p for _, p, _ in group]
+        if may_queue and self._seal_queue is not None:
+            self._seal_queue.append((group, bases, keep_hot))
+            self._queued.update(pages)
+            return
         with self._worker_threads():
             sealed = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
                                 [pos for pos, _, _ in group], bases, self.cfg, self.cands,

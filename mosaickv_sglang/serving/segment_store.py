@@ -231,11 +231,14 @@ class SegmentStore:
                bases: list[int]) -> None:
         """The writes of `install` for segments of one layout, their blocks at `bases`."""
         size = self.heads * lay.head_bytes
-        at = torch.tensor(pages, device=self.device)
+        # small host tables go up through pinned memory: a pageable copy would make the host
+        # wait for the stream's queued work (the running step's forward) at every layer
+        at = _to_device_async(torch.tensor(pages), self.device)
         # headers first: the pack kernel finds each block through its header row
-        self.headers[layer][at] = lay.headers(bases, self._layout_id(lay)).to(self.device)
+        self.headers[layer][at] = _to_device_async(lay.headers(bases, self._layout_id(lay)),
+                                                   self.device)
         rows = (torch.tensor(bases)[:, None] + torch.arange(0, size, ALIGN)) // ALIGN
-        rows = rows.flatten().to(self.device)
+        rows = _to_device_async(rows.flatten(), self.device)
         blocks = self.data[layer].view(-1, ALIGN)
         kernel = self.pack_kernel and all(seg.rotated is not None for seg in segs)
         if self.pack_kernel and not kernel:
