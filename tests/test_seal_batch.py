@@ -371,3 +371,23 @@ def test_pages_of_several_blocks_in_one_call_equal_each_block_alone(seed, seal_b
     assert len(kinds) > 1, kinds  # more than one candidate was picked
     with pytest.raises(ValueError, match="BasisPairs for"):
         seal_pages(k, v, positions, bases, cfg, cands, dense)
+
+
+@pytest.mark.parametrize("basis_fit", ["group", "first_page"])
+@pytest.mark.parametrize("solver", ["host", "jacobi"])
+def test_fit_groups_equals_each_group_fitted_alone(seed, basis_fit, solver):
+    """`fit_groups` (the blocks a batch of seals opens, fitted in one call per page count)
+    gives each group the bases `seal_group` fits for it alone, bit for bit: groups of 1, 1, 2
+    and 1 pages."""
+    from mosaickv_sglang.codec.seal import fit_block_bases, fit_groups
+
+    cfg, layers = MosaicConfig(basis_fit=basis_fit, fit_solver=solver), 3
+    gen = torch.Generator().manual_seed(seed)
+    groups = [(torch.randn(p, layers, H, S, D, generator=gen) * (1 + torch.arange(D) % 5),
+               torch.randn(p, layers, H, S, D, generator=gen)) for p in (1, 1, 2, 1)]
+    got = fit_groups(groups, cfg)
+    fit = fit_block_bases if basis_fit == "first_page" else fit_bases
+    for (k, v), pair in zip(groups, got):
+        want = fit(k, v, solver)
+        assert len(pair.k) == layers and pair.whole is not None
+        assert torch.equal(pair.stacked(), want.stacked()), repro(seed)

@@ -165,6 +165,34 @@ def fit_block_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host",
     return fit_bases(k[:1], v[:1], solver, timer)
 
 
+def fit_groups(groups: list[tuple[torch.Tensor, torch.Tensor]], cfg: MosaicConfig,
+               timer=None) -> list[BasisPair]:
+    """Bases of several basis blocks, each fitted as `seal_group` fits it (`fit_block_bases` on
+    its first page under basis_fit "first_page", else `fit_bases` on its pages): K and V
+    [P_g, L, H, S, D] per group. Groups fitted on the same number of pages go through one
+    `fit_bases` call, their layers side by side ([P, U * L, H, S, D]: every (layer, head) is
+    still fitted alone on its own tokens), so a decode step whose requests each open a block
+    fits them in a few solver calls, not one set per request."""
+    if cfg.basis_fit == "first_page":
+        groups = [(k[:1], v[:1]) for k, v in groups]
+    out: list[BasisPair | None] = [None] * len(groups)
+    by_pages: dict[int, list[int]] = {}
+    for g, (k, _) in enumerate(groups):
+        by_pages.setdefault(k.shape[0], []).append(g)
+    for p, idx in by_pages.items():
+        if len(idx) == 1:
+            out[idx[0]] = fit_bases(*groups[idx[0]], cfg.fit_solver, timer)
+            continue
+        layers = groups[idx[0]][0].shape[1]
+        k = torch.cat([groups[g][0] for g in idx], 1)  # [P, U * L, H, S, D]
+        v = torch.cat([groups[g][1] for g in idx], 1)
+        both = fit_bases(k, v, cfg.fit_solver, timer)
+        for u, g in enumerate(idx):
+            part = slice(u * layers, (u + 1) * layers)
+            out[g] = BasisPair.of(torch.stack(both.k[part] + both.v[part]))
+    return out
+
+
 def gather_pages(k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],
                  pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A `PageReader`'s read of a dense cache (one [rows, H, D] tensor per layer, pages of

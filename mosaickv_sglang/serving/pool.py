@@ -41,8 +41,8 @@ from ..codec.basis import unrotate
 from ..codec.cold import cold_candidates, recompress_segment
 from ..codec.layer import Candidates, CompressedLayer, own_storage, segment_bytes
 from ..codec.pages import build_page_meta
-from ..codec.seal import (BasisPair, SealedPage, fit_bases, fit_block_bases, gather_pages,
-                         seal_group, seal_pages, worst_page_bytes)
+from ..codec.seal import (BasisPair, SealedPage, fit_bases, fit_block_bases, fit_groups,
+                         gather_pages, seal_group, seal_pages, worst_page_bytes)
 from ..codec.strategies import parse_strategy
 from ..codec.timing import StepProfiler
 from ..config import MosaicConfig, check_fits, fit_rescue
@@ -1035,16 +1035,14 @@ class MosaicKVPool(MHATokenToKVPool):
         positions = [pos for group, _, _ in queue for pos, _, _ in group]
         with self._worker_threads():
             k, v = self._read_pages(pages)
-            per_page, at = [], 0
-            for group, bases, _ in queue:
-                if bases is None:  # the group starts with its block's first page: fit here
-                    idx = torch.arange(at, at + len(group), device=k.device)
-                    gk, gv = k.index_select(0, idx), v.index_select(0, idx)
-                    bases = (fit_block_bases(gk, gv, self.cfg.fit_solver)
-                             if self.cfg.basis_fit == "first_page"
-                             else fit_bases(gk, gv, self.cfg.fit_solver))
-                per_page += [bases] * len(group)
-                at += len(group)
+            starts = np.cumsum([0] + [len(group) for group, _, _ in queue])
+            # groups that start their block's bases (fitted as seal_group fits them), together
+            opening = [g for g, (_, bases, _) in enumerate(queue) if bases is None]
+            fitted = dict(zip(opening, fit_groups(
+                [(k[starts[g]:starts[g + 1]], v[starts[g]:starts[g + 1]]) for g in opening],
+                self.cfg)))
+            per_page = [fitted.get(g, bases) for g, (group, bases, _) in enumerate(queue)
+                        for _ in group]
             sealed = seal_pages(k, v, positions, per_page, self.cfg, self.cands, self.dense,
                                 keep_rotated=self.store.pack_kernel)
         self.counters.seal_batches += 1
