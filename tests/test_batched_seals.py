@@ -92,3 +92,32 @@ def test_an_exception_inside_the_block_leaves_the_queued_pages_hot(seed):
     with pool.batched_seals():
         pool.seal_request_pages(pages, 3 * PS - 1, decode_step=True)
     assert len(pool.sealed) == 2, repro(seed)
+
+
+def test_a_group_after_a_queued_block_start_gets_its_bases(seed):
+    """Position rule with the daemon: a request's pages needed next step are sealed inline (and
+    queued in `batched_seals`), the block's later pages go to the daemon with the bases the
+    inline seal fits. The queue is sealed first, so the daemon job carries those bases (it
+    would otherwise fit its own on a group that does not start the block)."""
+    pool = make_pool(read_rule="position", basis_fit="first_page", hot_tokens=0,
+                     basis_block_tokens=4 * PS)
+    slots = torch.arange(PS, PS + 4 * PS)
+    write(pool, slots, torch.Generator().manual_seed(seed))
+    pages = (slots[::PS] // PS).numpy()
+    jobs = []
+
+    class Daemon:  # records what the pool submits; the pool takes it as a running daemon
+        broken = False
+
+        def submit(self, pages, gens, positions, first, bases, needs):
+            jobs.append((list(pages), bases))
+            return len(jobs)
+
+    pool.daemon = Daemon()
+    pool.dense_window = PS  # as with daemon_lag_tokens 128
+    with pool.batched_seals():
+        # position 3 * PS: the first two pages are needed next step (inline, queued), the
+        # third full page goes to the daemon
+        pool.seal_request_pages(pages, 3 * PS, decode_step=True)
+    assert sorted(pool.sealed) == pages[:2].tolist(), repro(seed)
+    assert jobs and all(b is pool.sealed[int(pages[0])].bases for _, b in jobs), (jobs, repro(seed))

@@ -817,6 +817,8 @@ class MosaicKVPool(MHATokenToKVPool):
                          if i // block == blk and (i < inline_below) == now]
                 if not group:
                     continue
+                if first in self._queued:  # its bases are being fitted in `batched_seals`
+                    self._flush_seals()
                 if first in self.sealed:
                     bases = self.sealed[first].bases
                     if now:
