@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.serving.pool import MosaicKVPool
@@ -37,21 +39,47 @@ def run(n: int, args, batched: bool = True) -> dict:
                            k.bfloat16().to(args.device),
                            torch.randn(len(slots), h, d, generator=gen).bfloat16().to(args.device))
     pages = (slots[::ps] // ps).numpy().reshape(args.requests, per)
-    times = []
+    times, ops = [], Counter()
     for pos in range(ps + hot - 2, args.pages * ps + hot + 40):
+        if args.device != "cpu":
+            torch.cuda.synchronize()
         t = time.perf_counter()
-        with pool.batched_seals() if batched else nullcontext():
-            for req in pages:
-                pool.seal_request_pages(req, pos, decode_step=True)
-        if pool.decode_sealing:
-            pool.advance_decode_seals()
+        with LaunchCount(ops) if args.count_ops else nullcontext():
+            with pool.batched_seals() if batched else nullcontext():
+                for req in pages:
+                    pool.seal_request_pages(req, pos, decode_step=True)
+            if pool.decode_sealing:
+                pool.advance_decode_seals()
         if args.device != "cpu":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return {"decode_seal_layers": n, "batched": batched, "sealed_pages": len(pool.sealed),
             "max_ms": max(times) * 1e3,
-            "seal_steps_ms": [round(x * 1e3, 1) for x in times if x > 1e-3], "steps_over_1ms": sum(x > 1e-3 for x in times),
-            "total_ms": sum(times) * 1e3, "slices": pool.counters.decode_seal_slices}
+            "seal_steps_ms": [round(x * 1e3, 1) for x in times if x > 1e-3],
+            "steps_over_1ms": sum(x > 1e-3 for x in times),
+            "total_ms": sum(times) * 1e3, "slices": pool.counters.decode_seal_slices,
+            "torch_ops": sum(ops.values()) if args.count_ops else None}
+
+
+class LaunchCount(TorchDispatchMode):
+    """Aten ops that compute or copy (views and metadata excluded) into `ops`, by name: on a
+    GPU each is a kernel launch or a copy, what a step's host time is made of there."""
+    VIEWS = {"view", "_unsafe_view", "select", "slice", "transpose", "t", "permute", "expand",
+             "unsqueeze", "squeeze", "detach", "alias", "as_strided", "lift_fresh", "unbind",
+             "split", "split_with_sizes", "tensor_split", "reshape", "flatten", "diagonal",
+             "unflatten", "_reshape_alias", "is_nonzero", "_local_scalar_dense", "item",
+             "sym_size", "sym_stride", "sym_numel", "dim", "numel", "stride", "size",
+             "is_contiguous"}
+
+    def __init__(self, ops: Counter):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in self.VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
@@ -62,6 +90,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--pages", type=int, default=3, help="page boundaries crossed")
     ap.add_argument("--requests", type=int, default=1, help="requests sealing on the same steps")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="count the torch ops that launch work (not views) over all steps")
     ap.add_argument("--batched-vs-not", action="store_true",
                     help="each setting with and without `batched_seals`")
     ap.add_argument("--layers-per-step", default="0,0,1,4,8",
@@ -78,7 +108,8 @@ def report(r: dict) -> None:
           f"{r['sealed_pages']} pages sealed; "
           f"longest step {r['max_ms']:.1f} ms; {r['steps_over_1ms']} steps over 1 ms; "
           f"total {r['total_ms']:.1f} ms; {r['slices']} slices; steps over 1 ms: "
-          f"{r['seal_steps_ms']} ms", flush=True)
+          f"{r['seal_steps_ms']} ms"
+          + (f"; {r['torch_ops']} torch ops" if r["torch_ops"] is not None else ""), flush=True)
 
 
 if __name__ == "__main__":
