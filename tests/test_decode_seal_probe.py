@@ -1,0 +1,19 @@
+"""scripts/decode_seal_probe.py at tiny shapes: both settings seal the same pages, and a step's
+seals of several requests in one batch launch fewer torch ops than request by request (the
+probe's `--count-ops`, what docs/serving.md quotes)."""
+import importlib.util
+from argparse import Namespace
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "decode_seal_probe.py"
+spec = importlib.util.spec_from_file_location("decode_seal_probe", SCRIPT)
+probe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(probe)
+
+
+def test_batched_seals_launch_fewer_ops_for_the_same_pages():
+    args = Namespace(device="cpu", layers=2, heads=1, head_dim=64, pages=1, requests=3,
+                     count_ops=True)
+    batched, alone = probe.run(0, args, batched=True), probe.run(0, args, batched=False)
+    assert batched["sealed_pages"] == alone["sealed_pages"] == 3
+    assert 0 < batched["torch_ops"] < alone["torch_ops"], (batched, alone)
