@@ -5,7 +5,6 @@ same pages sealed at every step with the same bytes (bases, strategies, K/V as t
 entering `sealed` in the same order, with a shared prefix (two requests needing the same pages:
 the queue is sealed before the second asks) and under both read rules; and an exception inside
 the block leaves the queued pages hot and unsealed."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +12,8 @@ import torch
 from conftest import repro
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.serving.pool import MosaicKVPool
+from pool_utils import assert_same_pages
+from pool_utils import write_random as write
 
 PS, H, D, LAYERS, HOT = 128, 2, 64, 3, 64
 
@@ -21,26 +22,6 @@ def make_pool(**cfg) -> MosaicKVPool:
     config = MosaicConfig(**{"hot_tokens": HOT, "basis_block_tokens": 2 * PS, **cfg})
     return MosaicKVPool(40 * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
                         mosaic_config=config)
-
-
-def write(pool, slots, gen):
-    for layer_id in range(LAYERS):
-        k = torch.randn(len(slots), H, D, generator=gen) * (1 + torch.arange(D) % 7)
-        pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots, k,
-                           torch.randn(len(slots), H, D, generator=gen))
-
-
-def same_pools(a, b, slots_of, seed, step) -> None:
-    assert list(a.sealed) == list(b.sealed), (step, repro(seed))  # same pages, same order
-    for page, sa in a.sealed.items():
-        sb = b.sealed[page]
-        assert sa.position == sb.position and sa.nbytes == sb.nbytes, (page, repro(seed))
-        assert sa.kinds() == sb.kinds(), (page, repro(seed))
-        assert torch.equal(sa.bases.stacked(), sb.bases.stacked()), (page, repro(seed))
-    for slots in slots_of:
-        for layer_id in range(LAYERS):
-            for x, y in zip(a.dense_kv(layer_id, slots), b.dense_kv(layer_id, slots)):
-                assert torch.equal(x, y), (step, layer_id, repro(seed))
 
 
 @pytest.mark.parametrize("cfg", [{}, {"basis_fit": "first_page"},
@@ -68,7 +49,8 @@ def test_a_step_sealed_in_one_batch_equals_request_by_request(cfg, seed):
         with b.batched_seals():
             for i, pos in enumerate(positions):
                 b.seal_request_pages(pages[i], pos, decode_step=True)
-        same_pools(a, b, [s[:p + 1] for s, p in zip(slots, positions)], seed, step)
+        assert_same_pages(a, b, [s[:p + 1] for s, p in zip(slots, positions)], seed, step,
+                          ordered=True)
     want = {int(p) for i, pos in enumerate(positions) for p in pages[i][:a.compressed_pages(pos)]}
     assert set(b.sealed) == want and len(want) >= 7, (sorted(want), repro(seed))
     assert b.counters.seal_batches > 0 and b.counters.seal_batch_groups > b.counters.seal_batches

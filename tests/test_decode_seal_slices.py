@@ -4,7 +4,6 @@ Checked on a float32 CPU pool: the same bytes as sealing each page at once (base
 decoded K/V), the block's bases fitted before its later pages start, nothing left in flight or
 leaked when requests go away, hot-buffer pressure and finished requests finishing the pages in
 flight, and the default (0) sealing at once as before."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +11,8 @@ import torch
 from conftest import repro
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.serving.pool import MosaicKVPool
+from pool_utils import assert_same_pages as same_pages
+from pool_utils import write_random as write
 
 PS, H, D, LAYERS, HOT = 128, 2, 64, 4, 64
 
@@ -23,14 +24,6 @@ def make_pool(hot_pages: int | None = None, **cfg) -> MosaicKVPool:
                         hot_tokens=None if hot_pages is None else hot_pages * PS)
 
 
-def write(pool, slots, gen):
-    """Random K (uneven channel scales) and V at `slots`, every layer."""
-    for layer_id in range(LAYERS):
-        k = torch.randn(len(slots), H, D, generator=gen) * (1 + torch.arange(D) % 7)
-        pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots, k,
-                           torch.randn(len(slots), H, D, generator=gen))
-
-
 def decode(pool, requests, positions) -> None:
     """The decode step's sealing as `_prepare_decode` runs it, once per step: each request
     (its page ids) at its position, then the pages in flight advanced."""
@@ -38,21 +31,6 @@ def decode(pool, requests, positions) -> None:
         pool.seal_request_pages(pages, pos, decode_step=True)
     if pool.decode_sealing:
         pool.advance_decode_seals()
-
-
-def same_pages(a, b, slots_of, seed) -> None:
-    """Pools `a` and `b` hold the same sealed pages with the same bytes: bases, strategies and
-    sizes per page, and every request's K/V as it reads back, exactly."""
-    assert sorted(a.sealed) == sorted(b.sealed), repro(seed)
-    for page, sa in a.sealed.items():
-        sb = b.sealed[page]
-        assert sa.position == sb.position and sa.nbytes == sb.nbytes, (page, repro(seed))
-        assert sa.kinds() == sb.kinds(), (page, repro(seed))
-        assert torch.equal(sa.bases.stacked(), sb.bases.stacked()), (page, repro(seed))
-    for slots in slots_of:
-        for layer_id in range(LAYERS):
-            for x, y in zip(a.dense_kv(layer_id, slots), b.dense_kv(layer_id, slots)):
-                assert torch.equal(x, y), (layer_id, repro(seed))
 
 
 @pytest.mark.parametrize("basis_fit", ["group", "first_page"])
