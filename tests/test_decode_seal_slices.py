@@ -35,13 +35,17 @@ def decode(pool, requests, positions) -> None:
 
 @pytest.mark.parametrize("basis_fit", ["group", "first_page"])
 @pytest.mark.parametrize("layers_per_step", [1, 3])
-def test_pages_sealed_in_slices_are_the_bytes_sealed_at_once(basis_fit, layers_per_step, seed):
+@pytest.mark.parametrize("lengths", [(200, 60), (200, 72)], ids=["apart", "together"])
+def test_pages_sealed_in_slices_are_the_bytes_sealed_at_once(basis_fit, layers_per_step,
+                                                              lengths, seed):
     """Two requests decoding past page boundaries (2-page basis blocks, so a block's first page
     is fitted in slices and its second reuses those bases), one of them with a prefix sealed at
-    once by its prefill; every page equal to the all-at-once pool's, and equal at the end."""
+    once by its prefill; every page equal to the all-at-once pool's, and equal at the end.
+    "together": lengths equal modulo a page, so both requests' pages are in slices on the same
+    steps and advance in one batch (`_seal_layers` over both seals)."""
     pools = [make_pool(basis_block_tokens=2 * PS, basis_fit=basis_fit,
                        decode_seal_layers=n) for n in (0, layers_per_step)]
-    lengths, final = (200, 60), (200 + 520, 60 + 500)
+    final = (lengths[0] + 520, lengths[1] + 500)
     slots = [torch.arange(1 * PS, 1 * PS + final[0]), torch.arange(10 * PS, 10 * PS + final[1])]
     for pool in pools:
         gen = torch.Generator().manual_seed(seed)
@@ -49,13 +53,14 @@ def test_pages_sealed_in_slices_are_the_bytes_sealed_at_once(basis_fit, layers_p
             write(pool, s, gen)
         pool.seal_request(slots[0][:lengths[0]], lengths[0])  # the prefill's seal, at once
     pages = [(s[::PS] // PS).numpy() for s in slots]
-    steps_in_flight = 0
+    steps_in_flight = together = 0
     for step in range(500):
         positions = [n + step for n in lengths]
         for pool in pools:
             decode(pool, pages, positions)
         a, b = pools
         steps_in_flight += bool(b.decode_sealing)
+        together = max(together, len(b._decode_seals()))
         # pages in slices are read dense meanwhile: b's sealed pages are a's less those
         assert set(b.sealed) | set(b.decode_sealing) == set(a.sealed), (step, repro(seed))
         if not b.decode_sealing:
@@ -66,6 +71,8 @@ def test_pages_sealed_in_slices_are_the_bytes_sealed_at_once(basis_fit, layers_p
     # each page took ceil(layers / n) steps (pages of both requests overlap in time or not)
     per_page = -(-LAYERS // layers_per_step)
     assert per_page <= steps_in_flight <= 6 * per_page, steps_in_flight
+    if lengths[0] % PS == lengths[1] % PS:  # both requests' seals advanced in one batch
+        assert together == 2, together
     st = b.stats()
     assert st["counters"]["decode_seal_slices"] == 6 * LAYERS  # 6 pages sealed by decode
     assert st["counters"]["decode_sealed_pages"] == 6 and st["decode_seal_pending_pages"] == 0

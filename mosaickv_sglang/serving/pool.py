@@ -640,25 +640,51 @@ class MosaicKVPool(MHATokenToKVPool):
 
     def _seal_chunk_layer(self, cs: ChunkSeal, local: int,
                           read_back: bool = True) -> dict[int, tuple]:
-        out = {}
-        fit = fit_block_bases if self.cfg.basis_fit == "first_page" else fit_bases
-        for g, (idx, bases) in enumerate(cs.groups):
-            pages = [cs.pages[j] for j in idx]
-            k, v = self._read_layer_pages(local, pages)
+        return self._seal_layers([(cs, local)], read_back)[0]
+
+    def _seal_layers(self, work: list[tuple[ChunkSeal, int]],
+                     read_back: bool = False) -> list[dict[int, tuple]]:
+        """One layer of each of several seals (`work`: (seal, its layer), e.g. every decode
+        seal in flight), every group of all of them sealed in one batch: one fit call per page
+        count for the groups that open their block (`fit_groups`), one `seal_pages` with each
+        page's own bases, as each group sealed alone gives (the same bytes). Returns per item
+        page -> (K, V) [S, H, D] as they read back (`read_back`), else empty dicts."""
+        ks, vs, positions, per_page, owners, opening = [], [], [], [], [], []
+        at = 0
+        for w, (cs, local) in enumerate(work):
+            for g, (idx, bases) in enumerate(cs.groups):
+                k, v = self._read_layer_pages(local, [cs.pages[j] for j in idx])
+                ks.append(k)
+                vs.append(v)
+                positions += [cs.positions[j] for j in idx]
+                owners.append((w, g, idx, bases, slice(at, at + len(idx))))
+                if bases is None:
+                    opening.append(len(owners) - 1)
+                at += len(idx)
+        fitted = dict(zip(opening, fit_groups([(ks[o], vs[o]) for o in opening], self.cfg)))
+        ones = []
+        for o, (w, g, idx, bases, _) in enumerate(owners):
+            cs, local = work[w]
             if bases is None:
-                one = fit(k, v, self.cfg.fit_solver)
+                one = fitted[o]
                 cs.fitted[g][0].append(one.k[0])
                 cs.fitted[g][1].append(one.v[0])
             else:
                 one = BasisPair([bases.k[local]], [bases.v[local]])
-            sealed = seal_pages(k, v, [cs.positions[j] for j in idx], one, self.cfg, self.cands,
-                                self.dense, keep_rotated=self.store.pack_kernel)
-            for j, sp in zip(idx, sealed):
+            ones.append(one)
+            per_page += [one] * len(idx)
+        k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
+        sealed = seal_pages(k, v, positions, per_page if len(ones) > 1 else ones[0], self.cfg,
+                            self.cands, self.dense, keep_rotated=self.store.pack_kernel)
+        out = [{} for _ in work]
+        for (w, _, idx, _, rows), one in zip(owners, ones):
+            cs = work[w][0]
+            for j, sp in zip(idx, sealed[rows]):
                 seg = sp.segments[0]
                 cs.segments[j].append(seg)
                 if read_back:
-                    out[cs.pages[j]] = tuple(x.transpose(0, 1).to(self.dtype)
-                                             for x in _decoded(seg, one.k[0], one.v[0]))
+                    out[w][cs.pages[j]] = tuple(x.transpose(0, 1).to(self.dtype)
+                                                for x in _decoded(seg, one.k[0], one.v[0]))
         return out
 
     def finish_chunk_seal(self, cs: ChunkSeal) -> int:
@@ -873,22 +899,29 @@ class MosaicKVPool(MHATokenToKVPool):
         `decode_seal_layers` layers of every seal in flight (the oldest first), and the pages of
         the seals that reach their last layer installed (read compressed from the next plan on,
         their hot pages freed). Seals advance alike, so a request's pages install in order.
-        Returns pages installed."""
-        return sum(self._advance_decode_seal(ds, self.decode_seal_layers)
-                   for ds in self._decode_seals())
+        The seals' slices are sealed together, one batch per layer offset (`_seal_layers`: the
+        bytes each seal gets alone). Returns pages installed."""
+        return self._advance_decode_seals(self._decode_seals(), self.decode_seal_layers)
 
-    def _advance_decode_seal(self, ds: DecodeSeal, layers: int) -> int:
-        stop = min(ds.next_layer + layers, self.layer_num)
-        for local in range(ds.next_layer, stop):
-            self._seal_chunk_layer(ds.seal, local, read_back=False)
-            self.counters.decode_seal_slices += len(ds.seal.pages)
-        ds.next_layer = stop
-        if stop < self.layer_num:
-            return 0
-        for p in ds.seal.pages:
-            del self.decode_sealing[p]
-        n = self._install_chunk_seal(ds.seal)
-        self.counters.decode_sealed_pages += n
+    def _advance_decode_seals(self, seals: list[DecodeSeal], layers: int) -> int:
+        stops = [min(ds.next_layer + layers, self.layer_num) for ds in seals]
+        for off in range(layers):
+            work = [(ds.seal, ds.next_layer + off) for ds, stop in zip(seals, stops)
+                    if ds.next_layer + off < stop]
+            if not work:
+                break
+            self._seal_layers(work)
+            self.counters.decode_seal_slices += sum(len(cs.pages) for cs, _ in work)
+        n = 0
+        for ds, stop in zip(seals, stops):  # installs in seal order (a request's pages in order)
+            ds.next_layer = stop
+            if stop < self.layer_num:
+                continue
+            for p in ds.seal.pages:
+                del self.decode_sealing[p]
+            done = self._install_chunk_seal(ds.seal)
+            self.counters.decode_sealed_pages += done
+            n += done
         return n
 
     def _finish_decode_seals(self, pages: list[int] | None = None) -> int:
@@ -901,7 +934,7 @@ class MosaicKVPool(MHATokenToKVPool):
             if not wanted:
                 return 0
             seals = seals[:max(k for k, ds in enumerate(seals) if id(ds) in wanted) + 1]
-        n = sum(self._advance_decode_seal(ds, self.layer_num) for ds in seals)
+        n = self._advance_decode_seals(seals, self.layer_num)
         self.counters.decode_seals_forced += n
         return n
 
