@@ -264,8 +264,8 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
         else:
             tables = [write_transforms(b) for b in uniq]
     # per page: the row of its bases in `tables`
-    which = [next(u for u, b in enumerate(uniq) if b is pb) for pb in bases] if per_page \
-        else [0] * len(positions)
+    row_of = {id(b): u for u, b in enumerate(uniq)}
+    which = [row_of[id(pb)] for pb in bases] if per_page else [0] * len(positions)
     segs = {}
     for sink in (True, False):
         todo = [(j, local) for j, pos in enumerate(positions)

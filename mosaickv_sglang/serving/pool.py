@@ -1059,10 +1059,23 @@ class MosaicKVPool(MHATokenToKVPool):
             self._seal_queue, self._queued = None, set()
 
     def _flush_seals(self) -> None:
-        """Seal what `batched_seals` has queued (see there); the queue stays open."""
+        """Seal what `batched_seals` has queued (see there), in batches of at most a basis
+        block's pages (the most one group sealed before: the gather and the chooser's float32
+        copies stay that size; a larger group alone); the queue stays open."""
         queue, self._seal_queue, self._queued = self._seal_queue, [], set()
-        if not queue:
-            return
+        most = self.cfg.basis_block_tokens // self.page_size
+        batch, pages = [], 0
+        for item in queue:
+            if batch and pages + len(item[0]) > most:
+                self._seal_batch(batch)
+                batch, pages = [], 0
+            batch.append(item)
+            pages += len(item[0])
+        if batch:
+            self._seal_batch(batch)
+
+    def _seal_batch(self, queue: list[tuple]) -> None:
+        """One batch of `_flush_seals`: (group, bases, keep_hot) items sealed together."""
         if len(queue) == 1:
             self._seal_now(*queue[0])
             return
