@@ -266,6 +266,14 @@ def test_largest_batch_keeps_a_margin_of_an_estimated_capacity_only():
     assert serving_bench.capacity_estimated(mosaic)
     assert not serving_bench.capacity_estimated(capped)  # the slots bind: counted, not estimated
     assert not serving_bench.capacity_estimated(dense)
+    # a batch's prompts live in the arena between the phases: the hot buffer is not counted
+    cpu = {"internal_states": [{"memory_usage": {"token_capacity": 8192},
+                                "mosaickv": {"capacity": {"slots": 8192, "hot_buffer_tokens": 8192,
+                                                          "tokens_that_fit": 13824}}}]}
+    assert serving_bench.tokens_held(cpu) == 8192  # what the capacity column reports
+    assert serving_bench.batch_tokens(cpu) == 13824 - 8192 and serving_bench.capacity_estimated(cpu)
+    assert serving_bench.batch_tokens(dense) == 240668
+    assert serving_bench.batch_tokens(mosaic) == 653184  # no hot_buffer_tokens given
     # the H100 case: 653,184 estimated after one 32K prompt sized 19 (605,184 held after them)
     assert serving_bench.largest_batch(653184, 32768, 128, estimated=False) == 19
     assert serving_bench.largest_batch(653184, 32768, 128, estimated=True) == 17
