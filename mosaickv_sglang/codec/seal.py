@@ -301,25 +301,19 @@ def _batch(k: torch.Tensor, v: torch.Tensor, tables: list[tuple[torch.Tensor, to
     layers = k.shape[1]
     first, pages = part[0][0], len(part) // layers
     whole = part == [(first + i, local) for i in range(pages) for local in range(layers)]
-    one_block = len({which[j] for j, _ in part}) == 1
-    if whole and one_block:
-        kk, vv = (x[first:first + pages].to(torch.float32, memory_format=torch.contiguous_format)
-                  .flatten(0, 1) for x in (k, v))
-        return kk, vv, tables[which[first]]
     if whole:
         kk, vv = (x[first:first + pages].to(torch.float32, memory_format=torch.contiguous_format)
                   .flatten(0, 1) for x in (k, v))
+        if len({which[j] for j, _ in part}) == 1:
+            return kk, vv, tables[which[first]]
     else:
         pj = torch.tensor([j for j, _ in part], device=k.device)
         pl = torch.tensor([local for _, local in part], device=k.device)
         kk, vv = (x[pj, pl].to(torch.float32, memory_format=torch.contiguous_format)
                   for x in (k, v))
-    if len(tables) == 1:
-        pl = torch.tensor([local for _, local in part], device=k.device)
-        return kk, vv, (tables[0][0][pl], tables[0][1][pl])
-    # several blocks: one [U * L, H, D, D] table per kind, a row per segment
-    kt = torch.cat([t[0] for t in tables])
-    vt = torch.cat([t[1] for t in tables])
+    # one transform per segment: row `block * L + layer` of the blocks' tables, stacked
+    kt, vt = tables[0] if len(tables) == 1 else (torch.cat([t[0] for t in tables]),
+                                                 torch.cat([t[1] for t in tables]))
     rows = torch.tensor([which[j] * layers + local for j, local in part], device=kt.device)
     return kk, vv, (kt[rows], vt[rows])
 

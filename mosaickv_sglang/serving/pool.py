@@ -167,18 +167,6 @@ def upload_changed_span(now: np.ndarray, uploaded: np.ndarray, dev: torch.Tensor
         uploaded[lo:hi] = now[lo:hi]
 
 
-def _runs(queue: list[tuple]) -> list[tuple[bool, list[tuple]]]:
-    """`batched_seals`' queue ((group, bases, keep_hot) items) split into runs of consecutive
-    items with the same keep_hot: (keep_hot, items) in order."""
-    runs: list[tuple[bool, list[tuple]]] = []
-    for item in queue:
-        if runs and runs[-1][0] == item[2]:
-            runs[-1][1].append(item)
-        else:
-            runs.append((item[2], [item]))
-    return runs
-
-
 def _bump(counts: list, index: int) -> None:
     counts.extend([0] * (index + 1 - len(counts)))
     counts[index] += 1
@@ -365,8 +353,8 @@ class MosaicKVPool(MHATokenToKVPool):
                            mosaic_config.daemon)
             self.decode_seal_layers = 0
         self.decode_sealing: dict[int, DecodeSeal] = {}
-        # inside `batched_seals`: the inline seals asked for so far ((group, bases, keep_hot)
-        # as `_seal_now` got them) and their pages, sealed together when the block ends
+        # inside `batched_seals`: the inline seals asked for so far ((group, bases) as
+        # `_seal_now` got them) and their pages, sealed together when the block ends
         self._seal_queue: list[tuple] | None = None
         self._queued: set[int] = set()
         logger.info("MosaicKV pool: %d logical token slots, hot buffer %d tokens (%.1f MB "
@@ -674,8 +662,8 @@ class MosaicKVPool(MHATokenToKVPool):
             ones.append(one)
             per_page += [one] * len(idx)
         k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
-        sealed = seal_pages(k, v, positions, per_page if len(ones) > 1 else ones[0], self.cfg,
-                            self.cands, self.dense, keep_rotated=self.store.pack_kernel)
+        sealed = seal_pages(k, v, positions, per_page, self.cfg, self.cands, self.dense,
+                            keep_rotated=self.store.pack_kernel)
         out = [{} for _ in work]
         for (w, _, idx, _, rows), one in zip(owners, ones):
             cs = work[w][0]
@@ -1075,40 +1063,38 @@ class MosaicKVPool(MHATokenToKVPool):
             self._seal_batch(batch)
 
     def _seal_batch(self, queue: list[tuple]) -> None:
-        """One batch of `_flush_seals`: (group, bases, keep_hot) items sealed together."""
+        """One batch of `_flush_seals`: (group, bases) items sealed together, installed in
+        queue order."""
         if len(queue) == 1:
             self._seal_now(*queue[0])
             return
-        pages = [p for group, _, _ in queue for _, p, _ in group]
-        positions = [pos for group, _, _ in queue for pos, _, _ in group]
+        pages = [p for group, _ in queue for _, p, _ in group]
+        positions = [pos for group, _ in queue for pos, _, _ in group]
         with self._worker_threads():
             k, v = self._read_pages(pages)
-            starts = np.cumsum([0] + [len(group) for group, _, _ in queue])
+            starts = np.cumsum([0] + [len(group) for group, _ in queue])
             # groups that start their block's bases (fitted as seal_group fits them), together
-            opening = [g for g, (_, bases, _) in enumerate(queue) if bases is None]
+            opening = [g for g, (_, bases) in enumerate(queue) if bases is None]
             fitted = dict(zip(opening, fit_groups(
                 [(k[starts[g]:starts[g + 1]], v[starts[g]:starts[g + 1]]) for g in opening],
                 self.cfg)))
-            per_page = [fitted.get(g, bases) for g, (group, bases, _) in enumerate(queue)
+            per_page = [fitted.get(g, bases) for g, (group, bases) in enumerate(queue)
                         for _ in group]
             sealed = seal_pages(k, v, positions, per_page, self.cfg, self.cands, self.dense,
                                 keep_rotated=self.store.pack_kernel)
         self.counters.seal_batches += 1
         self.counters.seal_batch_groups += len(queue)
-        at = 0
-        for keep_hot, run in _runs(queue):  # installs in queue order, by keep_hot
-            n = sum(len(group) for group, _, _ in run)
-            self._install(pages[at:at + n], sealed[at:at + n], keep_hot=keep_hot)
-            at += n
+        self._install(pages, sealed)
 
     def _seal_now(self, group: list[tuple[int, int, int]], bases: BasisPair | None,
                   keep_hot: bool = False, may_queue: bool = False) -> None:
         """Seal on this thread from the hot buffer (the codec code the worker runs too).
         `may_queue` (`seal_request_pages`' own seals, daemon off): inside `batched_seals`,
-        queued; every other caller needs its pages sealed on return."""
+        queued (a seal that keeps its hot copy is never queued); every other caller needs its
+        pages sealed on return."""
         pages = [p for _, p, _ in group]
-        if may_queue and self._seal_queue is not None:
-            self._seal_queue.append((group, bases, keep_hot))
+        if may_queue and not keep_hot and self._seal_queue is not None:
+            self._seal_queue.append((group, bases))
             self._queued.update(pages)
             return
         with self._worker_threads():
