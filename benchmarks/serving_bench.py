@@ -295,8 +295,7 @@ def batch_tokens(info: dict) -> int | None:
     point's two phases are sealed pages in the arena, and the hot buffer only ever holds each
     request's last pages (a CPU server with an 8,192-token hot buffer beside a ~5,600-token
     arena lost 4 of 6 prompts between the phases when it was counted)."""
-    held = tokens_held(info)
-    mosaic = (info.get("internal_states", [{}])[0].get("mosaickv") or {}).get("capacity")
+    held, mosaic = tokens_held(info), _mosaic_capacity(info)
     if not mosaic or held is None:
         return held
     return min(held, mosaic["tokens_that_fit"] - mosaic.get("hot_buffer_tokens", 0))
@@ -305,12 +304,9 @@ def batch_tokens(info: dict) -> int | None:
 def capacity_estimated(info: dict) -> bool:
     """Whether `batch_tokens` is an estimate (MosaicKV's arena bytes over the bytes per token of
     the layout mix sealed so far, which moves as more is sealed) rather than a count of slots."""
-    state = info.get("internal_states", [{}])[0]
-    mosaic = (state.get("mosaickv") or {}).get("capacity")
-    if not mosaic:
+    if not _mosaic_capacity(info):
         return False
-    slots = mosaic.get("slots") or state.get("memory_usage", {}).get("token_capacity") \
-        or info.get("max_total_num_tokens")
+    slots = _slots(info)
     return not slots or batch_tokens(info) < slots
 
 
@@ -331,13 +327,23 @@ def tokens_held(info: dict) -> int | None:
     holds at the layout mix sealed so far (before any seal: the mean of its candidates) plus
     its hot buffer, or its slots where those are fewer (`--max-total-tokens` set below what the
     bytes hold: a CPU run's "largest batch" of 6 then queued on 4096 slots)."""
-    state = info.get("internal_states", [{}])[0]
-    slots = state.get("memory_usage", {}).get("token_capacity") or info.get("max_total_num_tokens")
-    mosaic = (state.get("mosaickv") or {}).get("capacity")
+    slots, mosaic = _slots(info), _mosaic_capacity(info)
     if not mosaic:
         return slots
-    slots = mosaic.get("slots") or slots
     return min(mosaic["tokens_that_fit"], slots) if slots else mosaic["tokens_that_fit"]
+
+
+def _mosaic_capacity(info: dict) -> dict | None:
+    """MosaicKV's `stats()["capacity"]` in /get_server_info (None for another backend)."""
+    return (info.get("internal_states", [{}])[0].get("mosaickv") or {}).get("capacity")
+
+
+def _slots(info: dict) -> int | None:
+    """The server's token slots: MosaicKV's own count, else SGLang's."""
+    state = info.get("internal_states", [{}])[0]
+    return ((_mosaic_capacity(info) or {}).get("slots")
+            or state.get("memory_usage", {}).get("token_capacity")
+            or info.get("max_total_num_tokens"))
 
 
 def parse_batches(text: str) -> list:
