@@ -33,9 +33,9 @@ from collections import Counter
 from dataclasses import replace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mosaickv_sglang.bench.basis_fit import energy_ratios, ranks_for
+from mosaickv_sglang.bench.launches import LaunchCount
 from mosaickv_sglang.codec.layer import Candidates
 from mosaickv_sglang.codec.seal import BasisPair, fit_bases, gather_pages, seal_group, seal_pages
 from mosaickv_sglang.codec.strategies import parse_strategy
@@ -44,26 +44,6 @@ from mosaickv_sglang.config import FIT_SOLVERS, MosaicConfig
 from mosaickv_sglang.serving.segment_store import SegmentStore
 
 PHASES = ("read", "fit_bases", "gather", "choose_encode", "page_meta", "bookkeeping", "install")
-
-
-class LaunchCount(TorchDispatchMode):
-    """Aten ops that compute or copy (views and metadata ops excluded), by name."""
-    VIEWS = {"view", "_unsafe_view", "select", "slice", "transpose", "t", "permute", "expand",
-             "unsqueeze", "squeeze", "detach", "alias", "as_strided", "lift_fresh", "unbind",
-             "split", "split_with_sizes", "tensor_split", "reshape", "flatten", "diagonal",
-             "unflatten", "_reshape_alias", "view_as_real", "view_as_complex", "is_nonzero",
-             "_local_scalar_dense", "item", "sym_size", "sym_stride", "sym_numel", "dim",
-             "numel", "stride", "size", "is_contiguous", "t_", "set_", "_to_copy_cpu"}
-
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in self.VIEWS:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class Setup:

@@ -19,8 +19,8 @@ from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from mosaickv_sglang.bench.launches import LaunchCount
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.serving.pool import MosaicKVPool
 
@@ -59,27 +59,6 @@ def run(n: int, args, batched: bool = True) -> dict:
             "steps_over_1ms": sum(x > 1e-3 for x in times),
             "total_ms": sum(times) * 1e3, "slices": pool.counters.decode_seal_slices,
             "torch_ops": sum(ops.values()) if args.count_ops else None}
-
-
-class LaunchCount(TorchDispatchMode):
-    """Aten ops that compute or copy (views and metadata excluded) into `ops`, by name: on a
-    GPU each is a kernel launch or a copy, what a step's host time is made of there."""
-    VIEWS = {"view", "_unsafe_view", "select", "slice", "transpose", "t", "permute", "expand",
-             "unsqueeze", "squeeze", "detach", "alias", "as_strided", "lift_fresh", "unbind",
-             "split", "split_with_sizes", "tensor_split", "reshape", "flatten", "diagonal",
-             "unflatten", "_reshape_alias", "is_nonzero", "_local_scalar_dense", "item",
-             "sym_size", "sym_stride", "sym_numel", "dim", "numel", "stride", "size",
-             "is_contiguous"}
-
-    def __init__(self, ops: Counter):
-        super().__init__()
-        self.ops = ops
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in self.VIEWS:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
