@@ -223,6 +223,13 @@ class MosaicConfig:
     # function of its own K/V and its block's first page) or "group" (the pages sealed with the
     # block's first one: depends on chunking and timing).
     basis_fit: str = "group"
+    # basis_fit "group", daemon off: a group of pages holding fewer than this many tokens (and
+    # less than the whole block) that opens a basis block of a request whose previous block is sealed (a decode page starting a
+    # block every basis_block_tokens, a prompt's short tail block) takes the previous block's
+    # bases instead of a fit on its few pages: better bases on real SmolLM2 KV (docs/codec.md,
+    # "Bases for a block opened by a few pages"), and the decode step that opens a block skips
+    # the fit. 0: always fit. Counted: inherited_bases.
+    basis_inherit_below_tokens: int = 2048
     # CUDA graphs for decode: "off" (every step eager); "breakable": SGLang's breakable decode
     # graph replays the model's own layers and runs each layer's MosaicKV attention eagerly
     # between the graph segments (docs/cuda_graphs.md); "full": SGLang's full decode graph with
@@ -292,6 +299,10 @@ class MosaicConfig:
         if not isinstance(self.decode_profile_every, int) or self.decode_profile_every < 0:
             raise ValueError(f"mosaickv config: decode_profile_every={self.decode_profile_every!r} "
                              "must be an int >= 0")
+        if not isinstance(self.basis_inherit_below_tokens, int) or isinstance(
+                self.basis_inherit_below_tokens, bool) or self.basis_inherit_below_tokens < 0:
+            raise ValueError(f"mosaickv config: basis_inherit_below_tokens="
+                             f"{self.basis_inherit_below_tokens!r} must be an int >= 0")
         if self.read_rule == "position" and self.basis_fit != "first_page":
             raise ValueError("mosaickv config: read_rule 'position' needs basis_fit 'first_page' "
                              "(it seals pages inside a prefill forward, layer by layer)")

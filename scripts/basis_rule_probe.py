@@ -13,7 +13,10 @@ costs, the table there says which of them satisfy that.
 Rules: `group` (the whole block), `first_page`, `first:N` (the block's first N tokens),
 `nosink:N` (N tokens from the end of the sink segments, or the block's start), `prev:N` (block
 b >= 1 on block b-1's tokens; block 0 as `nosink:N`), `prevdec:N` (as `prev:N`, on block b-1's
-K/V as its sealed pages read back: what a pool that no longer holds them dense could fit on).
+K/V as its sealed pages read back: what a pool that no longer holds them dense could fit on),
+`inherit:N` (a block of fewer than N tokens -- the context's tail block -- takes block b-1's
+bases, every other block its own: the pool's `basis_inherit_below_tokens`, where a small group
+opening a block, e.g. a decode page, reuses the previous block's bases instead of fitting).
 One JSON line per (seed, budget, rule).
 """
 from __future__ import annotations
@@ -43,6 +46,10 @@ def fit_range(rule: str, block_start: int, block_end: int, cfg: MosaicConfig) ->
     n = int(n)
     if name == "first":
         return block_start, min(block_start + n, block_end)
+    if name == "inherit":
+        if block_end - block_start >= n or block_start == 0:
+            return block_start, block_end
+        return block_start - cfg.basis_block_tokens, block_start
     if name in ("prev", "prevdec") and block_start > 0:
         return block_start - cfg.basis_block_tokens, block_start
     if name in ("nosink", "prev", "prevdec"):

@@ -299,7 +299,8 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
     (what the server's next token, at position T, reads compressed).
     `select_meta` (default: cfg.select.enabled) builds per-page metadata for query-aware selection.
     `fit_on(block_start, block_end, k, v, layer)` -> (k, v) [H, N, D] float32: what a block's
-    bases are fitted on (default: the config's `basis_fit`, as the server fits them); `layer`
+    bases are fitted on (default: the config's `basis_fit`, as the server fits them, a short
+    tail block reusing the previous block's under `basis_inherit_below_tokens`); `layer`
     holds the blocks before it (scripts/basis_rule_probe.py measures other rules).
     """
     if k.shape != v.shape or k.dim() != 3:
@@ -314,16 +315,22 @@ def compress_layer(k: torch.Tensor, v: torch.Tensor, cfg: MosaicConfig,
     solver = resolve_fit_solver(cfg.fit_solver, k.device)
     for block_start in range(0, sealed, cfg.basis_block_tokens):
         block_end = min(block_start + cfg.basis_block_tokens, sealed)
-        if fit_on is None:
-            # fitted on the block's first segment, as the server does (codec/seal.fit_block_bases)
-            fit_end = block_start + seg if cfg.basis_fit == "first_page" else block_end
-            fk, fv = kf[:, block_start:fit_end], vf[:, block_start:fit_end]
+        if fit_on is None and block_start and cfg.basis_fit == "group" and \
+                block_end - block_start < min(cfg.basis_inherit_below_tokens,
+                                              cfg.basis_block_tokens):
+            # a short tail block takes the previous block's bases, as the server's pool gives
+            # a group that opens a block with fewer tokens (MosaicKVPool._opening_bases)
+            kb, vb = layer.k_bases[-1], layer.v_bases[-1]
         else:
-            fk, fv = fit_on(block_start, block_end, kf, vf, layer)
-        kb = fit_with(fk, solver)
-        vb = fit_with(fv, solver)
-        layer.k_bases.append(kb)
-        layer.v_bases.append(vb)
+            if fit_on is None:
+                # the block's first segment (first_page, as codec/seal.fit_block_bases) or all
+                fit_end = block_start + seg if cfg.basis_fit == "first_page" else block_end
+                fk, fv = kf[:, block_start:fit_end], vf[:, block_start:fit_end]
+            else:
+                fk, fv = fit_on(block_start, block_end, kf, vf, layer)
+            layer.k_bases.append(fit_with(fk, solver))
+            layer.v_bases.append(fit_with(fv, solver))
+            kb, vb = layer.k_bases[-1], layer.v_bases[-1]
         basis_id = len(layer.k_bases) - 1
         for start in range(block_start, block_end, seg):
             layer.segments.append(seal_segment(

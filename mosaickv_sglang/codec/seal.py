@@ -37,6 +37,17 @@ class BasisPair:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     whole: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # set on a block's pair that reuses another block's tensors (`inherit`): bytes are counted
+    # once per `key()`, while each block keeps its own pair (a request's rows are its blocks)
+    source: "BasisPair | None" = field(default=None, repr=False, compare=False)
+
+    def inherit(self) -> "BasisPair":
+        """A pair for another block that reads these same tensors (no copy)."""
+        return BasisPair(self.k, self.v, self.whole, self.source or self)
+
+    def key(self) -> int:
+        """Identity of the tensors (what byte accounting counts once)."""
+        return id(self.source or self)
 
     @classmethod
     def of(cls, whole: torch.Tensor) -> "BasisPair":

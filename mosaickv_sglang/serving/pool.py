@@ -136,6 +136,9 @@ class PoolCounters:
     decode_seal_slices: int = 0
     decode_sealed_pages: int = 0
     decode_seals_forced: int = 0
+    # basis blocks opened by a group of fewer than basis_inherit_below_tokens pages that took
+    # the request's previous block's bases instead of a fit
+    inherited_bases: int = 0
     # `batched_seals`: inline seals of several groups (requests or basis blocks) sealed in one
     # batch, and the groups they held
     seal_batches: int = 0
@@ -839,15 +842,37 @@ class MosaicKVPool(MHATokenToKVPool):
                         self._seal_now(group, bases, may_queue=True)
                     else:
                         self._seal(group, bases, first, may_queue=True)
-                elif now:
-                    self._seal_now(group, None, may_queue=True)  # starts with `first`
+                elif now:  # starts with `first`: fitted, or the previous block's bases
+                    self._seal_now(group, self._opening_bases(pages, blk, len(group)),
+                                   may_queue=True)
                 elif first in self.pending:  # the daemon is fitting this block's bases: wait
                     self.deferred.setdefault(first, []).extend(group)
                     for _, p, _ in group:
                         self.pending[p] = None
                 else:
-                    self._seal(group, None, first, may_queue=True)
+                    self._seal(group, self._opening_bases(pages, blk, len(group)), first,
+                               may_queue=True)
         return len(todo)
+
+    def _opening_bases(self, pages: list[int], blk: int, n: int) -> BasisPair | None:
+        """The bases a group of `n` pages opening basis block `blk` of a request (`pages` its
+        page ids, position order) is sealed with: its previous block's when the group holds
+        fewer than `basis_inherit_below_tokens` tokens and is not the whole block (`basis_fit`
+        "group", daemon off) and
+        that block is sealed (counted: inherited_bases), else None (fitted on the group). A
+        function of the request's earlier pages: every TP rank takes the same."""
+        below = min(self.cfg.basis_inherit_below_tokens, self.cfg.basis_block_tokens)
+        if (blk == 0 or n * self.page_size >= below or self.daemon is not None
+                or self.cfg.basis_fit != "group"):
+            return None
+        prev = pages[(blk - 1) * (self.cfg.basis_block_tokens // self.page_size)]
+        if prev in self._queued:  # the previous block opens in this `batched_seals` batch
+            self._flush_seals()
+        sp = self.sealed.get(prev)
+        if sp is None:
+            return None
+        self.counters.inherited_bases += 1
+        return sp.bases.inherit()
 
     # ---- decode sealing in slices (decode_seal_layers) ------------------------------------
     # Sealing a page's every layer at once stalls the decode step that does it (~60 ms for a
@@ -869,6 +894,8 @@ class MosaicKVPool(MHATokenToKVPool):
                 break
             group = [(i, p) for i, p in todo if i // block == blk]
             bases = self._block_bases(first, [p for _, p in group])
+            if bases is None:
+                bases = self._opening_bases(pages, blk, len(group))
             cs.add_group([p for _, p in group], [i * ps for i, _ in group], bases)
         if not cs.pages:
             return 0
@@ -1444,7 +1471,7 @@ class MosaicKVPool(MHATokenToKVPool):
     # ---- accounting ---------------------------------------------------------------------
     def _account(self, page: SealedPage, sign: int) -> None:
         """Running total of packed bytes: page bytes, plus bases while any page uses them."""
-        key = id(page.bases)
+        key = page.bases.key()
         refs = self._basis_refs.get(key, 0) + sign
         if (sign > 0 and refs == 1) or (sign < 0 and refs == 0):
             self.arena_bytes += sign * page.bases.nbytes()
@@ -1482,7 +1509,7 @@ class MosaicKVPool(MHATokenToKVPool):
         by_kind = {"values": 0, "indices": 0, "scales": 0, "headers": 0, "page_meta": 0}
         bases = {}
         for page in self.sealed.values():
-            bases[id(page.bases)] = page.bases.nbytes()
+            bases[page.bases.key()] = page.bases.nbytes()
             for seg in page.segments:
                 for kind, n in segment_bytes(seg).items():
                     by_kind[kind] += n
