@@ -27,7 +27,7 @@ def _bcg(mosaickv: bool):
     return bcg, originals
 
 
-def test_logits_output_goes_through_the_breakable_buffers_field_by_field():
+def test_logits_output_goes_through_the_breakable_buffers_field_by_field(seed):
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
     bcg, orig = _bcg(mosaickv=True)

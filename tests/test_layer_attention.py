@@ -368,7 +368,7 @@ def test_rescoring_chooses_among_the_candidates_only(seed):
         assert sorted(torch.nonzero(keep[0, hh]).flatten().tolist()) == sorted([0, 9] + want)
 
 
-def test_selection_without_page_meta_is_an_error():
+def test_selection_without_page_meta_is_an_error(seed):
     k, v = kv(2, 200, 32)
     cfg = lossless_cfg(64, 16, 16, SelectionConfig(budget_tokens=16))
     layer = compress_layer(k, v, cfg, select_meta=False)

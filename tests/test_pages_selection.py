@@ -90,7 +90,7 @@ def test_page_meta_brackets_the_keys(meta_channels, seed):
     assert bool((meta.rest_norm.double() >= rest * (1 - 1e-6)).all()), repro(seed)
 
 
-def test_build_page_meta_rejects_partial_pages():
+def test_build_page_meta_rejects_partial_pages(seed):
     with pytest.raises(ValueError, match="page_tokens=32"):
         build_page_meta(torch.randn(2, 48, 32), 32, 8)
 

@@ -71,7 +71,7 @@ def test_pack_non_multiple_length_raises(bits, n):
 
 
 @pytest.mark.parametrize("bits", (0, 1, 3, 16))
-def test_quantizers_reject_bad_bits(bits):
+def test_quantizers_reject_bad_bits(bits, seed):
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=rf"bits={bits}"):
         quantize_asym(x, bits, (1,))

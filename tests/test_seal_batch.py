@@ -274,7 +274,7 @@ def test_lazy_chooser_picks_what_trying_every_candidate_picks(seed):
 
 @pytest.mark.parametrize("spec", ["band:b8=4,b4=44,b2=16,group=128", "lowbit:bits=4,group=32",
                                   "topr:r=16,val=fp8", "mask:r=20", "dense"])
-def test_segment_bytes_do_not_depend_on_the_values(spec):
+def test_segment_bytes_do_not_depend_on_the_values(spec, seed):
     """The chooser orders candidates by bytes measured once per shape: true only if no
     strategy's size depends on the values."""
     from mosaickv_sglang.codec.strategies import Encoded, parse_strategy

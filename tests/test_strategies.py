@@ -285,7 +285,7 @@ def test_band_widths_scale_with_head_dim(d, seed):
 
 
 @pytest.mark.parametrize("d", (32, 96))
-def test_band_rejects_head_dim_not_multiple_of_64(d):
+def test_band_rejects_head_dim_not_multiple_of_64(d, seed):
     strat = parse_strategy("band:b8=8,b4=16,b2=0,group=32")
     with pytest.raises(ValueError, match="head_dim"):
         strat.encode(torch.randn(2, 64, d), "k")

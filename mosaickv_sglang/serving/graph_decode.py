@@ -40,6 +40,7 @@ from mosaickv_kernels.page_rescore import page_rescore
 from mosaickv_kernels.page_select import page_bounds, select_page_list
 from mosaickv_kernels.request_decode import DecodeTables, RequestDecode
 
+from ..codec.attention import PageReads
 from .packed_decode import (host_batch, host_seq_lens, hot_slots, readable, request_reads,
                             rescore_plan)
 from .pool import upload_changed_span
@@ -430,8 +431,11 @@ class GraphDecode:
                             bk.hot_rows, bk.hot_lens)
 
     def stats(self) -> dict:
-        """Steps replayed and refused, and the selection's pages over replayed steps (one host
-        sync per bucket, for stats)."""
+        """Steps replayed and refused, and the selection's (page, KV head) pairs over replayed
+        steps: `pages_available` counted where each step's tables are made (`prepare` on the
+        host, `prepare_on_device` into a device counter), `pages_read` summed by the decode's
+        stage 2 into a device counter per bucket, `read_fraction` their ratio. The device
+        counters are read here only (one host sync per counter, for stats)."""
         read = self.pages_read_unselected
         for bk in self.buckets.values():
             if bk.decoder.read is not None:
@@ -444,7 +448,7 @@ class GraphDecode:
         return {"graph_steps": self.steps, "graph_request_steps": self.request_steps,
                 "graph_eager_steps": self.eager_steps, "buckets": sorted(self.buckets),
                 "rows_per_request": self.width, "device_planned_steps": self.device_steps,
-                "selection": {"pages_available": available, "pages_read": read}}
+                "selection": PageReads(available, read).stats()}
 
 
 @dataclass
