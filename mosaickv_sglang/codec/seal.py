@@ -82,6 +82,11 @@ class PageSegments(Sequence):
         """(kind, strategy spec, chooser reason) of every layer's K and V (no segment made)."""
         return [kind for batch, i in self.refs for kind in batch.kinds(i)]
 
+    def __reduce__(self):
+        # pickled (a daemon result that is not arena-ready) as its Segments, not the batches:
+        # a batch holds every try's tensors for all its segments
+        return (list, (list(self),))
+
 
 @dataclass
 class SealedPage:
