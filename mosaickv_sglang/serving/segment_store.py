@@ -2,9 +2,11 @@
 the Triton decode kernel reads in place.
 
 Installing a sealed page copies each layer's band codes and fp16 scales into an arena block laid
-out as `codec.arena.BlockLayout` says, then points the segment's tensors at views of that block:
-the bytes exist once, and the torch codec (CPU decode, prefill decompression, tests) reads the
-same memory as the kernel. Headers sit in a per-layer table indexed by logical page, so a
+out as `codec.arena.BlockLayout` says; the page's segments are then views of that block (made on
+read, `StoredSegments`, for pages sealed in batches and adopted daemon pages; re-pointed for
+segments given one by one): the bytes exist once, and the torch codec (CPU decode, prefill
+decompression, tests) reads the same memory as the kernel. The arenas are the rows of one
+[layers, bytes] tensor, so an install writes a layout's blocks of every layer in one copy. Headers sit in a per-layer table indexed by logical page, so a
 request's segment list is just its page ids. Blocks come from per-size free lists and a bump
 pointer (block sizes differ by layout); each layer's arena is the share of the packed-byte budget
 the pool was sized with at start-up (`capacity_bytes`). Segments the kernel cannot read (not
