@@ -210,12 +210,12 @@ def check(setup: Setup, pages_limit: int, paths: list[str]) -> dict:
                            setup.dense)[0].segments[0] for i in range(k.shape[1])]
         single.append(segs)
     sa, sb = setup.store(), setup.store()
-    sa.install_pages(pages, [sp.segments for sp in batched])
+    kept = sa.install_pages(pages, [sp.segments for sp in batched])  # as the store keeps them
     for p, segs in zip(pages, single):
         for layer, seg in enumerate(segs):
             sb.install(layer, [p], [seg])
-    for sp, segs in zip(batched, single):
-        for a, b in zip(sp.segments, segs):
+    for stored, segs in zip(kept, single):
+        for a, b in zip(stored, segs):
             diff["strategy"] += (a.k.strategy.spec, a.v.strategy.spec) != (b.k.strategy.spec,
                                                                            b.v.strategy.spec)
             for ca, cb in ((a.k, b.k), (a.v, b.v)):

@@ -189,7 +189,7 @@ def test_sealing_a_group_equals_one_segment_at_a_time(seed, select):
     batched = seal_group(lambda idx: gather_pages(kbuf, vbuf, torch.tensor(idx) + 1, S),
                          positions, None, cfg, cands, dense)
     sa = store()
-    sa.install_pages(pages, [sp.segments for sp in batched])
+    kept = sa.install_pages(pages, [sp.segments for sp in batched])  # the segments it keeps
 
     sb = store()
     for layer in range(L):
@@ -225,10 +225,11 @@ def test_sealing_a_group_equals_one_segment_at_a_time(seed, select):
         if select:
             for name in ("channels", "lo", "hi", "rest_norm"):
                 assert torch.equal(getattr(sa.meta[layer], name), getattr(sb.meta[layer], name))
-    # unpacked segments own their memory (not views keeping the chooser's batch alive)
-    for sp in batched:
-        for layer, seg in enumerate(sp.segments):
-            stored = bool(sa.packed[layer, pages[batched.index(sp)]])
+    # the store keeps packed segments as views of its arena and unpacked ones in their own
+    # memory (not views keeping the chooser's batch alive)
+    for page, segs in zip(pages, kept):
+        for layer, seg in enumerate(segs):
+            stored = bool(sa.packed[layer, page])
             for t in seg.k.encoded.tensors.values():
                 owner = sa.data[layer].untyped_storage().data_ptr()
                 assert (t.untyped_storage().data_ptr() == owner) == stored

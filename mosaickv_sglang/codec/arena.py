@@ -196,8 +196,11 @@ def block_views(arena: torch.Tensor, bases: list[int], lay: BlockLayout,
         plan.append((kind, name, typed[dtype], shape,
                      _contiguous_strides(shape[1:], lay.head_bytes // size),
                      lay.offsets[f"{kind}.{name}"], size))
-    return [{(kind, name): typed_arena.as_strided(shape, strides, (base + off) // size)
-             for kind, name, typed_arena, shape, strides, off, size in plan} for base in bases]
+    # as_strided's offset counts from the storage's start: `arena` may be a view (one layer of
+    # the store's [layers, bytes] arena), so its own offset is added
+    return [{(kind, name): typed_arena.as_strided(
+        shape, strides, typed_arena.storage_offset() + (base + off) // size)
+        for kind, name, typed_arena, shape, strides, off, size in plan} for base in bases]
 
 
 def _contiguous_strides(shape, outer: int) -> tuple[int, ...]:

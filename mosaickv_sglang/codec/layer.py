@@ -7,8 +7,10 @@ enumerated by `CompressedLayer.byte_breakdown`, which is where all reported rati
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..config import MosaicConfig
@@ -151,15 +153,17 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
                   basis_id: int, starts: list[int], cfg: MosaicConfig, cands: Candidates,
                   sink: bool, select_meta: bool, fallback: Strategy = DENSE,
                   timer=None, keep_rotated: bool = False,
-                  write: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[Segment]:
+                  write: tuple[torch.Tensor, torch.Tensor] | None = None) -> "SegmentBatch":
     """N segments' K and V [N, H, S, D] (float) with their bases [N, H, D, D] -> N sealed
-    Segments: the chooser's strategies, page metadata in the space its scores are computed in,
-    and the header. Each candidate is encoded once for all N (segments are independent: every
-    strategy works per head, and the batch rides on the head axis), which is what makes sealing
-    a whole request (pages x layers) cheap. A segment's tensors are views of the batch's (no
-    copy per segment): the serving store copies them into its arena, and whatever keeps a
-    segment elsewhere calls `own_storage`. Shared by the offline codec and the serving pool.
-    `keep_rotated` also hands each segment its rotated K/V (`Segment.rotated`). `write`: the
+    segments as one `SegmentBatch`: the chooser's strategies, page metadata in the space its
+    scores are computed in, and the headers, as per-batch tensors and per-segment index arrays
+    (a `Segment` is made only when one is read: `batch[i]`). Each candidate is encoded once for
+    all N (segments are independent: every strategy works per head, and the batch rides on the
+    head axis), which is what makes sealing a whole request (pages x layers) cheap. A segment's
+    tensors are views of the batch's (no copy per segment): the serving store copies them into
+    its arena by row index, and whatever keeps a segment elsewhere calls `own_storage`. Shared
+    by the offline codec and the serving pool. `keep_rotated` also keeps the rotated K/V
+    (`SegmentBatch.rotated`, and `Segment.rotated` of a segment read from it). `write`: the
     bases' write transforms (`write_transform(kb)`, `write_transform(vb)`) when the caller has
     them, so pages sharing a basis block invert each basis once, not once per segment; kb and
     vb are then unused (None), and the transforms may be per layer for whole pages (`_rotate`)."""
@@ -174,22 +178,71 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
         vc, _ = _choose_batch(v, v_rot, "v", v_cands, budgets[1], reason, fallback,
                               rescue=cands.rescue)
     n, h, s, d = k.shape
-    metas = [None] * n
+    meta = None
     with phase(timer, "page_meta"):
         if select_meta:  # see codec/pages.py
             flat = build_page_meta(k_dec.reshape(n * h, s, d), cfg.page_tokens,
                                    cfg.select.meta_channels)
-            parts = [t.reshape(n, h, *t.shape[1:]).unbind(0) for t in
-                     (flat.channels, flat.lo, flat.hi, flat.rest_norm)]
-            metas = [PageMeta(*meta) for meta in zip(*parts)]
-        headers = torch.tensor([[strategy_id(kc[i].strategy.name), strategy_id(vc[i].strategy.name),
-                                 basis_id if kc[i].strategy.rot else -1,
-                                 basis_id if vc[i].strategy.rot else -1, start, s]
-                                for i, start in enumerate(starts)], dtype=torch.int32)
-    return [Segment(start, s, kc[i], vc[i], basis_id, metas[i],
-                    metas[i] is not None and kc[i].strategy.rot, headers[i],
-                    (k_rot[i], v_rot[i]) if keep_rotated else None)
-            for i, start in enumerate(starts)]
+            meta = PageMeta(*(t.reshape(n, h, *t.shape[1:]) for t in
+                              (flat.channels, flat.lo, flat.hi, flat.rest_norm)))
+        # per try its header columns, per segment its try's: no per-segment Python
+        cols = [kc.column(lambda st: strategy_id(st.name)), vc.column(lambda st: strategy_id(st.name)),
+                kc.column(lambda st: basis_id if st.rot else -1),
+                vc.column(lambda st: basis_id if st.rot else -1),
+                np.asarray(starts, dtype=np.int64), np.full(n, s, dtype=np.int64)]
+        headers = torch.from_numpy(np.stack(cols, 1).astype(np.int32))
+    return SegmentBatch(kc, vc, list(starts), s, basis_id, meta, headers,
+                        (k_rot, v_rot) if keep_rotated else None)
+
+
+class SegmentBatch(Sequence):
+    """What `seal_segments` returns for N segments: per kind the chooser's tries (`ChoiceBatch`:
+    per try its batch tensors, per segment its (try, row)), the page metadata stacked
+    ([N, H, ...] per field, or None), the codec headers int32 [N, len(HEADER_FIELDS)] and,
+    when kept, the rotated K/V float32 [N, H, S, D]. Indexing makes the segment's `Segment`
+    (views of the batch tensors) on first read and keeps it: the serving store installs a
+    batch by its arrays and never makes one."""
+
+    def __init__(self, k: "ChoiceBatch", v: "ChoiceBatch", starts: list[int], tokens: int,
+                 basis: int, meta: PageMeta | None, headers: torch.Tensor,
+                 rotated: tuple[torch.Tensor, torch.Tensor] | None):
+        self.k, self.v, self.starts, self.tokens, self.basis = k, v, starts, tokens, basis
+        self.meta, self.headers, self.rotated = meta, headers, rotated
+        self._made: list[Segment | None] = [None] * len(starts)
+        self._nbytes: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        if i < 0:
+            i += len(self)
+        if self._made[i] is None:
+            kc, vc = self.k[i], self.v[i]
+            pages = None if self.meta is None else PageMeta(
+                self.meta.channels[i], self.meta.lo[i], self.meta.hi[i], self.meta.rest_norm[i])
+            self._made[i] = Segment(self.starts[i], self.tokens, kc, vc, self.basis, pages,
+                                    pages is not None and kc.strategy.rot, self.headers[i],
+                                    None if self.rotated is None else
+                                    (self.rotated[0][i], self.rotated[1][i]))
+        return self._made[i]
+
+    def segment_nbytes(self) -> np.ndarray:
+        """int64 [N]: `sum(segment_bytes(self[i]).values())` of every segment, from the tries'
+        per-row byte sizes, the metadata's and the header's (no segment made)."""
+        if self._nbytes is not None:
+            return self._nbytes
+        meta = 0 if self.meta is None else sum(
+            t[0].numel() * t.element_size() for t in self.meta.tensors().values())
+        header = self.headers[0].numel() * self.headers.element_size() if len(self) else 0
+        self._nbytes = self.k.row_bytes() + self.v.row_bytes() + (meta + header)
+        return self._nbytes
+
+    def kinds(self, i: int) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
+        """(kind, strategy spec, chooser reason) of segment i's K and V (no segment made)."""
+        return ("k", *self.k.spec_reason(i)), ("v", *self.v.spec_reason(i))
 
 
 def _rotate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -217,60 +270,143 @@ def own_storage(seg: Segment) -> None:
 
 def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded=False,
                   rescue=()):
-    """`choose` for N segments [N, H, S, D] at once -> (N Choices, the chosen reconstructions
-    [N, H, S, D] in each choice's own space, when need_decoded). Candidates are tried cheapest
-    first (bytes per segment) and each one is encoded only for the segments no cheaper one
-    fitted: on real K/V most segments stop at the first or second of three (the work the
-    chooser does is its encodes; the picks are those of encoding every candidate). Each try's
-    errors come to the host in one transfer; each Choice's tensors are views of its try's batch.
-    Segments no candidate fits try `rescue` (reason "rescued"), then get `fallback`."""
+    """`choose` for N segments [N, H, S, D] at once -> (the N choices as a `ChoiceBatch`, the
+    chosen reconstructions [N, H, S, D] in each choice's own space, when need_decoded).
+    Candidates are tried cheapest first (bytes per segment) and each one is encoded only for the
+    segments no cheaper one fitted: on real K/V most segments stop at the first or second of
+    three (the work the chooser does is its encodes; the picks are those of encoding every
+    candidate). Each try's errors come to the host in one transfer; a Choice read from the
+    batch has views of its try's tensors. Segments no candidate fits try `rescue` (reason
+    "rescued"), then get `fallback`."""
     n, h, s, d = x.shape
-    tries = []  # (strategy, tensors, segments encoded, errors, reconstruction, reason)
-    pick = {}  # segment -> (try, row in the try)
-    todo = list(range(n))
+    tries: list[Tried] = []
+    try_of = np.full(n, -1, dtype=np.int64)  # segment -> its try
+    row_of = np.zeros(n, dtype=np.int64)  # segment -> its row in the try
+    todo = np.arange(n)
 
     def attempt(strat, why, within_budget=True):
         nonlocal todo
         src = x_rot if strat.rot else x
         if len(todo) < n:
-            src = src[todo]
+            src = src[torch.from_numpy(todo).to(src.device)]
         m = len(todo)
         tensors, dec = strat.encode_decoded(src.reshape(m * h, s, d), kind)
         dec = dec.reshape(m, h, s, d)
-        errs = _errors(dec, src).tolist()
-        tries.append((strat, tensors, m, errs, dec, why))
-        for row, i in enumerate(todo):
-            if not within_budget or errs[row] <= budget:
-                pick[i] = (len(tries) - 1, row)
-        todo = [i for i in todo if i not in pick]
+        errs = _errors(dec, src).cpu().numpy().astype(np.float64)
+        fits = np.ones(m, dtype=bool) if not within_budget else errs <= budget
+        tries.append(Tried(strat, why, tensors, m, errs, dec, todo))
+        try_of[todo[fits]] = len(tries) - 1
+        row_of[todo[fits]] = np.nonzero(fits)[0]
+        todo = todo[~fits]
 
     for strat in sorted(candidates, key=lambda st: _segment_bytes(st, kind, h, s, d)):
-        if todo:
+        if len(todo):
             attempt(strat, reason)
     for strat in rescue if candidates else ():
-        if todo:
+        if len(todo):
             attempt(strat, "rescued")
-    if todo:  # no candidate met the budget: the fallback (dense), for those segments only
+    if len(todo):  # no candidate met the budget: the fallback (dense), for those segments only
         # With no candidates at all, dense is the configured choice, not a missed budget.
         attempt(fallback, "over-budget" if candidates else reason, within_budget=False)
-    rows_of = {}  # try -> per segment row, its tensors as views (made once per try)
+    batch = ChoiceBatch(kind, (h, s, d), tries, try_of, row_of)
+    decoded = batch.decoded() if need_decoded else None
+    for t in tries:  # the reconstructions are not kept with the batch
+        t.decoded = None
+    return batch, decoded
 
-    def views(t):
-        if t not in rows_of:
-            _, tensors, rows, *_ = tries[t]
-            per_name = {name: t_.reshape(rows, h, *t_.shape[1:]).unbind(0)
-                        for name, t_ in tensors.items()}
-            rows_of[t] = [dict(zip(per_name, row)) for row in zip(*per_name.values())]
-        return rows_of[t]
 
-    choices, decoded = [], []
-    for i in range(n):
-        t, row = pick[i]
-        strat, _, _, errs, dec, why = tries[t]
-        choices.append(Choice(strat, Encoded(kind, (h, s, d), views(t)[row]), errs[row], why))
-        if need_decoded:
-            decoded.append(dec[row])
-    return choices, torch.stack(decoded) if need_decoded else None
+@dataclass(eq=False)
+class Tried:
+    """One chooser try: a strategy encoded for `rows` segments (`segments`: which, in order)."""
+    strategy: Strategy
+    reason: str
+    tensors: Tensors  # the strategy's tensors for all rows, first dim rows * H
+    rows: int
+    errors: np.ndarray  # float64 [rows], relative reconstruction error of each row
+    decoded: torch.Tensor | None  # float32 [rows, H, S, D], dropped once the batch is made
+    segments: np.ndarray  # int64 [rows]: the segment of each row
+
+    def __post_init__(self):
+        self.spec = self.strategy.spec
+        # bytes of one row (a segment), from the tensors themselves: every tensor's first dim is
+        # rows * H, and the sizes are the same for every row (no strategy's size depends on
+        # the values)
+        self.row_bytes = sum(t.numel() * t.element_size() for t in self.tensors.values()) \
+            // max(self.rows, 1)
+        self._views: list[Tensors] | None = None
+
+    def views(self) -> list[Tensors]:
+        """Per row its tensors as views ([H, ...] each), made once per try."""
+        if self._views is None:
+            h = None
+            per_name = {}
+            for name, t in self.tensors.items():
+                h = t.shape[0] // self.rows
+                per_name[name] = t.reshape(self.rows, h, *t.shape[1:]).unbind(0)
+            self._views = [dict(zip(per_name, row)) for row in zip(*per_name.values())]
+        return self._views
+
+    def rows_of(self, name: str) -> torch.Tensor:
+        """Tensor `name` as [rows, H, ...] (a view)."""
+        t = self.tensors[name]
+        return t.view(self.rows, t.shape[0] // self.rows, *t.shape[1:])
+
+
+class ChoiceBatch(Sequence):
+    """The chooser's picks for N segments of one kind: its tries (`Tried`) and per segment its
+    try (`try_of`) and row in it (`row_of`). Indexing makes that segment's `Choice`."""
+
+    def __init__(self, kind: str, shape: tuple[int, int, int], tries: list[Tried],
+                 try_of: np.ndarray, row_of: np.ndarray):
+        self.kind, self.shape, self.tries, self.try_of, self.row_of = \
+            kind, shape, tries, try_of, row_of
+
+    def __len__(self) -> int:
+        return len(self.try_of)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        t, row = self.tries[self.try_of[i]], int(self.row_of[i])
+        return Choice(t.strategy, Encoded(self.kind, self.shape, t.views()[row]),
+                      float(t.errors[row]), t.reason)
+
+    def column(self, of_strategy) -> np.ndarray:
+        """int64 [N]: of_strategy(strategy) of every segment's try (computed once per try)."""
+        return np.array([of_strategy(t.strategy) for t in self.tries],
+                        dtype=np.int64)[self.try_of] if self.tries else np.zeros(0, np.int64)
+
+    def row_bytes(self) -> np.ndarray:
+        """int64 [N]: the bytes each segment's encoded tensors take."""
+        return np.array([t.row_bytes for t in self.tries], dtype=np.int64)[self.try_of]
+
+    def errors(self) -> np.ndarray:
+        """float64 [N]: each segment's relative reconstruction error."""
+        out = np.empty(len(self))
+        for i, t in enumerate(self.tries):
+            mine = self.try_of == i
+            out[mine] = t.errors[self.row_of[mine]]
+        return out
+
+    def spec_reason(self, i: int) -> tuple[str, str]:
+        t = self.tries[self.try_of[i]]
+        return t.spec, t.reason
+
+    def decoded(self) -> torch.Tensor:
+        """The chosen reconstructions [N, H, S, D]: one copy per try."""
+        if len(self.tries) == 1 and self.tries[0].rows == len(self):
+            return self.tries[0].decoded  # rows in segment order: every segment picked it
+        out = None
+        for i, t in enumerate(self.tries):
+            mine = np.nonzero(self.try_of == i)[0]
+            if not len(mine):
+                continue
+            if out is None:
+                out = t.decoded.new_empty((len(self), *t.decoded.shape[1:]))
+            dev = t.decoded.device
+            out[torch.from_numpy(mine).to(dev)] = t.decoded[
+                torch.from_numpy(self.row_of[mine]).to(dev)]
+        return out
 
 
 _BYTES: dict[tuple, int] = {}

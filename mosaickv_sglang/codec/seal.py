@@ -14,12 +14,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ..config import FIT_SOLVERS, MosaicConfig
 from .basis import fit_with, resolve_fit_solver, write_transform
-from .layer import Candidates, Segment, seal_segments, segment_bytes
+from .layer import Candidates, Segment, SegmentBatch, seal_segments
 from .pages import build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy
 from .timing import phase
@@ -71,15 +72,44 @@ class BasisPair:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
+class PageSegments(Sequence):
+    """A sealed page's segments, one per layer, as (batch, index) references into the
+    `SegmentBatch`es that sealed them: a `Segment` is made only when read, and the serving
+    store installs the page from the batches' arrays (`SegmentStore.install_pages`)."""
+
+    def __init__(self, refs: list[tuple[SegmentBatch, int]]):
+        self.refs = refs
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, layer):
+        if isinstance(layer, slice):
+            return [self[i] for i in range(len(self))[layer]]
+        batch, i = self.refs[layer]
+        return batch[i]
+
+    def kinds(self) -> list[tuple[str, str, str]]:
+        """(kind, strategy spec, chooser reason) of every layer's K and V (no segment made)."""
+        return [kind for batch, i in self.refs for kind in batch.kinds(i)]
+
+    def __reduce__(self):
+        # pickled (a daemon result that is not arena-ready) as its Segments, not the batches:
+        # a batch holds every try's tensors for all its segments
+        return (list, (list(self),))
+
+
 @dataclass
 class SealedPage:
     position: int  # first token position in the request that sealed it
-    segments: list[Segment]  # one per layer
+    segments: Sequence[Segment]  # one per layer (a list, or lazily made: PageSegments)
     bases: BasisPair
     nbytes: int = 0
 
     def kinds(self) -> list[tuple[str, str, str]]:
         """(kind, strategy spec, chooser reason) of every layer's K and V (pool counters)."""
+        if hasattr(self.segments, "kinds"):  # lazily made segments know them without a Segment
+            return self.segments.kinds()
         return [(kind, c.strategy.spec, c.reason) for seg in self.segments
                 for kind, c in (("k", seg.k), ("v", seg.v))]
 
@@ -277,7 +307,8 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
     # per page: the row of its bases in `tables`
     row_of = {id(b): u for u, b in enumerate(uniq)}
     which = [row_of[id(pb)] for pb in bases] if per_page else [0] * len(positions)
-    segs = {}
+    refs = {}  # (page, layer) -> (its SegmentBatch, index in it)
+    nbytes = np.zeros(len(positions), dtype=np.int64)
     for sink in (True, False):
         todo = [(j, local) for j, pos in enumerate(positions)
                 if (pos // cfg.segment_tokens < cfg.sink_segments) == sink
@@ -289,13 +320,11 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
             sealed = seal_segments(kk, vv, None, None, 0, [positions[j] for j, _ in part], cfg,
                                    cands, sink, cfg.select.enabled, dense, timer, keep_rotated,
                                    write=transforms)
-            segs.update(zip(part, sealed))
+            refs.update(zip(part, ((sealed, i) for i in range(len(part)))))
+            np.add.at(nbytes, [j for j, _ in part], sealed.segment_nbytes())
     with phase(timer, "bookkeeping"):
-        pages = []
-        for j, pos in enumerate(positions):
-            page_segs = [segs[(j, local)] for local in range(layers)]
-            pages.append(SealedPage(pos, page_segs, uniq[which[j]],
-                                    sum(sum(segment_bytes(x).values()) for x in page_segs)))
+        pages = [SealedPage(pos, PageSegments([refs[(j, local)] for local in range(layers)]),
+                            uniq[which[j]], int(nbytes[j])) for j, pos in enumerate(positions)]
     return pages
 
 

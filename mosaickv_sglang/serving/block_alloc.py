@@ -13,6 +13,8 @@ lets the pool's byte gate promise every admitted page a block (serving/sizing.py
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 
 class BlockAllocator:
     def __init__(self, capacity: int, unit: int):
@@ -50,6 +52,17 @@ class BlockAllocator:
         self._remove(start, extent)
         self._insert(start + size, extent - size)  # its neighbours are not free: no merge
         return start
+
+    def alloc_many(self, sizes: list[int]) -> list[int | None]:
+        """`alloc` of each of `sizes` in order (None where one finds no room). With no free
+        extent and room for all of them above the top, that is consecutive blocks from the top:
+        one running sum instead of a call per block (what `alloc` would give, in order)."""
+        total = sum(sizes)
+        if not self._start and self.top + total <= self.capacity:
+            bases = list(accumulate(sizes[:-1], initial=self.top)) if sizes else []
+            self.top += total
+            return bases
+        return [self.alloc(size) for size in sizes]
 
     def free(self, base: int, size: int) -> None:
         prev = self._end.get(base)

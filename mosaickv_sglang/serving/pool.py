@@ -41,8 +41,8 @@ from ..codec.basis import unrotate
 from ..codec.cold import cold_candidates, recompress_segment
 from ..codec.layer import Candidates, CompressedLayer, own_storage, segment_bytes
 from ..codec.pages import build_page_meta
-from ..codec.seal import (BasisPair, SealedPage, fit_bases, fit_block_bases, fit_groups,
-                         gather_pages, seal_group, seal_pages, worst_page_bytes)
+from ..codec.seal import (BasisPair, PageSegments, SealedPage, fit_bases, fit_block_bases,
+                         fit_groups, gather_pages, seal_group, seal_pages, worst_page_bytes)
 from ..codec.strategies import parse_strategy
 from ..codec.timing import StepProfiler
 from ..config import MosaicConfig, check_fits, fit_rescue
@@ -66,7 +66,8 @@ class ChunkSeal:
     positions: list[int]  # first token position of each page in its request
     groups: list[tuple[list[int], BasisPair | None]]  # (indices into pages, the block's bases
     # when its first page is sealed already; None: fitted here on the group's first page)
-    segments: list[list] = field(default_factory=list)  # per page: one Segment per layer so far
+    # per page: one (SegmentBatch, index) per layer sealed so far (`PageSegments` refs)
+    segments: list[list] = field(default_factory=list)
     fitted: list[tuple[list, list]] = field(default_factory=list)  # per group: K, V bases/layer
 
     def __post_init__(self):
@@ -671,11 +672,10 @@ class MosaicKVPool(MHATokenToKVPool):
         for (w, _, idx, _, rows), one in zip(owners, ones):
             cs = work[w][0]
             for j, sp in zip(idx, sealed[rows]):
-                seg = sp.segments[0]
-                cs.segments[j].append(seg)
+                cs.segments[j].append(sp.segments.refs[0])
                 if read_back:
-                    out[w][cs.pages[j]] = tuple(x.transpose(0, 1).to(self.dtype)
-                                                for x in _decoded(seg, one.k[0], one.v[0]))
+                    out[w][cs.pages[j]] = tuple(x.transpose(0, 1).to(self.dtype) for x in
+                                                _decoded(sp.segments[0], one.k[0], one.v[0]))
         return out
 
     def finish_chunk_seal(self, cs: ChunkSeal) -> int:
@@ -698,8 +698,8 @@ class MosaicKVPool(MHATokenToKVPool):
                     raise RuntimeError(f"MosaicKV: page {cs.pages[j]} installed with "
                                        f"{len(segs)} of {self.layer_num} layers sealed")
                 pages.append(cs.pages[j])
-                sealed.append(SealedPage(cs.positions[j], segs, bases,
-                                         sum(sum(segment_bytes(x).values()) for x in segs)))
+                sealed.append(SealedPage(cs.positions[j], PageSegments(segs), bases,
+                                         sum(int(b.segment_nbytes()[i]) for b, i in segs)))
         self._install(pages, sealed)
         return len(pages)
 

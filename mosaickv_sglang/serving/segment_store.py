@@ -2,9 +2,11 @@
 the Triton decode kernel reads in place.
 
 Installing a sealed page copies each layer's band codes and fp16 scales into an arena block laid
-out as `codec.arena.BlockLayout` says, then points the segment's tensors at views of that block:
-the bytes exist once, and the torch codec (CPU decode, prefill decompression, tests) reads the
-same memory as the kernel. Headers sit in a per-layer table indexed by logical page, so a
+out as `codec.arena.BlockLayout` says; the page's segments are then views of that block (made on
+read, `StoredSegments`, for pages sealed in batches and adopted daemon pages; re-pointed for
+segments given one by one): the bytes exist once, and the torch codec (CPU decode, prefill
+decompression, tests) reads the same memory as the kernel. The arenas are the rows of one
+[layers, bytes] tensor, so an install writes a layout's blocks of every layer in one copy. Headers sit in a per-layer table indexed by logical page, so a
 request's segment list is just its page ids. Blocks come from per-size free lists and a bump
 pointer (block sizes differ by layout); each layer's arena is the share of the packed-byte budget
 the pool was sized with at start-up (`capacity_bytes`). Segments the kernel cannot read (not
@@ -34,7 +36,7 @@ import ctypes
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -44,11 +46,15 @@ from mosaickv_kernels.band_pack import compile_variants, pack_layout
 from mosaickv_kernels.page_select import PackedPageMeta
 from mosaickv_kernels.row_copy import COPY, WIDEN, copy_rows
 
-from ..codec.arena import (ALIGN, HDR, HEADER_WIDTH, META_FIELDS, PLAN_FIELDS, ArenaPage,
+from ..codec.arena import (ALIGN, HDR, HEADER_WIDTH, MAX_ARENA_BYTES, META_FIELDS,
+                          PLAN_FIELDS, ArenaPage,
                           BlockLayout, band_channels, block_views, layout_of, packable,
                           tensor_parts, write_blocks)
-from ..codec.layer import Segment, own_storage, segment_bytes
+from ..codec.layer import Choice, Segment, Tried, own_storage, segment_bytes
 from ..codec.pages import PageMeta
+from ..codec.quant import SCALE_DTYPE
+from ..codec.seal import PageSegments
+from ..codec.strategies import Encoded
 from ..codec.strategies.band import Band
 from ..config import PACK_KERNELS
 from .block_alloc import BlockAllocator
@@ -96,8 +102,11 @@ class SegmentStore:
         self.capacity = capacity_bytes // ALIGN * ALIGN  # bytes per layer
         self.arena_full = 0  # segments left unpacked because the arena had no room
         # Uninitialized: only installed blocks are ever read (and CPU pages stay uncommitted).
-        self.data = [torch.empty(max(self.capacity, ALIGN), dtype=torch.uint8, device=device)
-                     for _ in range(layers)]
+        # One [layers, bytes] tensor, a view per layer: an install writes every layer's blocks
+        # of a layout in one copy.
+        self._data = torch.empty(layers, max(self.capacity, ALIGN), dtype=torch.uint8,
+                                 device=device)
+        self.data = list(self._data.unbind(0))
         # Headers and page metadata: per layer a view of one tensor per table, so an adopted
         # page (`adopt`: all layers at once) is one write per table.
         self._headers = torch.zeros(layers, pages + 1, HEADER_WIDTH, dtype=torch.int32,
@@ -181,12 +190,31 @@ class SegmentStore:
                 rest.append(i)
             segments[i] = got
         if rest:
-            self.install_pages([pages[i] for i in rest], [segments[i] for i in rest])
+            for i, got in zip(rest, self.install_pages([pages[i] for i in rest],
+                                                       [segments[i] for i in rest])):
+                segments[i] = got
         return segments
 
-    def install_pages(self, pages: list[int], segments: list[list[Segment]]) -> None:
-        """Sealed pages (each one segment per layer) in, one `install` batch per layer; the
-        segments the arena does not take get their own storage (`own_storage`)."""
+    def install_pages(self, pages: list[int],
+                      segments: list[Sequence[Segment]]) -> list[Sequence[Segment]]:
+        """Sealed pages (each one segment per layer) in; the segments the arena does not take
+        get their own storage (`own_storage`). Pages sealed by `seal_pages` (`PageSegments`)
+        go in from their batches' arrays (`_install_batched`), others one `install` batch per
+        layer. Returns each page's segments as the store keeps them (lazily made views of the
+        arena for the batched pages, the given segments re-pointed for the others)."""
+        out = list(segments)
+        lazy = [i for i, segs in enumerate(segments) if isinstance(segs, PageSegments)]
+        if lazy:
+            for i, got in zip(lazy, self._install_batched([pages[i] for i in lazy],
+                                                          [segments[i] for i in lazy])):
+                out[i] = got
+        rest = [i for i, segs in enumerate(segments) if not isinstance(segs, PageSegments)]
+        if rest:
+            self._install_segments([pages[i] for i in rest], [segments[i] for i in rest])
+        return out
+
+    def _install_segments(self, pages: list[int], segments: list[Sequence[Segment]]) -> None:
+        """`install_pages` for Segment lists: one `install` batch per layer."""
         for layer in range(len(self.data)):
             segs = [page_segs[layer] for page_segs in segments]
             for page, seg, stored in zip(pages, segs, self.install(layer, pages, segs)):
@@ -196,6 +224,193 @@ class SegmentStore:
                     size = sum(segment_bytes(seg).values())
                     self.outside[(layer, page)] = size
                     self.outside_bytes[layer] += size
+
+    def _install_batched(self, pages: list[int],
+                         segments: list[PageSegments]) -> list["StoredSegments"]:
+        """Pages sealed by `seal_pages` in, from the arrays of the `SegmentBatch`es they refer
+        to, every layer at once: per (batch, K try, V try) group its layout, packability and
+        block size; blocks allocated per layer in page order (as `install` takes them); the
+        header rows in one write; per group the blocks written in one copy over all layers
+        (staged from the tries' tensors by row index) or, with the pack kernel, one launch pair
+        per layer from the batch's rotated K/V by row index; page metadata in one write per
+        field and batch. No Segment is made for a stored segment: each page's segments are a
+        `StoredSegments` view of the arena (made on read), and the few the arena does not take
+        are made and given their own storage, as `install_pages` does."""
+        layers, n = len(self.data), len(pages)
+        batches: dict[int, int] = {}  # id(batch) -> its index in `blist`
+        blist = []
+        bidx = np.empty((n, layers), dtype=np.int64)  # (page, layer) -> batch
+        ridx = np.empty((n, layers), dtype=np.int64)  # (page, layer) -> index in its batch
+        for i, segs in enumerate(segments):
+            if len(segs.refs) != layers:
+                raise ValueError(f"SegmentStore: page {pages[i]} has {len(segs.refs)} layers, "
+                                 f"the store {layers}")
+            for layer, (batch, r) in enumerate(segs.refs):
+                b = batches.get(id(batch))
+                if b is None:
+                    b = batches[id(batch)] = len(blist)
+                    blist.append(batch)
+                bidx[i, layer], ridx[i, layer] = b, r
+        # groups: (batch, K try, V try), each with one layout (or none: not packable)
+        groups: list[_Group] = []
+        gid = np.empty((n, layers), dtype=np.int64)
+        for b, batch in enumerate(blist):
+            mine = bidx == b
+            nv = len(batch.v.tries)
+            pair = batch.k.try_of * nv + batch.v.try_of  # per index of the batch
+            used, local = np.unique(pair[ridx[mine]], return_inverse=True)
+            gid[mine] = len(groups) + local
+            for code in used.tolist():
+                groups.append(self._group(batch, b, *divmod(code, nv)))
+        size_of = np.array([g.size for g in groups], dtype=np.int64)
+        packs = np.array([g.layout is not None for g in groups], dtype=bool)[gid]
+        # blocks, per layer in page order (what `install` takes, segment by segment)
+        base = np.full((n, layers), -1, dtype=np.int64)
+        for layer in range(layers):
+            rows = np.nonzero(packs[:, layer])[0]
+            if not len(rows):
+                continue
+            got = self.allocators[layer].alloc_many(size_of[gid[rows, layer]].tolist())
+            base[rows, layer] = [-1 if b is None else b for b in got]
+        self.arena_full += int((packs & (base < 0)).sum())
+        stored = base >= 0
+        # layout ids in the order `install` gives them: layer by layer, a layout when its first
+        # stored segment (page order) is written
+        seq = gid.T[stored.T]
+        used, first = np.unique(seq, return_index=True)
+        for g in used[np.argsort(first)].tolist():
+            groups[g].layout_id = self._layout_id(groups[g].layout)
+        pi, li = np.nonzero(stored)  # stored segments, page-major
+        page_of = np.asarray(pages, dtype=np.int64)
+        sb, sg = base[pi, li], gid[pi, li]
+        if len(pi):
+            self._write_batched(blist, groups, pi, li, page_of[pi], sb, sg, bidx[pi, li],
+                                ridx[pi, li])
+        # per page what its lazy Segments need: group, errors, codec headers
+        errs = np.empty((n, layers, 2))
+        headers = torch.empty(n, layers, blist[0].headers.shape[1], dtype=torch.int32)
+        for b, batch in enumerate(blist):
+            mine = bidx == b
+            r = ridx[mine]
+            errs[mine] = np.stack([batch.k.errors()[r], batch.v.errors()[r]], 1)
+            at = np.nonzero(mine)
+            headers[torch.from_numpy(at[0]), torch.from_numpy(at[1])] = \
+                batch.headers[torch.from_numpy(r)]
+        made = [dict() for _ in range(n)]
+        for layer in range(layers):  # the segments left outside the arena, layer by layer
+            for i in np.nonzero(~stored[:, layer])[0].tolist():
+                seg = blist[bidx[i, layer]][int(ridx[i, layer])]
+                own_storage(seg)  # kept in its own tensors, not in views of the sealing batch
+                size = sum(segment_bytes(seg).values())  # beside the arena, charged to its gate
+                self.outside[(layer, pages[i])] = size
+                self.outside_bytes[layer] += size
+                made[i][layer] = seg
+        out = []
+        for i, (page, segs) in enumerate(zip(pages, segments)):
+            first = segs.refs[0][0]
+            record = SealedRecord(first.starts[segs.refs[0][1]], first.tokens, first.basis,
+                                  groups, gid[i], errs[i], headers[i])
+            out.append(StoredSegments(self, page, record, made[i]))
+        return out
+
+    def _group(self, batch, b: int, kt: int, vt: int) -> "_Group":
+        """The install group of a batch's (K try, V try): strategies, reasons, layout (None when
+        the kernel cannot read it: `packable`), block size, layout id and tensor parts."""
+        k, v = batch.k.tries[kt], batch.v.tries[vt]
+        ok = all(isinstance(t.strategy, Band) and t.strategy.rot and
+                 t.strategy.group % self.page_tokens == 0 for t in (k, v))
+        if not ok:
+            return _Group(b, k, v, None, 0, -1, [])
+        if self.meta is not None and batch.meta is None:
+            raise ValueError("SegmentStore: selection is on but a band segment came without "
+                             "page metadata in its K basis")
+        lay = layout_of(k.spec, v.spec, batch.tokens, self.head_dim)
+        h = self.heads
+        parts = [(kind, name, t.dtype, (h, *t.shape[1:])) for kind, tried in (("k", k), ("v", v))
+                 for name, t in tried.tensors.items()]
+        return _Group(b, k, v, lay, h * lay.head_bytes, -1, parts)  # layout id: on install
+
+    def _write_batched(self, blist, groups, pi, li, pages, bases, gids, bidx, ridx) -> None:
+        """`_install_batched`'s writes for its stored segments (arrays, page-major): page,
+        layer, block base, group, batch and index in the batch of each."""
+        dev = self.device
+        if (bases % ALIGN).any() or (bases > MAX_ARENA_BYTES).any():
+            bad = bases[(bases % ALIGN != 0) | (bases > MAX_ARENA_BYTES)][0]
+            raise ValueError(f"segment base {bad} must be a multiple of {ALIGN} below "
+                             f"{MAX_ARENA_BYTES} (int32 header in {ALIGN}-byte units)")
+        # headers first (one write): the pack kernel finds each block through its header row
+        layout_ids = np.array([g.layout_id for g in groups], dtype=np.int64)[gids]
+        rows = self._header_table[layout_ids]
+        rows[:, HDR["base16"]] = bases // ALIGN
+        at_layer = _to_device_async(torch.from_numpy(li), dev)
+        at_page = _to_device_async(torch.from_numpy(pages), dev)
+        self._headers[at_layer, at_page] = _to_device_async(torch.from_numpy(rows), dev)
+        width = self._data.shape[1]
+        flat = self._data.view(-1, ALIGN)
+        for g in np.unique(gids).tolist():
+            grp = groups[g]
+            sel = np.nonzero(gids == g)[0]
+            batch, lay, m = blist[grp.batch], grp.layout, len(sel)
+            r = ridx[sel]
+            units = ((li[sel] * width + bases[sel])[:, None] +
+                     np.arange(0, grp.size, ALIGN)[None, :]).reshape(-1) // ALIGN
+            units = _to_device_async(torch.from_numpy(units), dev)
+            kernel = self.pack_kernel and batch.rotated is not None
+            if self.pack_kernel and not kernel:
+                if not self.pack_counts["no_rotated"]:
+                    logger.info("MosaicKV: sealed segments without rotated K/V (e.g. daemon "
+                                "results) are copied into the arena by torch, not packed by the "
+                                "kernel; counted in stats (segment_store.packed_by.no_rotated)")
+                self.pack_counts["no_rotated"] += m
+            if kernel:
+                flat.index_fill_(0, units, 0)  # alignment padding as the torch copy leaves it
+                for layer in np.unique(li[sel]).tolist():
+                    one = sel[li[sel] == layer]
+                    idx = _to_device_async(torch.from_numpy(ridx[one]), dev)
+                    pack_layout(self.data[layer], self.headers[layer],
+                                _to_device_async(torch.from_numpy(pages[one].astype(np.int32)),
+                                                 dev),
+                                batch.rotated[0][idx], batch.rotated[1][idx],
+                                band_widths(lay.k, self.head_dim),
+                                band_widths(lay.v, self.head_dim))
+            else:
+                staged = torch.zeros(m, self.heads, lay.head_bytes, dtype=torch.uint8,
+                                     device=dev)
+                for kind, tried, choice in (("k", grp.k, batch.k), ("v", grp.v, batch.v)):
+                    rows_in_try = torch.from_numpy(choice.row_of[r]).to(dev)
+                    for name in tried.tensors:
+                        key = f"{kind}.{name}"
+                        part = tried.rows_of(name)  # [rows, H, ...]
+                        want = torch.uint8 if name.startswith("codes") else SCALE_DTYPE
+                        if part.dtype != want:
+                            raise ValueError(f"pack_layer: {key} is {part.dtype}, expected {want}")
+                        if part[0].numel() * part.element_size() != self.heads * lay.sizes[key]:
+                            raise ValueError(f"pack_layer: {key} holds "
+                                             f"{part[0].numel() * part.element_size() / self.heads:g}"
+                                             f" bytes per head, layout expects {lay.sizes[key]}")
+                        staged[:, :, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]].copy_(
+                            part[rows_in_try].contiguous().view(torch.uint8).reshape(
+                                m, self.heads, -1))
+                flat.index_copy_(0, units, staged.view(-1, ALIGN))
+            self.pack_counts["kernel" if kernel else "torch"] += m
+        if self._meta is not None:
+            for b, batch in enumerate(blist):
+                sel = np.nonzero(bidx == b)[0]
+                if not len(sel):
+                    continue
+                at = (_to_device_async(torch.from_numpy(li[sel]), dev),
+                      _to_device_async(torch.from_numpy(pages[sel]), dev))
+                idx = torch.from_numpy(ridx[sel]).to(batch.meta.lo.device)
+                for f in META_FIELDS:
+                    src = getattr(batch.meta, f)[idx]
+                    table = getattr(self._meta, f)
+                    table[at] = src.to(table.dtype) if f == "channels" else src
+        self._packed_np[li, pages] = True
+        sizes = np.array([g.size for g in groups], dtype=np.int64)[gids]
+        self.blocks.update(zip(zip(li.tolist(), pages.tolist()),
+                               zip(bases.tolist(), sizes.tolist())))
+        self.live_bytes += int(sizes.sum())
+        np.add.at(self.layer_live, li, sizes)
 
     def install(self, layer: int, pages: list[int], segs: list[Segment]) -> list[bool]:
         """Copy one layer's segments (one per logical page) into the arena and re-point their
@@ -649,16 +864,24 @@ class AdoptRows:
 
 
 class StoredSegments(Sequence):
-    """An adopted `ArenaPage`'s Segments, one per layer, each made on first read as views of
-    its block and metadata rows in the store: the decode kernels read the store directly, so
-    only the reference path, prefill decompression and stats() ever make them."""
+    """A stored page's Segments, one per layer, each made on first read as views of its block
+    and metadata rows in the store: the decode kernels read the store directly, so only the
+    reference path, prefill decompression and stats() ever make them. `source` says what the
+    arena does not: an adopted `ArenaPage` (its bytes dropped), or a `SealedRecord` of a page
+    installed from its sealing batches; `made`: layers given as Segments (kept outside the
+    arena)."""
 
-    def __init__(self, store: SegmentStore, page: int, ap: ArenaPage):
-        # everything but the page's bytes, which now live in the store
+    def __init__(self, store: SegmentStore, page: int, source: "ArenaPage | SealedRecord",
+                 made: dict[int, Segment] | None = None):
         self.store, self.page = store, page
-        # headers (byte accounting only) copied: off a daemon slot they may be views of
-        self.ap = replace(ap, blocks=None, headers=ap.headers.clone(), pages=None)
-        self.made: list[Segment | None] = [None] * len(ap.specs)
+        if isinstance(source, ArenaPage):
+            # everything but the page's bytes, which now live in the store; headers (byte
+            # accounting only) copied: off a daemon slot they may be views of
+            source = replace(source, blocks=None, headers=source.headers.clone(), pages=None)
+        self.source = source
+        self.made: list[Segment | None] = [None] * len(self.store.data)
+        for layer, seg in (made or {}).items():
+            self.made[layer] = seg
 
     def __len__(self) -> int:
         return len(self.made)
@@ -672,8 +895,48 @@ class StoredSegments(Sequence):
                 store.meta[layer].channels[self.page].to(torch.uint8),
                 *(getattr(store.meta[layer], f)[self.page] for f in META_FIELDS[1:]))
             base, _ = store.blocks[(layer, self.page)]
-            self.made[layer] = self.ap.segment(layer, store.data[layer], base, pages)
+            self.made[layer] = self.source.segment(layer, store.data[layer], base, pages)
         return self.made[layer]
+
+
+@dataclass(eq=False)
+class _Group:
+    """Segments of one install batch with the same (K try, V try) of one SegmentBatch."""
+    batch: int  # index of the batch in the install
+    k: Tried
+    v: Tried
+    layout: BlockLayout | None  # None: the kernel cannot read it (kept outside the arena)
+    size: int  # block bytes (heads x head_bytes)
+    layout_id: int  # the store's plans row (-1 until a segment of it is stored)
+    parts: list  # `tensor_parts` of its segments
+
+
+@dataclass(eq=False)
+class SealedRecord:
+    """What a page installed from its sealing batches keeps beside the arena, per layer: its
+    install group (strategies, reasons, layout, tensor parts: shared by the install), its K
+    and V errors and its codec header. `segment` makes a layer's Segment as views of its block
+    (`StoredSegments`), as `ArenaPage.segment` does for adopted pages."""
+    position: int
+    tokens: int
+    basis: int
+    groups: list[_Group]
+    gid: np.ndarray  # int64 [L]
+    errors: np.ndarray  # float64 [L, 2] (K, V)
+    headers: torch.Tensor  # int32 [L, len(HEADER_FIELDS)]
+
+    def segment(self, layer: int, arena: torch.Tensor, base: int,
+                pages: PageMeta | None) -> Segment:
+        g = self.groups[self.gid[layer]]
+        views = block_views(arena, [base], g.layout, g.parts)[0]
+        h = g.parts[0][3][0]
+        shape = (h, self.tokens, g.layout.head_dim)
+        choices = [Choice(tried.strategy, Encoded(kind, shape, {name: t for (kd, name), t in
+                                                                views.items() if kd == kind}),
+                          float(self.errors[layer, j]), tried.reason)
+                   for j, (kind, tried) in enumerate((("k", g.k), ("v", g.v)))]
+        return Segment(self.position, self.tokens, choices[0], choices[1], self.basis, pages,
+                       pages is not None, self.headers[layer])
 
 
 def _device_address(addr: int) -> int | None:
