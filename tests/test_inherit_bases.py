@@ -20,7 +20,8 @@ PS, H, D, LAYERS, HOT = 128, 2, 64, 2, 64
 
 
 def make_pool(**cfg) -> MosaicKVPool:
-    config = MosaicConfig(**{"hot_tokens": HOT, "basis_block_tokens": 2 * PS, **cfg})
+    config = MosaicConfig(**{"hot_tokens": HOT, "basis_block_tokens": 2 * PS,
+                             "basis_inherit_below_tokens": 2048, **cfg})
     return MosaicKVPool(24 * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
                         mosaic_config=config)
 
@@ -111,7 +112,8 @@ def test_the_codecs_short_tail_block_reuses_the_previous_bases(seed):
     t = 2 * 256 + 128 + HOT  # two whole 256-token blocks, a 128-token tail block, the hot tail
     k = torch.randn(H, t, D, generator=gen) * (1 + torch.arange(D) % 5)
     v = torch.randn(H, t, D, generator=gen)
-    shared = compress_layer(k, v, MosaicConfig(hot_tokens=HOT, basis_block_tokens=256))
+    shared = compress_layer(k, v, MosaicConfig(hot_tokens=HOT, basis_block_tokens=256,
+                                               basis_inherit_below_tokens=2048))
     assert len(shared.k_bases) == 2, repro(seed)
     assert {s.basis for s in shared.segments if s.start >= 512} == {1}
     own = compress_layer(k, v, MosaicConfig(hot_tokens=HOT, basis_block_tokens=256,
