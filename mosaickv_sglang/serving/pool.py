@@ -137,7 +137,7 @@ class PoolCounters:
     decode_seal_slices: int = 0
     decode_sealed_pages: int = 0
     decode_seals_forced: int = 0
-    # basis blocks opened by a group of fewer than basis_inherit_below_tokens pages that took
+    # basis blocks opened by a group of fewer than basis_inherit_below_tokens tokens that took
     # the request's previous block's bases instead of a fit
     inherited_bases: int = 0
     # `batched_seals`: inline seals of several groups (requests or basis blocks) sealed in one
@@ -858,9 +858,9 @@ class MosaicKVPool(MHATokenToKVPool):
         """The bases a group of `n` pages opening basis block `blk` of a request (`pages` its
         page ids, position order) is sealed with: its previous block's when the group holds
         fewer than `basis_inherit_below_tokens` tokens and is not the whole block (`basis_fit`
-        "group", daemon off) and
-        that block is sealed (counted: inherited_bases), else None (fitted on the group). A
-        function of the request's earlier pages: every TP rank takes the same."""
+        "group", daemon off) and that block is sealed (counted: inherited_bases), else None
+        (fitted on the group). A function of the request's earlier pages: every TP rank takes
+        the same."""
         below = min(self.cfg.basis_inherit_below_tokens, self.cfg.basis_block_tokens)
         if (blk == 0 or n * self.page_size >= below or self.daemon is not None
                 or self.cfg.basis_fit != "group"):
