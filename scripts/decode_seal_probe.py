@@ -9,6 +9,11 @@ that the total work stays the same.
     python scripts/decode_seal_probe.py                         # CPU: 32 layers, 8 KV heads x 128
     python scripts/decode_seal_probe.py --device cuda --layers-per-step 0,1,4,8
     python scripts/decode_seal_probe.py --requests 16 --layers-per-step 0,0 --batched-vs-not
+    python scripts/decode_seal_probe.py --device cuda --requests 16 --layers-per-step 0,0 \
+        --top-ops 15     # where a seal step's time goes: torch.profiler, ops by self time
+
+With `--top-ops` the steps run under torch.profiler (their times then include its overhead):
+the table ranks ops by self CUDA time on a GPU, self CPU time on the CPU.
 """
 from __future__ import annotations
 
@@ -40,6 +45,26 @@ def run(n: int, args, batched: bool = True) -> dict:
                            torch.randn(len(slots), h, d, generator=gen).bfloat16().to(args.device))
     pages = (slots[::ps] // ps).numpy().reshape(args.requests, per)
     times, ops = [], Counter()
+    top = getattr(args, "top_ops", 0)
+    cuda = args.device != "cpu"
+    acts = [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) if top else nullcontext() as prof:
+        steps(pool, pages, args, batched, ps, hot, times, ops)
+    table = None
+    if top:
+        table = prof.key_averages().table(
+            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top)
+    return {"decode_seal_layers": n, "batched": batched, "sealed_pages": len(pool.sealed),
+            "max_ms": max(times) * 1e3,
+            "seal_steps_ms": [round(x * 1e3, 1) for x in times if x > 1e-3],
+            "steps_over_1ms": sum(x > 1e-3 for x in times),
+            "total_ms": sum(times) * 1e3, "slices": pool.counters.decode_seal_slices,
+            "torch_ops": sum(ops.values()) if args.count_ops else None, "profile": table}
+
+
+def steps(pool, pages, args, batched, ps, hot, times, ops) -> None:
+    """The decode steps from just before the first page boundary to past the last."""
     for pos in range(ps + hot - 2, args.pages * ps + hot + 40):
         if args.device != "cpu":
             torch.cuda.synchronize()
@@ -53,12 +78,6 @@ def run(n: int, args, batched: bool = True) -> dict:
         if args.device != "cpu":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    return {"decode_seal_layers": n, "batched": batched, "sealed_pages": len(pool.sealed),
-            "max_ms": max(times) * 1e3,
-            "seal_steps_ms": [round(x * 1e3, 1) for x in times if x > 1e-3],
-            "steps_over_1ms": sum(x > 1e-3 for x in times),
-            "total_ms": sum(times) * 1e3, "slices": pool.counters.decode_seal_slices,
-            "torch_ops": sum(ops.values()) if args.count_ops else None}
 
 
 def main() -> None:
@@ -73,6 +92,8 @@ def main() -> None:
                     help="count the torch ops that launch work (not views) over all steps")
     ap.add_argument("--batched-vs-not", action="store_true",
                     help="each setting with and without `batched_seals`")
+    ap.add_argument("--top-ops", type=int, default=0,
+                    help="profile the steps (torch.profiler) and print this many ops by self time")
     ap.add_argument("--layers-per-step", default="0,0,1,4,8",
                     help="settings, in order (the first run warms up)")
     args = ap.parse_args()
@@ -89,6 +110,8 @@ def report(r: dict) -> None:
           f"total {r['total_ms']:.1f} ms; {r['slices']} slices; steps over 1 ms: "
           f"{r['seal_steps_ms']} ms"
           + (f"; {r['torch_ops']} torch ops" if r["torch_ops"] is not None else ""), flush=True)
+    if r["profile"]:
+        print(r["profile"], flush=True)
 
 
 if __name__ == "__main__":

@@ -17,3 +17,15 @@ def test_batched_seals_launch_fewer_ops_for_the_same_pages():
     batched, alone = probe.run(0, args, batched=True), probe.run(0, args, batched=False)
     assert batched["sealed_pages"] == alone["sealed_pages"] == 3
     assert 0 < batched["torch_ops"] < alone["torch_ops"], (batched, alone)
+
+
+def test_top_ops_profiles_the_seal_steps():
+    """`--top-ops`: the steps run under torch.profiler and the table names the ops by self time
+    (what a GPU call reads to attribute a seal step)."""
+    args = Namespace(device="cpu", layers=2, heads=1, head_dim=64, pages=1, requests=2,
+                     count_ops=False, top_ops=5)
+    r = probe.run(0, args, batched=True)
+    assert r["sealed_pages"] == 2 and r["profile"] is not None
+    assert "Self CPU" in r["profile"] and r["profile"].count("aten::") >= 5, r["profile"]
+    plain = probe.run(0, Namespace(**{**vars(args), "top_ops": 0}), batched=True)
+    assert plain["profile"] is None and plain["sealed_pages"] == 2
