@@ -36,7 +36,7 @@ from .basis import kernel_transform
 from .layer import Choice, CompressedLayer, Segment
 from .pages import PageMeta
 from .quant import SCALE_DTYPE
-from .strategies import Encoded, parse_strategy
+from .strategies import Encoded, Strategy, parse_strategy
 from .strategies.band import BAND_BITS, Band
 
 # The layout the kernels read is defined beside them (triton_kernels/layout.py), re-exported.
@@ -161,18 +161,45 @@ def write_blocks(blocks: torch.Tensor, lay: BlockLayout, segs: list) -> None:
         raise ValueError(f"write_blocks: {m} blocks for {len(segs)} segments")
     for kind in ("k", "v"):
         for name in getattr(segs[0], kind).encoded.tensors:
-            want = torch.uint8 if name.startswith("codes") else SCALE_DTYPE
             key = f"{kind}.{name}"
             parts = [getattr(seg, kind).encoded.tensors[name] for seg in segs]
             for t in parts:
-                if t.dtype != want:
-                    raise ValueError(f"pack_layer: {key} is {t.dtype}, expected {want}")
-                if t.numel() * t.element_size() != h * lay.sizes[key]:
-                    raise ValueError(f"pack_layer: {key} holds {t.numel() * t.element_size() / h:g}"
-                                     f" bytes per head, layout expects {lay.sizes[key]}")
-            src = parts[0][None] if m == 1 else torch.stack(parts)
-            blocks[:, :, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]].copy_(
-                src.contiguous().view(torch.uint8).reshape(m, h, -1))
+                check_part(lay, key, t, h)
+            write_part(blocks, lay, key, parts[0][None] if m == 1 else torch.stack(parts))
+
+
+def check_part(lay: BlockLayout, key: str, t: torch.Tensor, heads: int) -> None:
+    """One segment's K/V tensor `key` ("k.codes8", ...; [H, ...]) as `lay` stores it: codes
+    uint8, scales and zeros SCALE_DTYPE, and the layout's bytes per head."""
+    want = torch.uint8 if key.split(".", 1)[1].startswith("codes") else SCALE_DTYPE
+    if t.dtype != want:
+        raise ValueError(f"pack_layer: {key} is {t.dtype}, expected {want}")
+    if t.numel() * t.element_size() != heads * lay.sizes[key]:
+        raise ValueError(f"pack_layer: {key} holds {t.numel() * t.element_size() / heads:g}"
+                         f" bytes per head, layout expects {lay.sizes[key]}")
+
+
+def write_part(blocks: torch.Tensor, lay: BlockLayout, key: str, src: torch.Tensor) -> None:
+    """Tensor `key` of M segments (`src` [M, H, ...], checked by `check_part`) into their
+    (segment, head) blocks (`blocks` uint8 [M, H, lay.head_bytes]) at the layout's offset."""
+    m, h = blocks.shape[:2]
+    blocks[:, :, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]].copy_(
+        src.contiguous().view(torch.uint8).reshape(m, h, -1))
+
+
+def block_segment(arena: torch.Tensor, base: int, lay: BlockLayout, parts: list,
+                  kinds: list[tuple[Strategy, float, str]], position: int, tokens: int,
+                  heads: int, basis: int, pages: PageMeta | None, header: torch.Tensor) -> Segment:
+    """A Segment whose K and V tensors are views of the block at byte `base` of `arena` (its
+    `tensor_parts` `parts`; `kinds`: K's and V's (strategy, error, reason)): how a stored page's
+    segments are made on read (`ArenaPage.segment`, the serving store's `SealedRecord`)."""
+    views = block_views(arena, [base], lay, parts)[0]
+    choices = [Choice(strat, Encoded(kind, (heads, tokens, lay.head_dim),
+                                     {name: t for (kd, name), t in views.items() if kd == kind}),
+                      err, reason)
+               for kind, (strat, err, reason) in zip(("k", "v"), kinds)]
+    return Segment(position, tokens, choices[0], choices[1], basis, pages, pages is not None,
+                   header)
 
 
 def tensor_parts(seg) -> list[tuple[str, str, torch.dtype, tuple[int, ...]]]:
@@ -261,15 +288,11 @@ class ArenaPage:
                 pages: PageMeta | None) -> Segment:
         """Layer `layer`'s Segment, its tensors views of the block at byte `base` of `arena`."""
         lay = layout_of(*self.specs[layer], self.tokens, self.head_dim)
-        views = block_views(arena, [base], lay, self.parts[self.specs[layer]])[0]
         k_err, v_err, k_reason, v_reason = self.choices[layer]
-        choices = [Choice(lay.k if kind == "k" else lay.v,
-                          Encoded(kind, (self.heads, self.tokens, self.head_dim),
-                                  {name: t for (kd, name), t in views.items() if kd == kind}),
-                          err, reason)
-                   for kind, err, reason in (("k", k_err, k_reason), ("v", v_err, v_reason))]
-        return Segment(self.position, self.tokens, choices[0], choices[1], 0, pages,
-                       pages is not None, self.headers[layer])
+        return block_segment(arena, base, lay, self.parts[self.specs[layer]],
+                             [(lay.k, k_err, k_reason), (lay.v, v_err, v_reason)],
+                             self.position, self.tokens, self.heads, 0, pages,
+                             self.headers[layer])
 
     def segments(self) -> list[Segment]:
         """Every layer's Segment as views of this page's own bytes (a page the arena has no room

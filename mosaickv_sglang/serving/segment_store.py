@@ -47,14 +47,12 @@ from mosaickv_kernels.page_select import PackedPageMeta
 from mosaickv_kernels.row_copy import COPY, WIDEN, copy_rows
 
 from ..codec.arena import (ALIGN, HDR, HEADER_WIDTH, MAX_ARENA_BYTES, META_FIELDS,
-                          PLAN_FIELDS, ArenaPage,
-                          BlockLayout, band_channels, block_views, layout_of, packable,
-                          tensor_parts, write_blocks)
-from ..codec.layer import Choice, Segment, Tried, own_storage, segment_bytes
+                          PLAN_FIELDS, ArenaPage, BlockLayout, band_channels, block_segment,
+                          block_views, check_part, layout_of, packable, tensor_parts,
+                          write_blocks, write_part)
+from ..codec.layer import Segment, Tried, own_storage, segment_bytes
 from ..codec.pages import PageMeta
-from ..codec.quant import SCALE_DTYPE
 from ..codec.seal import PageSegments
-from ..codec.strategies import Encoded
 from ..codec.strategies.band import Band
 from ..config import PACK_KERNELS
 from .block_alloc import BlockAllocator
@@ -381,16 +379,8 @@ class SegmentStore:
                     for name in tried.tensors:
                         key = f"{kind}.{name}"
                         part = tried.rows_of(name)  # [rows, H, ...]
-                        want = torch.uint8 if name.startswith("codes") else SCALE_DTYPE
-                        if part.dtype != want:
-                            raise ValueError(f"pack_layer: {key} is {part.dtype}, expected {want}")
-                        if part[0].numel() * part.element_size() != self.heads * lay.sizes[key]:
-                            raise ValueError(f"pack_layer: {key} holds "
-                                             f"{part[0].numel() * part.element_size() / self.heads:g}"
-                                             f" bytes per head, layout expects {lay.sizes[key]}")
-                        staged[:, :, lay.offsets[key]:lay.offsets[key] + lay.sizes[key]].copy_(
-                            part[rows_in_try].contiguous().view(torch.uint8).reshape(
-                                m, self.heads, -1))
+                        check_part(lay, key, part[0], self.heads)
+                        write_part(staged, lay, key, part[rows_in_try])
                 flat.index_copy_(0, units, staged.view(-1, ALIGN))
             self.pack_counts["kernel" if kernel else "torch"] += m
         if self._meta is not None:
@@ -928,15 +918,11 @@ class SealedRecord:
     def segment(self, layer: int, arena: torch.Tensor, base: int,
                 pages: PageMeta | None) -> Segment:
         g = self.groups[self.gid[layer]]
-        views = block_views(arena, [base], g.layout, g.parts)[0]
-        h = g.parts[0][3][0]
-        shape = (h, self.tokens, g.layout.head_dim)
-        choices = [Choice(tried.strategy, Encoded(kind, shape, {name: t for (kd, name), t in
-                                                                views.items() if kd == kind}),
-                          float(self.errors[layer, j]), tried.reason)
-                   for j, (kind, tried) in enumerate((("k", g.k), ("v", g.v)))]
-        return Segment(self.position, self.tokens, choices[0], choices[1], self.basis, pages,
-                       pages is not None, self.headers[layer])
+        return block_segment(arena, base, g.layout, g.parts,
+                             [(tried.strategy, float(self.errors[layer, j]), tried.reason)
+                              for j, tried in enumerate((g.k, g.v))],
+                             self.position, self.tokens, g.parts[0][3][0], self.basis, pages,
+                             self.headers[layer])
 
 
 def _device_address(addr: int) -> int | None:
