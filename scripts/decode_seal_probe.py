@@ -13,7 +13,9 @@ that the total work stays the same.
         --top-ops 15     # where a seal step's time goes: torch.profiler, ops by self time
 
 With `--top-ops` the steps run under torch.profiler (their times then include its overhead):
-the table ranks ops by self CUDA time on a GPU, self CPU time on the CPU.
+the table ranks ops by self CUDA time on a GPU (then a second table by self CPU time: launches,
+copies, and host syncs as `cudaStreamSynchronize` / `cudaMemcpyAsync` waits), self CPU time on
+the CPU.
 """
 from __future__ import annotations
 
@@ -53,8 +55,11 @@ def run(n: int, args, batched: bool = True) -> dict:
         steps(pool, pages, args, batched, ps, hot, times, ops)
     table = None
     if top:
-        table = prof.key_averages().table(
-            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top)
+        avg = prof.key_averages()
+        table = avg.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                          row_limit=top)
+        if cuda:  # the host's side too: launches, copies, and the waits of host syncs
+            table += "\n" + avg.table(sort_by="self_cpu_time_total", row_limit=top)
     return {"decode_seal_layers": n, "batched": batched, "sealed_pages": len(pool.sealed),
             "max_ms": max(times) * 1e3,
             "seal_steps_ms": [round(x * 1e3, 1) for x in times if x > 1e-3],
