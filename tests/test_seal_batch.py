@@ -330,6 +330,43 @@ def test_sealing_pages_of_a_block_inverts_each_basis_once(seed):
                     assert torch.equal(t, y.encoded.tensors[name]), (name, repro(seed))
 
 
+def test_several_blocks_invert_in_one_call_to_each_blocks_own_transforms(seed):
+    """One decode step seals a page of each of N requests (N basis blocks): their write
+    transforms come from one batched inversion (one launch, one host sync on a GPU, where N
+    calls cost 2N), and each block's equal bit for bit what inverting it alone gives; pairs
+    with and without `whole` mixed. `seal_pages` with per-page bases calls the inversion once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mosaickv_sglang.codec.seal import (BasisPair, seal_pages, write_transforms,
+                                            write_transforms_of)
+    from mosaickv_sglang.codec.strategies import parse_strategy
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__.startswith("linalg_inv")
+            return func(*args, **(kwargs or {}))
+
+    cfg, layers = MosaicConfig(), 3
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(4, layers, H, S, D, generator=gen) * (1 + torch.arange(D) % 5)
+    v = torch.randn(4, layers, H, S, D, generator=gen)
+    blocks = [fit_bases(k[j:j + 1], v[j:j + 1], cfg.fit_solver) for j in range(4)]
+    blocks[1] = BasisPair(list(blocks[1].k), list(blocks[1].v))  # no `whole`
+    got = write_transforms_of(blocks)
+    for b, (kt, vt) in zip(blocks, got):
+        ka, va = write_transforms(b)
+        assert torch.equal(kt, ka) and torch.equal(vt, va), repro(seed)
+    positions = [S * (cfg.sink_segments + 4 * j) for j in range(4)]
+    with Calls() as calls:
+        seal_pages(k, v, positions, blocks, cfg, Candidates.from_config(cfg),
+                   parse_strategy("dense"))
+    assert calls.n == 1, (calls.n, repro(seed))
+
+
 @pytest.mark.parametrize("seal_batch", [256, 5])
 def test_pages_of_several_blocks_in_one_call_equal_each_block_alone(seed, seal_batch,
                                                                    monkeypatch):

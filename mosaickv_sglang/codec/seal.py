@@ -276,7 +276,30 @@ def write_transforms(bases: BasisPair) -> tuple[torch.Tensor, torch.Tensor]:
     """The bases' write transforms (R^-1 fp32, [L, H, D, D] for K and V): computed once per call
     of `seal_pages`, or once per daemon job, instead of once per (page, layer) segment (the
     inverses were 54% of sealing a Llama-8B page on one CPU core)."""
-    return write_transform(torch.stack(bases.k)), write_transform(torch.stack(bases.v))
+    return write_transforms_of([bases])[0]
+
+
+def write_transforms_of(blocks: Sequence[BasisPair]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`write_transforms` of several blocks' bases in one batched inversion: one launch (and,
+    on a GPU, the one host sync of `torch.linalg.inv`'s error check) for a decode step that
+    seals a page of each of N requests, instead of 2N. Each block's K and V transforms are
+    views of one [2U, L, H, D, D] tensor (K blocks first), so `_batch` concatenates nothing.
+    Each matrix is inverted on its own (LU per matrix): the same values as one at a time
+    (tests/test_seal_batch.py)."""
+    inv = _inverses(blocks)
+    return [(inv[u], inv[len(blocks) + u]) for u in range(len(blocks))]
+
+
+def _inverses(blocks: Sequence[BasisPair]) -> torch.Tensor:
+    """R^-1 fp32 of every block's K bases, then of every block's V bases: [2U, L, H, D, D]."""
+    layers = len(blocks[0].k)
+
+    def part(b: BasisPair, kind: int) -> torch.Tensor:
+        if b.whole is not None:
+            return b.whole[kind * layers:(kind + 1) * layers]
+        return torch.stack(b.v if kind else b.k)
+
+    return write_transform(torch.stack([part(b, kind) for kind in (0, 1) for b in blocks]))
 
 
 def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
@@ -301,9 +324,12 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
     uniq = list({id(b): b for b in bases}.values()) if per_page else [bases]
     with phase(timer, "choose_encode"):
         if write is not None:
-            tables = [write]
-        else:
-            tables = [write_transforms(b) for b in uniq]
+            tables, flat = [write], write
+        else:  # one inversion for every block: per block views, and all blocks' K (V) as one
+            inv = _inverses(uniq)  # [U * L, H, D, D] view for `_batch`'s per-segment rows
+            n = len(uniq)
+            tables = [(inv[u], inv[n + u]) for u in range(n)]
+            flat = (inv[:n].flatten(0, 1), inv[n:].flatten(0, 1))
     # per page: the row of its bases in `tables`
     row_of = {id(b): u for u, b in enumerate(uniq)}
     which = [row_of[id(pb)] for pb in bases] if per_page else [0] * len(positions)
@@ -316,7 +342,7 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
         for c in range(0, len(todo), SEAL_BATCH):
             part = todo[c:c + SEAL_BATCH]
             with phase(timer, "gather"):
-                kk, vv, transforms = _batch(k, v, tables, which, part)
+                kk, vv, transforms = _batch(k, v, tables, flat, which, part)
             sealed = seal_segments(kk, vv, None, None, 0, [positions[j] for j, _ in part], cfg,
                                    cands, sink, cfg.select.enabled, dense, timer, keep_rotated,
                                    write=transforms)
@@ -329,11 +355,11 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
 
 
 def _batch(k: torch.Tensor, v: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
-           which: list[int], part: list[tuple[int, int]]):
+           flat: tuple[torch.Tensor, torch.Tensor], which: list[int], part: list[tuple[int, int]]):
     """The chooser's input for `part` ((page, layer) pairs, page-major): K and V as contiguous
     float32 [N, H, S, D] (the layout the chooser's kernels always saw) and the write transforms
-    (`tables`: per basis block its [L, H, D, D] K and V transforms; `which`: per page its
-    block). Whole consecutive pages of one block (a daemon job's page, or 8 pages of 32 layers)
+    (`tables`: per basis block its [L, H, D, D] K and V transforms, `flat` all of them as one
+    [U * L, H, D, D] K and one V tensor; `which`: per page its block). Whole consecutive pages of one block (a daemon job's page, or 8 pages of 32 layers)
     are a slice converted in one pass, and their transforms stay the per-layer tensors, which
     `seal_segments` broadcasts over the pages: no gathered copy of a basis per segment (those
     copies and the index gather were 14% of sealing a Llama-8B page on one core). Other parts
@@ -352,8 +378,8 @@ def _batch(k: torch.Tensor, v: torch.Tensor, tables: list[tuple[torch.Tensor, to
         kk, vv = (x[pj, pl].to(torch.float32, memory_format=torch.contiguous_format)
                   for x in (k, v))
     # one transform per segment: row `block * L + layer` of the blocks' tables, stacked
-    kt, vt = tables[0] if len(tables) == 1 else (torch.cat([t[0] for t in tables]),
-                                                 torch.cat([t[1] for t in tables]))
+    # (`flat`: every block's K and V tables as one [U * L, H, D, D] tensor each)
+    kt, vt = flat
     rows = torch.tensor([which[j] * layers + local for j, local in part], device=kt.device)
     return kk, vv, (kt[rows], vt[rows])
 
