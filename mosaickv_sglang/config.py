@@ -233,6 +233,12 @@ class MosaicConfig:
     # at step 1 by 0.28 in log-prob (tests/test_packed_decode_server.py, selection case; the
     # pool-level kernel tests agree). Counted: inherited_bases.
     basis_inherit_below_tokens: int = 0
+    # Device memory (MiB) that keeps the write transforms (R^-1, fp32) of basis blocks still
+    # taking pages between seals (codec/seal.WriteTransformCache): a decode step seals one page
+    # of each request's open block, which otherwise inverts that block's bases again at every
+    # page. 33.5 MiB per block at the Llama-8B shape (32 layers x 8 KV heads x 128^2 x 4 B x
+    # K/V); a block that does not fit is inverted each time (counted). 0: never kept.
+    write_transform_cache_mb: int = 1024
     # CUDA graphs for decode: "off" (every step eager); "breakable": SGLang's breakable decode
     # graph replays the model's own layers and runs each layer's MosaicKV attention eagerly
     # between the graph segments (docs/cuda_graphs.md); "full": SGLang's full decode graph with
@@ -302,6 +308,10 @@ class MosaicConfig:
         if not isinstance(self.decode_profile_every, int) or self.decode_profile_every < 0:
             raise ValueError(f"mosaickv config: decode_profile_every={self.decode_profile_every!r} "
                              "must be an int >= 0")
+        if not isinstance(self.write_transform_cache_mb, int) or isinstance(
+                self.write_transform_cache_mb, bool) or self.write_transform_cache_mb < 0:
+            raise ValueError(f"mosaickv config: write_transform_cache_mb="
+                             f"{self.write_transform_cache_mb!r} must be an int >= 0")
         if not isinstance(self.basis_inherit_below_tokens, int) or isinstance(
                 self.basis_inherit_below_tokens, bool) or self.basis_inherit_below_tokens < 0:
             raise ValueError(f"mosaickv config: basis_inherit_below_tokens="

@@ -9,6 +9,7 @@ process).
 from __future__ import annotations
 
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -260,16 +261,18 @@ def page_kv(k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor], page: in
 
 def seal_group(read: PageReader, positions: list[int], bases: BasisPair | None,
                cfg: MosaicConfig, cands: Candidates, dense: Strategy,
-               timer=None, keep_rotated: bool = False) -> list[SealedPage]:
+               timer=None, keep_rotated: bool = False,
+               cache: "WriteTransformCache | None" = None) -> list[SealedPage]:
     """Pages of one basis block (positions in request order) read in one gather; bases fitted
     here if None, on the first page only (`fit_block_bases`: the group then starts with its
-    block's first page). `keep_rotated`: see `seal_pages`."""
+    block's first page). `keep_rotated`, `cache`: see `seal_pages`."""
     with phase(timer, "read"):
         k, v = read(list(range(len(positions))))
     if bases is None:
         bases = (fit_block_bases(k, v, cfg.fit_solver, timer) if cfg.basis_fit == "first_page"
                  else fit_bases(k, v, cfg.fit_solver, timer))
-    return seal_pages(k, v, positions, bases, cfg, cands, dense, timer, keep_rotated)
+    return seal_pages(k, v, positions, bases, cfg, cands, dense, timer, keep_rotated,
+                      cache=cache)
 
 
 def write_transforms(bases: BasisPair) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,10 +305,86 @@ def _inverses(blocks: Sequence[BasisPair]) -> torch.Tensor:
     return write_transform(torch.stack([part(b, kind) for kind in (0, 1) for b in blocks]))
 
 
+class WriteTransformCache:
+    """Write transforms (R^-1, fp32 [L, H, D, D] for K and V) of the basis blocks still being
+    sealed, kept between `seal_pages` calls. A decode step seals one page of each running
+    request's open block, so without it a block's bases are inverted once per page sealed
+    (32 times for a 4096-token block of 128-token pages; on the CPU the inverses were 21% of a
+    decode seal step at the Llama-8B shape, 40% at small heads). The values are those
+    `write_transforms` computes (the same call, kept). Bounded by `max_bytes`: a block that
+    does not fit is inverted each time (counted: `uncached`), nothing is evicted to make room
+    (a batch of requests sealing in turn would evict each other's). An entry leaves when its
+    bases are collected (a weak reference) or when the caller `drop`s it (the pool: a block
+    whose last page is sealed). `bytes` is what it holds now (reported in the pool's stats)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self._entries: dict[int, tuple] = {}  # id(owner) -> (weakref, K, V, bytes)
+        self.bytes = 0
+        self.hits = self.misses = self.uncached = 0
+
+    def tables(self, blocks: Sequence[BasisPair]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each block's (K, V) write transforms: kept ones, the others from one batched
+        inversion (`write_transforms_of`), kept if they fit."""
+        out: list = [None] * len(blocks)
+        missing = []
+        for i, b in enumerate(blocks):
+            owner = b.source or b
+            e = self._entries.get(id(owner))
+            if e is not None and e[0]() is owner:
+                out[i] = (e[1], e[2])
+                self.hits += 1
+            else:
+                missing.append(i)
+        if missing:
+            got = write_transforms_of([blocks[i] for i in missing])
+            self.misses += len(missing)
+            for i, (kt, vt) in zip(missing, got):
+                out[i] = (kt, vt)
+                nb = 2 * kt.numel() * kt.element_size()
+                if self.bytes + nb > self.max_bytes:
+                    self.uncached += 1
+                    continue
+                if len(missing) > 1:  # views of the batch's inverse: own memory for the kept
+                    kt, vt = kt.clone(), vt.clone()
+                    out[i] = (kt, vt)
+                self._keep(blocks[i].source or blocks[i], kt, vt, nb)
+        return out
+
+    def _keep(self, owner: BasisPair, kt, vt, nb: int) -> None:
+        key = id(owner)
+        self._drop_key(key)
+        ref = weakref.ref(owner, lambda r, key=key: self._drop_key(key, r))
+        self._entries[key] = (ref, kt, vt, nb)
+        self.bytes += nb
+
+    def drop(self, bases: BasisPair | None) -> None:
+        """Forget `bases`' transforms (its block takes no more pages)."""
+        if bases is not None:
+            owner = bases.source or bases
+            e = self._entries.get(id(owner))
+            if e is not None and e[0]() is owner:
+                self._drop_key(id(owner))
+
+    def _drop_key(self, key: int, ref=None) -> None:
+        e = self._entries.get(key)
+        if e is not None and (ref is None or e[0] is ref):
+            del self._entries[key]
+            self.bytes -= e[3]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> dict:
+        return {"blocks": len(self), "bytes": self.bytes, "max_bytes": self.max_bytes,
+                "hits": self.hits, "misses": self.misses, "uncached": self.uncached}
+
+
 def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
                bases: BasisPair | Sequence[BasisPair], cfg: MosaicConfig, cands: Candidates,
                dense: Strategy, timer=None, keep_rotated: bool = False,
-               write: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[SealedPage]:
+               write: tuple[torch.Tensor, torch.Tensor] | None = None,
+               cache: WriteTransformCache | None = None) -> list[SealedPage]:
     """Pages K and V [P, L, H, S, D] -> SealedPages, the (page, layer) segments batched through
     the chooser (`seal_segments`) SEAL_BATCH at a time, sink pages apart. `bases`: one
     BasisPair all pages share, or one per page (pages of several basis blocks, e.g. one page of
@@ -314,7 +393,8 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
     the bytes it gets sealed alone). `keep_rotated` keeps each segment's rotated K/V for the
     store's pack kernel (all batches' rotated float32 K/V stay alive until the pages are
     installed). `write`: the bases' `write_transforms` when the caller seals more pages of one
-    block one call at a time (one shared BasisPair only)."""
+    block one call at a time (one shared BasisPair only); `cache`: where the blocks' write
+    transforms are kept between calls (else all are computed here, in one inversion)."""
     layers = k.shape[1]
     per_page = not isinstance(bases, BasisPair)
     if per_page and len(bases) != len(positions):
@@ -324,12 +404,11 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
     uniq = list({id(b): b for b in bases}.values()) if per_page else [bases]
     with phase(timer, "choose_encode"):
         if write is not None:
-            tables, flat = [write], write
-        else:  # one inversion for every block: per block views, and all blocks' K (V) as one
-            inv = _inverses(uniq)  # [U * L, H, D, D] view for `_batch`'s per-segment rows
-            n = len(uniq)
-            tables = [(inv[u], inv[n + u]) for u in range(n)]
-            flat = (inv[:n].flatten(0, 1), inv[n:].flatten(0, 1))
+            tables = [write]
+        elif cache is not None:
+            tables = cache.tables(uniq)
+        else:  # one inversion for every block
+            tables = write_transforms_of(uniq)
     # per page: the row of its bases in `tables`
     row_of = {id(b): u for u, b in enumerate(uniq)}
     which = [row_of[id(pb)] for pb in bases] if per_page else [0] * len(positions)
@@ -342,7 +421,7 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
         for c in range(0, len(todo), SEAL_BATCH):
             part = todo[c:c + SEAL_BATCH]
             with phase(timer, "gather"):
-                kk, vv, transforms = _batch(k, v, tables, flat, which, part)
+                kk, vv, transforms = _batch(k, v, tables, which, part)
             sealed = seal_segments(kk, vv, None, None, 0, [positions[j] for j, _ in part], cfg,
                                    cands, sink, cfg.select.enabled, dense, timer, keep_rotated,
                                    write=transforms)
@@ -355,11 +434,11 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
 
 
 def _batch(k: torch.Tensor, v: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
-           flat: tuple[torch.Tensor, torch.Tensor], which: list[int], part: list[tuple[int, int]]):
+           which: list[int], part: list[tuple[int, int]]):
     """The chooser's input for `part` ((page, layer) pairs, page-major): K and V as contiguous
     float32 [N, H, S, D] (the layout the chooser's kernels always saw) and the write transforms
-    (`tables`: per basis block its [L, H, D, D] K and V transforms, `flat` all of them as one
-    [U * L, H, D, D] K and one V tensor; `which`: per page its block). Whole consecutive pages of one block (a daemon job's page, or 8 pages of 32 layers)
+    (`tables`: per basis block its [L, H, D, D] K and V transforms; `which`: per page its
+    block). Whole consecutive pages of one block (a daemon job's page, or 8 pages of 32 layers)
     are a slice converted in one pass, and their transforms stay the per-layer tensors, which
     `seal_segments` broadcasts over the pages: no gathered copy of a basis per segment (those
     copies and the index gather were 14% of sealing a Llama-8B page on one core). Other parts
@@ -377,11 +456,14 @@ def _batch(k: torch.Tensor, v: torch.Tensor, tables: list[tuple[torch.Tensor, to
         pl = torch.tensor([local for _, local in part], device=k.device)
         kk, vv = (x[pj, pl].to(torch.float32, memory_format=torch.contiguous_format)
                   for x in (k, v))
-    # one transform per segment: row `block * L + layer` of the blocks' tables, stacked
-    # (`flat`: every block's K and V tables as one [U * L, H, D, D] tensor each)
-    kt, vt = flat
-    rows = torch.tensor([which[j] * layers + local for j, local in part], device=kt.device)
-    return kk, vv, (kt[rows], vt[rows])
+    # one transform per segment, stacked (one copy): whole pages as their blocks' [L, ...]
+    # tables, a part cut inside pages segment by segment
+    if whole:
+        at = [which[first + i] for i in range(pages)]
+        return kk, vv, tuple(torch.stack([tables[b][kind] for b in at]).flatten(0, 1)
+                             for kind in (0, 1))
+    return kk, vv, tuple(torch.stack([tables[which[j]][kind][local] for j, local in part])
+                         for kind in (0, 1))
 
 
 def worst_encoded_bytes(specs, kind: str, heads: int, tokens: int, head_dim: int) -> int:

@@ -41,8 +41,9 @@ from ..codec.basis import unrotate
 from ..codec.cold import cold_candidates, recompress_segment
 from ..codec.layer import Candidates, CompressedLayer, own_storage, segment_bytes
 from ..codec.pages import build_page_meta
-from ..codec.seal import (BasisPair, PageSegments, SealedPage, fit_bases, fit_block_bases,
-                         fit_groups, gather_pages, seal_group, seal_pages, worst_page_bytes)
+from ..codec.seal import (BasisPair, PageSegments, SealedPage, WriteTransformCache, fit_bases,
+                         fit_block_bases, fit_groups, gather_pages, seal_group, seal_pages,
+                         worst_page_bytes)
 from ..codec.strategies import parse_strategy
 from ..codec.timing import StepProfiler
 from ..config import MosaicConfig, check_fits, fit_rescue
@@ -296,6 +297,9 @@ class MosaicKVPool(MHATokenToKVPool):
         self.arena_bytes = 0
         self._basis_refs: dict[int, int] = {}
         self.cands = Candidates.from_config(mosaic_config)
+        # R^-1 of the blocks still taking pages, kept between seals (dropped with a block's
+        # last page, or when its bases are freed)
+        self.write_cache = WriteTransformCache(mosaic_config.write_transform_cache_mb << 20)
         # Dense fallback in the cache's own precision, so "dense" is lossless for fp32 caches too.
         self.dense = parse_strategy("dense:val=fp32" if self.dtype == torch.float32 else "dense")
         self.decode_path = None  # the backend's PackedDecode when decode runs on the kernels
@@ -1108,7 +1112,7 @@ class MosaicKVPool(MHATokenToKVPool):
             per_page = [fitted.get(g, bases) for g, (group, bases) in enumerate(queue)
                         for _ in group]
             sealed = seal_pages(k, v, positions, per_page, self.cfg, self.cands, self.dense,
-                                keep_rotated=self.store.pack_kernel)
+                                keep_rotated=self.store.pack_kernel, cache=self.write_cache)
         self.counters.seal_batches += 1
         self.counters.seal_batch_groups += len(queue)
         self._install(pages, sealed)
@@ -1127,7 +1131,8 @@ class MosaicKVPool(MHATokenToKVPool):
         with self._worker_threads():
             sealed = seal_group(lambda idx: self._read_pages([pages[i] for i in idx]),
                                 [pos for pos, _, _ in group], bases, self.cfg, self.cands,
-                                self.dense, keep_rotated=self.store.pack_kernel)
+                                self.dense, keep_rotated=self.store.pack_kernel,
+                                cache=self.write_cache)
         self._install(pages, sealed, keep_hot=keep_hot)
 
     def _read_pages(self, pages: list[int]):
@@ -1152,7 +1157,10 @@ class MosaicKVPool(MHATokenToKVPool):
                 self.counters.rescued += reason == "rescued"
         sealed = [SealedPage(sp.position, segs, sp.bases, sp.nbytes)
                   for sp, segs in zip(sealed, self.store.store_pages(pages, sealed))]
+        block = self.cfg.basis_block_tokens // self.page_size
         for page, sp in zip(pages, sealed):
+            if (sp.position // self.page_size) % block == block - 1:  # the block is complete
+                self.write_cache.drop(sp.bases)
             self.sealed[page] = sp
             self.page_sealed[page], self.page_basis[page] = True, id(sp.bases)
             if sp.bases is not None and sp.bases.whole is not None:
@@ -1530,6 +1538,8 @@ class MosaicKVPool(MHATokenToKVPool):
             "dense_bytes_per_token": self.layer_num * 2 * self.head_num * self.head_dim * 2,
             "sealed_ratio": dense_equiv / compressed if compressed else None,
             "arena_bytes": self.arena_bytes,  # == compressed: kept incrementally
+            # working memory outside the arena: open blocks' R^-1 kept between seals
+            "write_transforms": self.write_cache.stats(),
             "arena_budget_bytes": self.arena_budget_bytes,
             "capacity": self.capacity(),
             "counters": {**self.counters.__dict__, "strategies": dict(self.counters.strategies),
