@@ -10,7 +10,8 @@ that the total work stays the same.
     python scripts/decode_seal_probe.py --device cuda --layers-per-step 0,1,4,8
     python scripts/decode_seal_probe.py --requests 16 --layers-per-step 0,0 --batched-vs-not
     python scripts/decode_seal_probe.py --device cuda --requests 16 --layers-per-step 0,0 \
-        --top-ops 15     # where a seal step's time goes: torch.profiler, ops by self time
+        --top-ops 15 [--profile-usual]   # where a seal step's time goes: torch.profiler, ops
+                                         # by self time (--profile-usual: after the first seal)
 
 With `--top-ops` the steps run under torch.profiler (their times then include its overhead):
 the table ranks ops by self CUDA time on a GPU (then a second table by self CPU time: launches,
@@ -51,10 +52,17 @@ def run(n: int, args, batched: bool = True) -> dict:
     cuda = args.device != "cpu"
     acts = [torch.profiler.ProfilerActivity.CPU] + \
         ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=acts) if top else nullcontext() as prof:
-        steps(pool, pages, args, batched, ps, hot, times, ops)
+    prof = torch.profiler.profile(activities=acts) if top else None
+    usual = top and getattr(args, "profile_usual", False)
+    if prof is not None and not usual:
+        prof.start()
+    steps(pool, pages, args, batched, ps, hot, times, ops, prof if usual else None)
+    if prof is not None and (not usual or prof.profiler is not None):
+        prof.stop()
     table = None
-    if top:
+    if top and prof.profiler is None:
+        table = "(nothing profiled: no step sealed pages)"
+    elif top:
         avg = prof.key_averages()
         table = avg.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                           row_limit=top)
@@ -68,9 +76,14 @@ def run(n: int, args, batched: bool = True) -> dict:
             "torch_ops": sum(ops.values()) if args.count_ops else None, "profile": table}
 
 
-def steps(pool, pages, args, batched, ps, hot, times, ops) -> None:
-    """The decode steps from just before the first page boundary to past the last."""
+def steps(pool, pages, args, batched, ps, hot, times, ops, start_after_first=None) -> None:
+    """The decode steps from just before the first page boundary to past the last.
+    `start_after_first`: a profiler started once a step has sealed pages (the steps after the
+    one that opens the basis block: a decode step's usual seal, bases existing)."""
     for pos in range(ps + hot - 2, args.pages * ps + hot + 40):
+        if start_after_first is not None and start_after_first.profiler is None and \
+                pool.counters.sealed_pages:
+            start_after_first.start()
         if args.device != "cpu":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -99,6 +112,9 @@ def main() -> None:
                     help="each setting with and without `batched_seals`")
     ap.add_argument("--top-ops", type=int, default=0,
                     help="profile the steps (torch.profiler) and print this many ops by self time")
+    ap.add_argument("--profile-usual", action="store_true",
+                    help="with --top-ops: profile only the steps after the first seal step "
+                         "(whose basis fit would dominate the table)")
     ap.add_argument("--layers-per-step", default="0,0,1,4,8",
                     help="settings, in order (the first run warms up)")
     args = ap.parse_args()

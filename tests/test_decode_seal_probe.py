@@ -29,3 +29,15 @@ def test_top_ops_profiles_the_seal_steps():
     assert "Self CPU" in r["profile"] and r["profile"].count("aten::") >= 5, r["profile"]
     plain = probe.run(0, Namespace(**{**vars(args), "top_ops": 0}), batched=True)
     assert plain["profile"] is None and plain["sealed_pages"] == 2
+
+
+def test_profile_usual_leaves_the_block_opening_step_out():
+    """`--profile-usual`: only the seal steps after the first (bases existing) are profiled, so
+    the first step's basis fit (eigh) is in the full table and not in this one."""
+    args = Namespace(device="cpu", layers=2, heads=1, head_dim=64, pages=2, requests=2,
+                     count_ops=False, top_ops=200, profile_usual=False)
+    full = probe.run(0, args, batched=True)
+    usual = probe.run(0, Namespace(**{**vars(args), "profile_usual": True}), batched=True)
+    assert full["sealed_pages"] == usual["sealed_pages"] == 4
+    assert "linalg_eigh" in full["profile"], full["profile"]
+    assert "linalg_eigh" not in usual["profile"] and "aten::" in usual["profile"], usual["profile"]
