@@ -1,10 +1,27 @@
-"""Helpers of the pool-level sealing tests (test_decode_seal_slices, test_batched_seals): random
-K/V written through the pool, and two pools compared page by page."""
+"""Helpers of the pool-level sealing tests (test_decode_seal_slices, test_batched_seals,
+test_write_transform_cache, test_seal_batch): random K/V written through the pool, two pools
+compared page by page, and a counter of matrix inversions."""
 from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import repro
+
+
+class Inversions(TorchDispatchMode):
+    """Counts the matrix inversions run inside it (every linalg_inv* op): `calls`, and
+    `matrices` inverted (a batched call counts each matrix)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = self.matrices = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__.startswith("linalg_inv"):
+            self.calls += 1
+            self.matrices += args[0].numel() // (args[0].shape[-1] * args[0].shape[-2])
+        return func(*args, **(kwargs or {}))
 
 
 def write_random(pool, slots, gen) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import repro
+from pool_utils import Inversions
 from mosaickv_sglang.codec.basis import fit_basis
 from mosaickv_sglang.codec.layer import DENSE, Candidates, _choose_batch, seal_segments
 from mosaickv_sglang.codec.seal import fit_bases, gather_pages, page_kv, seal_group, solve_split
@@ -291,20 +292,8 @@ def test_sealing_pages_of_a_block_inverts_each_basis_once(seed):
     daemon job does for its pages), not once per (page, layer) segment: the inverses were half
     of sealing a Llama-8B page on a CPU core. Counted as matrices inverted for 1 and 3 pages,
     and the pages sealed with the transforms passed in are the same bytes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from mosaickv_sglang.codec.seal import seal_pages, write_transforms
     from mosaickv_sglang.codec.strategies import parse_strategy
-
-    class Inverses(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.matrices = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__.startswith("linalg_inv"):
-                self.matrices += args[0].numel() // (args[0].shape[-1] * args[0].shape[-2])
-            return func(*args, **(kwargs or {}))
 
     cfg, layers = MosaicConfig(), 3
     gen = torch.Generator().manual_seed(seed)
@@ -315,7 +304,7 @@ def test_sealing_pages_of_a_block_inverts_each_basis_once(seed):
     positions = [S * (cfg.sink_segments + i) for i in range(3)]
     counted = {}
     for pages in (1, 3):
-        with Inverses() as inv:
+        with Inversions() as inv:
             sealed = seal_pages(k[:pages], v[:pages], positions[:pages], bases, cfg, cands, dense)
         counted[pages] = inv.matrices
     assert counted == {1: 2 * layers * H, 3: 2 * layers * H}, (counted, repro(seed))
@@ -335,20 +324,9 @@ def test_several_blocks_invert_in_one_call_to_each_blocks_own_transforms(seed):
     transforms come from one batched inversion (one launch, one host sync on a GPU, where N
     calls cost 2N), and each block's equal bit for bit what inverting it alone gives; pairs
     with and without `whole` mixed. `seal_pages` with per-page bases calls the inversion once."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from mosaickv_sglang.codec.seal import (BasisPair, seal_pages, write_transforms,
                                             write_transforms_of)
     from mosaickv_sglang.codec.strategies import parse_strategy
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func.overloadpacket.__name__.startswith("linalg_inv")
-            return func(*args, **(kwargs or {}))
 
     cfg, layers = MosaicConfig(), 3
     gen = torch.Generator().manual_seed(seed)
@@ -361,10 +339,10 @@ def test_several_blocks_invert_in_one_call_to_each_blocks_own_transforms(seed):
         ka, va = write_transforms(b)
         assert torch.equal(kt, ka) and torch.equal(vt, va), repro(seed)
     positions = [S * (cfg.sink_segments + 4 * j) for j in range(4)]
-    with Calls() as calls:
+    with Inversions() as calls:
         seal_pages(k, v, positions, blocks, cfg, Candidates.from_config(cfg),
                    parse_strategy("dense"))
-    assert calls.n == 1, (calls.n, repro(seed))
+    assert calls.calls == 1, (calls.calls, repro(seed))
 
 
 @pytest.mark.parametrize("seal_batch", [256, 5])

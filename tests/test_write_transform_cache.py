@@ -10,30 +10,16 @@ import gc
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import repro
 from mosaickv_sglang.codec.seal import WriteTransformCache, fit_bases, write_transforms
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.serving.pool import MosaicKVPool
-from pool_utils import assert_same_pages
+from pool_utils import Inversions, assert_same_pages
 from pool_utils import write_random as write
 
 PS, H, D, LAYERS, HOT = 128, 2, 64, 3, 64
 BLOCK = 4  # pages per basis block
-
-
-class Inversions(TorchDispatchMode):
-    """Matrices inverted (every linalg_inv* op, counted by matrix)."""
-
-    def __init__(self):
-        super().__init__()
-        self.matrices = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__.startswith("linalg_inv"):
-            self.matrices += args[0].numel() // (args[0].shape[-1] * args[0].shape[-2])
-        return func(*args, **(kwargs or {}))
 
 
 def make_pool(**cfg) -> MosaicKVPool:
