@@ -286,8 +286,7 @@ def write_transforms_of(blocks: Sequence[BasisPair]) -> list[tuple[torch.Tensor,
     """`write_transforms` of several blocks' bases in one batched inversion: one launch (and,
     on a GPU, the one host sync of `torch.linalg.inv`'s error check) for a decode step that
     seals a page of each of N requests, instead of 2N. Each block's K and V transforms are
-    views of one [2U, L, H, D, D] tensor (K blocks first), so `_batch` concatenates nothing.
-    Each matrix is inverted on its own (LU per matrix): the same values as one at a time
+    views of one [2U, L, H, D, D] tensor (K blocks first). Each matrix is inverted on its own (LU per matrix): the same values as one at a time
     (tests/test_seal_batch.py)."""
     inv = _inverses(blocks)
     return [(inv[u], inv[len(blocks) + u]) for u in range(len(blocks))]
