@@ -10,6 +10,8 @@ that the total work stays the same.
     python scripts/decode_seal_probe.py --device cuda --layers-per-step 0,1,4,8
     python scripts/decode_seal_probe.py --requests 16 --layers-per-step 0,0 --batched-vs-not
     python scripts/decode_seal_probe.py --device cuda --requests 16 --layers-per-step 0,0 \
+        --config '{"write_transform_cache_mb": 0}'   # the open blocks' R^-1 not kept
+    python scripts/decode_seal_probe.py --device cuda --requests 16 --layers-per-step 0,0 \
         --top-ops 15 [--profile-usual]   # where a seal step's time goes: torch.profiler, ops
                                          # by self time (--profile-usual: after the first seal)
 
@@ -21,6 +23,7 @@ the CPU.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import Counter
 from contextlib import nullcontext
@@ -38,7 +41,8 @@ def run(n: int, args, batched: bool = True) -> dict:
     per = args.pages + 1  # pages per request
     pool = MosaicKVPool((per * args.requests + 2) * ps, ps, torch.bfloat16, h, d, layers,
                         args.device, False,
-                        mosaic_config=MosaicConfig(hot_tokens=hot, decode_seal_layers=n))
+                        mosaic_config=MosaicConfig(**{"hot_tokens": hot, **json.loads(
+                            getattr(args, "config", None) or "{}"), "decode_seal_layers": n}))
     gen = torch.Generator().manual_seed(0)
     slots = torch.arange(ps, ps + per * args.requests * ps)
     for layer in range(layers):
@@ -73,7 +77,8 @@ def run(n: int, args, batched: bool = True) -> dict:
             "seal_steps_ms": [round(x * 1e3, 1) for x in times if x > 1e-3],
             "steps_over_1ms": sum(x > 1e-3 for x in times),
             "total_ms": sum(times) * 1e3, "slices": pool.counters.decode_seal_slices,
-            "torch_ops": sum(ops.values()) if args.count_ops else None, "profile": table}
+            "torch_ops": sum(ops.values()) if args.count_ops else None, "profile": table,
+            "write_transforms": pool.write_cache.stats()}
 
 
 def steps(pool, pages, args, batched, ps, hot, times, ops, start_after_first=None) -> None:
@@ -112,6 +117,8 @@ def main() -> None:
                     help="each setting with and without `batched_seals`")
     ap.add_argument("--top-ops", type=int, default=0,
                     help="profile the steps (torch.profiler) and print this many ops by self time")
+    ap.add_argument("--config", default=None,
+                    help='MosaicConfig fields as JSON, e.g. \'{"write_transform_cache_mb": 0}\'')
     ap.add_argument("--profile-usual", action="store_true",
                     help="with --top-ops: profile only the steps after the first seal step "
                          "(whose basis fit would dominate the table)")
@@ -130,7 +137,8 @@ def report(r: dict) -> None:
           f"longest step {r['max_ms']:.1f} ms; {r['steps_over_1ms']} steps over 1 ms; "
           f"total {r['total_ms']:.1f} ms; {r['slices']} slices; steps over 1 ms: "
           f"{r['seal_steps_ms']} ms"
-          + (f"; {r['torch_ops']} torch ops" if r["torch_ops"] is not None else ""), flush=True)
+          + (f"; {r['torch_ops']} torch ops" if r["torch_ops"] is not None else "")
+          + f"; write transforms {r['write_transforms']}", flush=True)
     if r["profile"]:
         print(r["profile"], flush=True)
 

@@ -41,3 +41,14 @@ def test_profile_usual_leaves_the_block_opening_step_out():
     assert full["sealed_pages"] == usual["sealed_pages"] == 4
     assert "linalg_eigh" in full["profile"], full["profile"]
     assert "linalg_eigh" not in usual["profile"] and "aten::" in usual["profile"], usual["profile"]
+
+
+def test_config_reaches_the_pool():
+    """`--config`: MosaicConfig fields for the probe's pool (e.g. the write-transform cache off,
+    which then inverts a block at every seal step: no hits)."""
+    args = Namespace(device="cpu", layers=2, heads=1, head_dim=64, pages=2, requests=2,
+                     count_ops=False, config='{"write_transform_cache_mb": 0}')
+    r = probe.run(0, args, batched=True)
+    assert r["sealed_pages"] == 4 and r["write_transforms"]["hits"] == 0
+    on = probe.run(0, Namespace(**{**vars(args), "config": None}), batched=True)
+    assert on["write_transforms"]["hits"] == 2, on["write_transforms"]
