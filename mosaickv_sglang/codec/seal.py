@@ -45,11 +45,15 @@ class BasisPair:
 
     def inherit(self) -> "BasisPair":
         """A pair for another block that reads these same tensors (no copy)."""
-        return BasisPair(self.k, self.v, self.whole, self.source or self)
+        return BasisPair(self.k, self.v, self.whole, self.owner())
+
+    def owner(self) -> "BasisPair":
+        """The pair whose tensors these are (itself, or the block it inherited them from)."""
+        return self.source or self
 
     def key(self) -> int:
         """Identity of the tensors (what byte accounting counts once)."""
-        return id(self.source or self)
+        return id(self.owner())
 
     @classmethod
     def of(cls, whole: torch.Tensor) -> "BasisPair":
@@ -286,8 +290,8 @@ def write_transforms_of(blocks: Sequence[BasisPair]) -> list[tuple[torch.Tensor,
     """`write_transforms` of several blocks' bases in one batched inversion: one launch (and,
     on a GPU, the one host sync of `torch.linalg.inv`'s error check) for a decode step that
     seals a page of each of N requests, instead of 2N. Each block's K and V transforms are
-    views of one [2U, L, H, D, D] tensor (K blocks first). Each matrix is inverted on its own (LU per matrix): the same values as one at a time
-    (tests/test_seal_batch.py)."""
+    views of one [2U, L, H, D, D] tensor (K blocks first). Each matrix is inverted on its own
+    (LU per matrix): the same values as one at a time (tests/test_seal_batch.py)."""
     inv = _inverses(blocks)
     return [(inv[u], inv[len(blocks) + u]) for u in range(len(blocks))]
 
@@ -328,9 +332,8 @@ class WriteTransformCache:
         out: list = [None] * len(blocks)
         missing = []
         for i, b in enumerate(blocks):
-            owner = b.source or b
-            e = self._entries.get(id(owner))
-            if e is not None and e[0]() is owner:
+            e = self._live(b)
+            if e is not None:
                 out[i] = (e[1], e[2])
                 self.hits += 1
             else:
@@ -347,8 +350,15 @@ class WriteTransformCache:
                 if len(missing) > 1:  # views of the batch's inverse: own memory for the kept
                     kt, vt = kt.clone(), vt.clone()
                     out[i] = (kt, vt)
-                self._keep(blocks[i].source or blocks[i], kt, vt, nb)
+                self._keep(blocks[i].owner(), kt, vt, nb)
         return out
+
+    def _live(self, bases: BasisPair) -> tuple | None:
+        """The entry of `bases`' tensors, if one is kept for these very bases (an id of
+        collected bases may have been reused)."""
+        owner = bases.owner()
+        e = self._entries.get(id(owner))
+        return e if e is not None and e[0]() is owner else None
 
     def _keep(self, owner: BasisPair, kt, vt, nb: int) -> None:
         key = id(owner)
@@ -359,11 +369,8 @@ class WriteTransformCache:
 
     def drop(self, bases: BasisPair | None) -> None:
         """Forget `bases`' transforms (its block takes no more pages)."""
-        if bases is not None:
-            owner = bases.source or bases
-            e = self._entries.get(id(owner))
-            if e is not None and e[0]() is owner:
-                self._drop_key(id(owner))
+        if bases is not None and self._live(bases) is not None:
+            self._drop_key(bases.key())
 
     def _drop_key(self, key: int, ref=None) -> None:
         e = self._entries.get(key)
