@@ -14,11 +14,17 @@ that the total work stays the same.
     python scripts/decode_seal_probe.py --device cuda --requests 16 --layers-per-step 0,0 \
         --top-ops 15 [--profile-usual]   # where a seal step's time goes: torch.profiler, ops
                                          # by self time (--profile-usual: after the first seal)
+    python scripts/decode_seal_probe.py --device cuda --requests 16 --layers-per-step 0,0 \
+        --phases                         # the same by the seal path's own functions
 
 With `--top-ops` the steps run under torch.profiler (their times then include its overhead):
 the table ranks ops by self CUDA time on a GPU (then a second table by self CPU time: launches,
 copies, and host syncs as `cudaStreamSynchronize` / `cudaMemcpyAsync` waits), self CPU time on
-the CPU.
+the CPU. With `--phases` each seal step's wall time is split by the seal path's functions
+(`PHASES`: the basis fit, the write transforms, the gather, the rotation, each kind's chooser,
+the page metadata, the store's install...), each timed inclusive of what it calls, the device
+synced before and after every call (so the sum of a step's phases can exceed its own time when
+phases nest, and the syncs add a little to it).
 """
 from __future__ import annotations
 
@@ -32,8 +38,68 @@ from types import SimpleNamespace
 import torch
 
 from mosaickv_sglang.bench.launches import LaunchCount
+from mosaickv_sglang.codec import layer as codec_layer
+from mosaickv_sglang.codec import seal as codec_seal
 from mosaickv_sglang.config import MosaicConfig
+from mosaickv_sglang.serving import pool as serving_pool
+from mosaickv_sglang.serving import segment_store
 from mosaickv_sglang.serving.pool import MosaicKVPool
+
+# (phase name, the object whose attribute is the function, the attribute): every place the seal
+# path looks the function up at call time (a module's global, or a class's method)
+PHASES = (
+    ("fit_groups", serving_pool, "fit_groups"),
+    ("read_pages", MosaicKVPool, "_read_pages"),
+    ("seal_pages", serving_pool, "seal_pages"),
+    ("seal_group", serving_pool, "seal_group"),
+    ("write_transforms", codec_seal.WriteTransformCache, "tables"),
+    ("write_transforms", codec_seal, "write_transforms_of"),
+    ("gather_batch", codec_seal, "_batch"),
+    ("seal_segments", codec_seal, "seal_segments"),
+    ("rotate", codec_layer, "_rotate"),
+    ("choose", codec_layer, "_choose_batch"),
+    ("page_meta", codec_layer, "build_page_meta"),
+    ("install", MosaicKVPool, "_install"),
+    ("store_pages", segment_store.SegmentStore, "store_pages"),
+)
+
+
+class PhaseTimer:
+    """Inclusive wall time per PHASES entry while active (`with timer:`), the device synced
+    around each call; `take()` returns the times since the last take (ms, rounded)."""
+
+    def __init__(self, device: str):
+        self.sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+        self.ms: Counter = Counter()
+        self._saved = []
+
+    def _wrap(self, name, fn):
+        def timed(*a, **kw):
+            self.sync()
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.sync()
+                self.ms[name] += (time.perf_counter() - t) * 1e3
+        return timed
+
+    def __enter__(self):
+        for name, owner, attr in PHASES:
+            fn = owner.__dict__[attr]
+            self._saved.append((owner, attr, fn))
+            setattr(owner, attr, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attr, fn in reversed(self._saved):
+            setattr(owner, attr, fn)
+        self._saved.clear()
+
+    def take(self) -> dict:
+        out = {k: round(v, 1) for k, v in self.ms.items() if v >= 0.05}
+        self.ms.clear()
+        return out
 
 
 def run(n: int, args, batched: bool = True) -> dict:
@@ -58,9 +124,13 @@ def run(n: int, args, batched: bool = True) -> dict:
         ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     prof = torch.profiler.profile(activities=acts) if top else None
     usual = top and getattr(args, "profile_usual", False)
+    timer = PhaseTimer(args.device) if getattr(args, "phases", False) else None
+    phases: list[dict] = []
     if prof is not None and not usual:
         prof.start()
-    steps(pool, pages, args, batched, ps, hot, times, ops, prof if usual else None)
+    with timer if timer is not None else nullcontext():
+        steps(pool, pages, args, batched, ps, hot, times, ops, prof if usual else None,
+              timer, phases)
     if prof is not None and (not usual or prof.profiler is not None):
         prof.stop()
     table = None
@@ -78,13 +148,15 @@ def run(n: int, args, batched: bool = True) -> dict:
             "steps_over_1ms": sum(x > 1e-3 for x in times),
             "total_ms": sum(times) * 1e3, "slices": pool.counters.decode_seal_slices,
             "torch_ops": sum(ops.values()) if args.count_ops else None, "profile": table,
-            "write_transforms": pool.write_cache.stats()}
+            "write_transforms": pool.write_cache.stats(), "phases": phases}
 
 
-def steps(pool, pages, args, batched, ps, hot, times, ops, start_after_first=None) -> None:
+def steps(pool, pages, args, batched, ps, hot, times, ops, start_after_first=None, timer=None,
+          phases=None) -> None:
     """The decode steps from just before the first page boundary to past the last.
     `start_after_first`: a profiler started once a step has sealed pages (the steps after the
-    one that opens the basis block: a decode step's usual seal, bases existing)."""
+    one that opens the basis block: a decode step's usual seal, bases existing). `timer`: a
+    PhaseTimer whose phases of each step that sealed are appended to `phases`."""
     for pos in range(ps + hot - 2, args.pages * ps + hot + 40):
         if start_after_first is not None and start_after_first.profiler is None and \
                 pool.counters.sealed_pages:
@@ -101,6 +173,10 @@ def steps(pool, pages, args, batched, ps, hot, times, ops, start_after_first=Non
         if args.device != "cpu":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+        if timer is not None:
+            got = timer.take()
+            if got:
+                phases.append({"step_ms": round(times[-1] * 1e3, 1), **got})
 
 
 def main() -> None:
@@ -122,6 +198,9 @@ def main() -> None:
     ap.add_argument("--profile-usual", action="store_true",
                     help="with --top-ops: profile only the steps after the first seal step "
                          "(whose basis fit would dominate the table)")
+    ap.add_argument("--phases", action="store_true",
+                    help="split each seal step's time by the seal path's functions (PHASES), "
+                         "the device synced around each")
     ap.add_argument("--layers-per-step", default="0,0,1,4,8",
                     help="settings, in order (the first run warms up)")
     args = ap.parse_args()
@@ -139,6 +218,8 @@ def report(r: dict) -> None:
           f"{r['seal_steps_ms']} ms"
           + (f"; {r['torch_ops']} torch ops" if r["torch_ops"] is not None else "")
           + f"; write transforms {r['write_transforms']}", flush=True)
+    for p in r["phases"]:
+        print("  phases (ms, inclusive):", json.dumps(p), flush=True)
     if r["profile"]:
         print(r["profile"], flush=True)
 

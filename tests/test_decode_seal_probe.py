@@ -52,3 +52,21 @@ def test_config_reaches_the_pool():
     assert r["sealed_pages"] == 4 and r["write_transforms"]["hits"] == 0
     on = probe.run(0, Namespace(**{**vars(args), "config": None}), batched=True)
     assert on["write_transforms"]["hits"] == 2, on["write_transforms"]
+
+
+def test_phases_split_each_seal_step_by_function():
+    """`--phases`: per step that sealed, the inclusive time of the seal path's functions: the
+    block-opening step fits bases, the usual one does not, both choose and install; the patched
+    functions are restored afterwards (a later run is untimed)."""
+    args = Namespace(device="cpu", layers=2, heads=1, head_dim=64, pages=2, requests=2,
+                     count_ops=False, phases=True)
+    originals = {(id(o), a): o.__dict__[a] for _, o, a in probe.PHASES}
+    r = probe.run(0, args, batched=True)
+    assert r["sealed_pages"] == 4 and len(r["phases"]) == 2, r["phases"]
+    opening, usual = r["phases"]
+    assert "fit_groups" in opening and "fit_groups" not in usual, r["phases"]
+    for p in (opening, usual):
+        assert {"choose", "seal_pages", "install"} <= p.keys(), p
+        assert p["seal_pages"] <= p["step_ms"] + 1.0, p  # inclusive, within the step
+    assert all(o.__dict__[a] is originals[(id(o), a)] for _, o, a in probe.PHASES)
+    assert probe.run(0, Namespace(**{**vars(args), "phases": False}), batched=True)["phases"] == []
