@@ -41,6 +41,7 @@ DEFAULT_RESCUE_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 
 DECODE_KERNELS = ("auto", "triton", "reference")
 PACK_KERNELS = ("auto", "triton", "torch")
+CHOOSERS = ("auto", "cascade", "errors_first")
 FIT_SOLVERS = ("auto", "host", "device", "jacobi", "identity")
 READ_RULES = ("position", "chunk")
 BASIS_FITS = ("first_page", "group")
@@ -204,6 +205,15 @@ class MosaicConfig:
     # (`row_copy`: blocks, headers, metadata), one launch each, or torch slices. Same bytes
     # either way; stats() counts segments per path.
     pack_kernel: str = "auto"
+    # How the chooser finds each segment's cheapest candidate within budget: "cascade" encodes
+    # the candidates cheapest first, each for the segments no cheaper one fitted (one host sync
+    # per candidate tried); "errors_first" checks every candidate's error without encoding it
+    # (`band_errors`, one Triton launch per candidate), brings the errors to the host once and
+    # encodes each segment with its pick only; "auto": errors_first on CUDA when every
+    # candidate is a band it reads (group a multiple of 32 tokens), else cascade. The same picks
+    # but for a segment whose error is within float32 rounding of its budget (the kernel sums in
+    # its own order). docs/codec.md, "The chooser on the GPU".
+    chooser: str = "auto"
     # How a basis block's bases are fitted: "host" (exact eigh/qr; GPU pages are copied to the
     # CPU, LAPACK over host threads), "device" (exact eigh/qr by cuSOLVER, one matrix at a time),
     # "jacobi" (codec/basis.jacobi_axes: batched GEMMs + one batched Cholesky, wherever the
@@ -299,6 +309,7 @@ class MosaicConfig:
                              "position rule what a token reads must not change after it is "
                              "sealed)")
         for key, choices in (("decode_kernel", DECODE_KERNELS), ("pack_kernel", PACK_KERNELS),
+                             ("chooser", CHOOSERS),
                              ("fit_solver", FIT_SOLVERS), ("daemon", DAEMON_MODES),
                              ("read_rule", READ_RULES), ("basis_fit", BASIS_FITS),
                              ("decode_cuda_graph", DECODE_CUDA_GRAPHS)):

@@ -254,7 +254,6 @@ def band_pack(d: int):
     V); the pairs (K_i, V_i) cover every K and every V width set of the default candidates."""
     from mosaickv_kernels.band_pack import pack_layout
     from mosaickv_sglang.codec.arena import HEADER_WIDTH
-    from mosaickv_sglang.serving.segment_store import band_widths
 
     pairs = _pairs()
     ks = list(dict.fromkeys(k for k, _ in pairs))
@@ -266,7 +265,21 @@ def band_pack(d: int):
         pack_layout(torch.zeros(1 << 16, dtype=torch.uint8),
                     torch.zeros(n, HEADER_WIDTH, dtype=torch.int32),
                     torch.arange(n, dtype=torch.int32), x, x.clone(),
-                    band_widths(lay.k, d), band_widths(lay.v, d))
+                    lay.k.widths(d), lay.v.widths(d))
+
+
+def band_errors(d: int):
+    """The chooser's error check (chooser errors_first): one launch per candidate, every
+    default candidate, sink and rescue band."""
+    from mosaickv_kernels.band_errors import band_errors as run
+    from mosaickv_sglang.codec.strategies import parse_strategy
+    from mosaickv_sglang.config import (DEFAULT_K_CANDIDATES, DEFAULT_RESCUE_CANDIDATES,
+                                        DEFAULT_SINK_CANDIDATES, DEFAULT_V_CANDIDATES)
+
+    x = torch.randn(2, SEGMENT, d)
+    for spec in dict.fromkeys(DEFAULT_K_CANDIDATES + DEFAULT_V_CANDIDATES +
+                              DEFAULT_SINK_CANDIDATES + DEFAULT_RESCUE_CANDIDATES):
+        run(x, parse_strategy(spec).widths(d))
 
 
 def band_unpack(d: int):
@@ -351,6 +364,8 @@ SCENARIOS = [
     Scenario("decode tables", ("decode_tables._decode_tables",), decode_tables),
     Scenario("pack d128", ("band_pack._pack_kind",), lambda: band_pack(128)),
     Scenario("pack d64", ("band_pack._pack_kind",), lambda: band_pack(64)),
+    Scenario("errors d128", ("band_errors._band_errors",), lambda: band_errors(128)),
+    Scenario("errors d64", ("band_errors._band_errors",), lambda: band_errors(64)),
     Scenario("unpack d128", ("band_unpack._unpack_segments",), lambda: band_unpack(128)),
     Scenario("unpack d64", ("band_unpack._unpack_segments",), lambda: band_unpack(64)),
     Scenario("merge d128", ("row_merge._merge_rows",), lambda: row_merge(128)),

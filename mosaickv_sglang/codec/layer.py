@@ -17,6 +17,8 @@ from ..config import MosaicConfig
 from .basis import fit_with, resolve_fit_solver, write_transform
 from .pages import PageMeta, build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy, strategy_id
+from .strategies.band import Band
+from mosaickv_kernels.band_errors import CHUNK as BAND_ERRORS_CHUNK, band_errors
 from .timing import phase
 
 HEADER_FIELDS = ("k_strategy", "v_strategy", "k_basis", "v_basis", "start", "tokens")
@@ -174,9 +176,13 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
         kw, vw = write if write is not None else (write_transform(kb), write_transform(vb))
         k_rot, v_rot = _rotate(k, kw), _rotate(v, vw)
         kc, k_dec = _choose_batch(k, k_rot, "k", k_cands, budgets[0], reason,
-                                  fallback, need_decoded=select_meta, rescue=cands.rescue)
+                                  fallback, need_decoded=select_meta, rescue=cands.rescue,
+                                  errors_first=use_errors_first(cfg.chooser, k, k_cands,
+                                                                cands.rescue))
         vc, _ = _choose_batch(v, v_rot, "v", v_cands, budgets[1], reason, fallback,
-                              rescue=cands.rescue)
+                              rescue=cands.rescue,
+                              errors_first=use_errors_first(cfg.chooser, v, v_cands,
+                                                            cands.rescue))
     n, h, s, d = k.shape
     meta = None
     with phase(timer, "page_meta"):
@@ -268,8 +274,25 @@ def own_storage(seg: Segment) -> None:
     seg.rotated = None
 
 
+def use_errors_first(choice: str, x: torch.Tensor, candidates, rescue) -> bool:
+    """Does the chooser (config `chooser`) check errors first for segments x [N, H, S, D] with
+    these candidates? "errors_first" needs every candidate and rescue to be a band
+    `band_errors` reads (else it is refused); "auto" takes it on CUDA when they are."""
+    if choice == "cascade":
+        return False
+    n, h, s, d = x.shape
+    ok = all(isinstance(st, Band) and st.group % BAND_ERRORS_CHUNK == 0 and s % st.group == 0
+             for st in (*candidates, *rescue)) and d & (d - 1) == 0
+    if choice == "errors_first" and not ok:
+        raise ValueError("mosaickv chooser 'errors_first' needs band candidates whose token group "
+                         f"is a multiple of {BAND_ERRORS_CHUNK} dividing the segment ({s} tokens) "
+                         f"and a power-of-two head_dim; got {[st.spec for st in candidates]} "
+                         f"(rescue {[st.spec for st in rescue]}), head_dim {d}")
+    return ok and (choice == "errors_first" or x.is_cuda)
+
+
 def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded=False,
-                  rescue=()):
+                  rescue=(), errors_first=False):
     """`choose` for N segments [N, H, S, D] at once -> (the N choices as a `ChoiceBatch`, the
     chosen reconstructions [N, H, S, D] in each choice's own space, when need_decoded).
     Candidates are tried cheapest first (bytes per segment) and each one is encoded only for the
@@ -277,7 +300,11 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
     three (the work the chooser does is its encodes; the picks are those of encoding every
     candidate). Each try's errors come to the host in one transfer; a Choice read from the
     batch has views of its try's tensors. Segments no candidate fits try `rescue` (reason
-    "rescued"), then get `fallback`."""
+    "rescued"), then get `fallback`. `errors_first`: the same picks from `_choose_errors_first`
+    (every candidate's error checked by a kernel, one transfer, one encode per segment)."""
+    if errors_first:
+        return _choose_errors_first(x, x_rot, kind, candidates, budget, reason, fallback,
+                                    need_decoded, rescue)
     n, h, s, d = x.shape
     tries: list[Tried] = []
     try_of = np.full(n, -1, dtype=np.int64)  # segment -> its try
@@ -311,6 +338,64 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
     batch = ChoiceBatch(kind, (h, s, d), tries, try_of, row_of)
     decoded = batch.decoded() if need_decoded else None
     for t in tries:  # the reconstructions are not kept with the batch
+        t.decoded = None
+    return batch, decoded
+
+
+def _choose_errors_first(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded,
+                         rescue):
+    """`_choose_batch` by errors first: each candidate, then each rescue (band strategies), has
+    its error on every segment computed without encoding (`band_errors`: per (segment, head)
+    the squared error and norm, summed over heads here), the errors of all come to the host in
+    one transfer, each segment takes the first in the cascade's order within budget, and each
+    candidate then encodes only the segments that took it (the fallback, as in the cascade, the
+    segments none took, its error computed from its encoding). A try holds the segments that
+    picked it, not every segment that tried it."""
+    n, h, s, d = x.shape
+    order = sorted(candidates, key=lambda st: _segment_bytes(st, kind, h, s, d))
+    whys = [reason] * len(order)
+    if candidates:
+        order += list(rescue)
+        whys += ["rescued"] * len(rescue)
+    tries: list[Tried] = []
+    try_of = np.full(n, -1, dtype=np.int64)
+    row_of = np.zeros(n, dtype=np.int64)
+    pick = np.full(n, -1, dtype=np.int64)
+    errs = None
+    if order:
+        sums = []
+        for st in order:
+            src = x_rot if st.rot else x
+            err2, norm2 = band_errors(src.reshape(n * h, s, d), st.widths(d))
+            sums.append(torch.stack([err2.view(n, h).sum(1), norm2.view(n, h).sum(1)]))
+        both = torch.stack(sums).cpu().numpy().astype(np.float64)  # [C, 2, N]: one transfer
+        errs = np.sqrt(both[:, 0]) / np.maximum(np.sqrt(both[:, 1]), 1e-12)
+        fits = errs <= budget
+        pick = np.where(fits.any(0), fits.argmax(0), -1)
+
+    def encode(strat, why, rows, row_errs):
+        src = x_rot if strat.rot else x
+        if len(rows) < n:
+            src = src[torch.from_numpy(rows).to(src.device)]
+        m = len(rows)
+        tensors, dec = strat.encode_decoded(src.reshape(m * h, s, d), kind)
+        dec = dec.reshape(m, h, s, d)
+        if row_errs is None:
+            row_errs = _errors(dec, src).cpu().numpy().astype(np.float64)
+        tries.append(Tried(strat, why, tensors, m, row_errs, dec, rows))
+        try_of[rows] = len(tries) - 1
+        row_of[rows] = np.arange(m)
+
+    for c, (strat, why) in enumerate(zip(order, whys)):
+        rows = np.nonzero(pick == c)[0]
+        if len(rows):
+            encode(strat, why, rows, errs[c, rows])
+    rest = np.nonzero(pick < 0)[0]
+    if len(rest):  # no candidate met the budget: the fallback (dense), as in the cascade
+        encode(fallback, "over-budget" if candidates else reason, rest, None)
+    batch = ChoiceBatch(kind, (h, s, d), tries, try_of, row_of)
+    decoded = batch.decoded() if need_decoded else None
+    for t in tries:
         t.decoded = None
     return batch, decoded
 

@@ -47,7 +47,7 @@ from mosaickv_kernels.page_select import PackedPageMeta
 from mosaickv_kernels.row_copy import COPY, WIDEN, copy_rows
 
 from ..codec.arena import (ALIGN, HDR, HEADER_WIDTH, MAX_ARENA_BYTES, META_FIELDS,
-                          PLAN_FIELDS, ArenaPage, BlockLayout, band_channels, block_segment,
+                          PLAN_FIELDS, ArenaPage, BlockLayout, block_segment,
                           block_views, check_part, layout_of, packable, tensor_parts,
                           write_blocks, write_part)
 from ..codec.layer import Segment, Tried, own_storage, segment_bytes
@@ -79,12 +79,6 @@ def use_pack_kernel(choice: str, device) -> bool:
         raise ValueError("mosaickv pack_kernel 'triton' on a CPU runs through Triton's "
                          "interpreter: set TRITON_INTERPRET=1, or use pack_kernel 'auto'")
     return choice == "triton" or (choice == "auto" and kind == "cuda")
-
-
-def band_widths(band: Band, head_dim: int) -> tuple[int, int, int, int]:
-    """(8-bit, 4-bit, 2-bit channels, token group) at head_dim: what the pack kernel compiles."""
-    c = band_channels(band, head_dim)
-    return c[8], c[4], c[2], band.group
 
 
 class SegmentStore:
@@ -369,8 +363,8 @@ class SegmentStore:
                                 _to_device_async(torch.from_numpy(pages[one].astype(np.int32)),
                                                  dev),
                                 batch.rotated[0][idx], batch.rotated[1][idx],
-                                band_widths(lay.k, self.head_dim),
-                                band_widths(lay.v, self.head_dim))
+                                lay.k.widths(self.head_dim),
+                                lay.v.widths(self.head_dim))
             else:
                 staged = torch.zeros(m, self.heads, lay.head_bytes, dtype=torch.uint8,
                                      device=dev)
@@ -457,7 +451,7 @@ class SegmentStore:
             pack_layout(self.data[layer], self.headers[layer], at.to(torch.int32),
                         torch.stack([seg.rotated[0] for seg in segs]),
                         torch.stack([seg.rotated[1] for seg in segs]),
-                        band_widths(lay.k, self.head_dim), band_widths(lay.v, self.head_dim))
+                        lay.k.widths(self.head_dim), lay.v.widths(self.head_dim))
         else:
             staged = torch.zeros(len(segs), self.heads, lay.head_bytes, dtype=torch.uint8,
                                  device=self.device)
@@ -487,7 +481,7 @@ class SegmentStore:
         out = []
         for k, v in pairs:
             lay = layout_of(k, v, segment_tokens, self.head_dim)
-            out += [(kind, band_widths(band, self.head_dim))
+            out += [(kind, band.widths(self.head_dim))
                     for kind, band in (("k", lay.k), ("v", lay.v))]
         return list(dict.fromkeys(out))
 

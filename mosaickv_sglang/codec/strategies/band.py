@@ -49,6 +49,13 @@ class Band(Strategy):
                 yield start, n, bits
                 start += n
 
+    def widths(self, head_dim: int) -> tuple[int, int, int, int]:
+        """(8-bit, 4-bit, 2-bit channels, token group) at head_dim: what the kernels compile
+        (band_pack, band_errors)."""
+        self.validate_dims(head_dim)
+        scale = head_dim // UNIT
+        return self.b8 * scale, self.b4 * scale, self.b2 * scale, self.group
+
     def encode(self, x: torch.Tensor, kind: str) -> Tensors:
         return self._encode(x, None)
 
