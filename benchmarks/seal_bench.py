@@ -18,6 +18,7 @@ a time, and that the two pack paths store the same bytes.
 
     python benchmarks/seal_bench.py --device cuda --fit-solvers host,device,jacobi  # Llama-8B, 32K
     python benchmarks/seal_bench.py --device cpu --layers 2 --tokens 2048 --check
+    python benchmarks/seal_bench.py --device cuda --config '{"chooser": "cascade"}'  # A/B a knob
     TRITON_INTERPRET=1 python benchmarks/seal_bench.py --device cpu --layers 2 --tokens 1024 \
         --pack-kernel both                                         # the kernel interpreted
 """
@@ -262,6 +263,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--json", default=None, help="default: $OUT/seal_bench.json if $OUT is set")
+    ap.add_argument("--config", default=None,
+                    help='MosaicConfig fields as JSON, e.g. \'{"chooser": "cascade"}\'')
     args = ap.parse_args()
     solvers = parse_solvers(args.fit_solvers)
     if args.threads:
@@ -269,7 +272,8 @@ def main() -> None:
     cuda = torch.device(args.device).type == "cuda"
     pack = args.pack_kernel or ("both" if cuda else "torch")
     paths = ["torch", "triton"] if pack == "both" else [pack]
-    setup = Setup(args, MosaicConfig(fit_solver=solvers[0]))
+    setup = Setup(args, MosaicConfig(**{**json.loads(args.config or "{}"),
+                                        "fit_solver": solvers[0]}))
     segments = setup.pages * args.layers
     runs = {}  # every solver with the first pack path, then the other paths with the first solver
     for solver, path in [(x, paths[0]) for x in solvers] + [(solvers[0], p) for p in paths[1:]]:
@@ -283,6 +287,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "host_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "config": json.loads(args.config or "{}"),
         "runs": runs,
         "fit_solvers": fit_solvers(setup, sorted(set(solvers) - {"auto"} | {"host", "device"},
                                                  key=FIT_SOLVERS.index)),
