@@ -250,8 +250,8 @@ def decode_tables():
 
 
 def band_pack(d: int):
-    """SegmentStore's install with pack_kernel: one pack_layout per layout, two launches (K,
-    V); the pairs (K_i, V_i) cover every K and every V width set of the default candidates."""
+    """SegmentStore's install with pack_kernel: one pack_layout per layout (every layer at
+    once: per-segment offsets), two launches (K, V); the pairs (K_i, V_i) cover every K and every V width set of the default candidates."""
     from mosaickv_kernels.band_pack import pack_layout
     from mosaickv_sglang.codec.arena import HEADER_WIDTH
 
@@ -265,7 +265,7 @@ def band_pack(d: int):
         pack_layout(torch.zeros(1 << 16, dtype=torch.uint8),
                     torch.zeros(n, HEADER_WIDTH, dtype=torch.int32),
                     torch.arange(n, dtype=torch.int32), x, x.clone(),
-                    lay.k.widths(d), lay.v.widths(d))
+                    lay.k.widths(d), lay.v.widths(d), torch.zeros(n, dtype=torch.int64))
 
 
 def band_errors(d: int):

@@ -101,16 +101,19 @@ def _pack_band(X, U8, F16, hdr, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr
 def _pack_kind(
     X,  # float32 [n, H, T, D]: the kind's rotated values, segment i of SEG_LIST at row i
     ARENA_U8, ARENA_F16, HEADERS, SEG_LIST,
+    SEG_OFF,  # int64 [n]: bytes added to segment i's header base (HAS_OFF), else unused
     H,
     T: tl.constexpr, D: tl.constexpr, HDR_W: tl.constexpr, BASE_COL: tl.constexpr,
     STRIDE_COL: tl.constexpr, KC: tl.constexpr, GROUP: tl.constexpr,
     N8: tl.constexpr, N4: tl.constexpr, N2: tl.constexpr,
-    W8: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr,
+    W8: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr, HAS_OFF: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     hdr = HEADERS + tl.load(SEG_LIST + i).to(tl.int64) * HDR_W
     base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
+    if HAS_OFF:
+        base += tl.load(SEG_OFF + i)
     x = X + (i * H + h) * T * D
     u8 = ARENA_U8 + base
     f16 = ARENA_F16 + base // 2
@@ -150,18 +153,27 @@ def pack_segments(arena: PackedArena, seg_list: torch.Tensor, k_rot: torch.Tenso
 
 def pack_layout(data: torch.Tensor, headers: torch.Tensor, seg_list: torch.Tensor,
                 k_rot: torch.Tensor, v_rot: torch.Tensor, k_widths: tuple[int, int, int, int],
-                v_widths: tuple[int, int, int, int]) -> None:
+                v_widths: tuple[int, int, int, int],
+                seg_offset: torch.Tensor | None = None) -> None:
     """`pack_segments` for segments of one layout whose widths the caller knows (the serving
     store: it groups an install batch by layout on the host anyway): two launches (K, V), no
     read-back of the headers. data: the uint8 arena; headers: its int32 [rows, HEADER_WIDTH]
-    table, rows `seg_list` already written; widths: (b8, b4, b2 channels, token group)."""
+    table, rows `seg_list` already written; widths: (b8, b4, b2 channels, token group).
+    `seg_offset` (int64 [n], optional): bytes added to each segment's header base, so one
+    launch pair can fill several arenas laid end to end in `data` (the store's layers: header
+    rows of every layer in one table, each segment offset by its layer's start)."""
     _check("pack_layout", k_rot, v_rot, seg_list, data, (seg_list.numel(), *k_rot.shape[1:]))
     if headers.dtype != torch.int32 or headers.dim() != 2 or headers.shape[1] != HEADER_WIDTH:
         raise ValueError(f"pack_layout: headers must be int32 [rows, {HEADER_WIDTH}], got "
                          f"{headers.dtype} {tuple(headers.shape)}")
+    if seg_offset is not None and (seg_offset.dtype != torch.int64 or
+                                   tuple(seg_offset.shape) != (seg_list.numel(),) or
+                                   seg_offset.device != data.device):
+        raise ValueError(f"pack_layout: seg_offset must be int64 [{seg_list.numel()}] on "
+                         f"{data.device}, got {seg_offset.dtype} {tuple(seg_offset.shape)}")
     if seg_list.numel():
-        _launch("k", k_widths, k_rot, data, headers, seg_list)
-        _launch("v", v_widths, v_rot, data, headers, seg_list)
+        _launch("k", k_widths, k_rot, data, headers, seg_list, seg_offset)
+        _launch("v", v_widths, v_rot, data, headers, seg_list, seg_offset)
 
 
 def _check(who: str, k_rot: torch.Tensor, v_rot: torch.Tensor, seg_list: torch.Tensor,
@@ -177,7 +189,7 @@ def _check(who: str, k_rot: torch.Tensor, v_rot: torch.Tensor, seg_list: torch.T
         raise ValueError(f"{who}: the arena must be 1-D uint8 of even size")
 
 
-def _constants(kind: str, widths: tuple, t: int, d: int) -> dict:
+def _constants(kind: str, widths: tuple, t: int, d: int, has_off: bool = False) -> dict:
     """`_pack_kind`'s compile-time arguments for one (kind, widths) at T tokens and head_dim D:
     what a launch passes and what `compile_variants` compiles ahead."""
     n8, n4, n2, group = widths
@@ -187,25 +199,28 @@ def _constants(kind: str, widths: tuple, t: int, d: int) -> dict:
                 STRIDE_COL=HDR["head_stride"], KC=HDR[f"{kind}_b8"], GROUP=group, N8=n8, N4=n4,
                 N2=n2, W8=max(16, triton.next_power_of_2(max(n8, 1))),
                 W4=max(16, triton.next_power_of_2(max(n4, 1))),
-                W2=max(16, triton.next_power_of_2(max(n2, 1))), num_warps=4)
+                W2=max(16, triton.next_power_of_2(max(n2, 1))), HAS_OFF=has_off, num_warps=4)
 
 
 def _launch(kind: str, widths: tuple, x: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
-            seg_list: torch.Tensor) -> None:
+            seg_list: torch.Tensor, seg_offset: torch.Tensor | None = None) -> None:
     """One `_pack_kind` launch: x [n, H, T, D] float32 contiguous, row i for segment seg_list[i],
     all of band widths `widths` = (b8, b4, b2, group)."""
     n, h, t, d = x.shape
-    _pack_kind[(n, h)](x, data, data.view(torch.float16), headers, seg_list, h,
-                       **_constants(kind, widths, t, d))
+    _pack_kind[(n, h)](x, data, data.view(torch.float16), headers, seg_list,
+                       seg_list if seg_offset is None else seg_offset, h,
+                       **_constants(kind, widths, t, d, seg_offset is not None))
 
 
 def compile_variants(variants, heads: int, tokens: int, head_dim: int) -> int:
     """Compile `_pack_kind` for every (kind, (b8, b4, b2, group)) in `variants` now, with the
-    argument types and specializations a launch has (Triton's `warmup`: nothing runs, nothing
+    argument types and specializations the serving store's launches have (per-segment offsets:
+    `SegmentStore._pack`) (Triton's `warmup`: nothing runs, nothing
     is allocated), so that the first page sealed in a layout does not stall a live step on a
     compile (seconds each on the H200). CUDA only. Returns how many were asked for."""
     variants = list(dict.fromkeys(variants))
     for kind, widths in variants:
         _pack_kind.warmup(torch.float32, torch.uint8, torch.float16, torch.int32, torch.int32,
-                          heads, grid=(1, heads), **_constants(kind, widths, tokens, head_dim))
+                          torch.int64, heads, grid=(1, heads),
+                          **_constants(kind, widths, tokens, head_dim, has_off=True))
     return len(variants)

@@ -356,15 +356,13 @@ class SegmentStore:
                 self.pack_counts["no_rotated"] += m
             if kernel:
                 flat.index_fill_(0, units, 0)  # alignment padding as the torch copy leaves it
-                for layer in np.unique(li[sel]).tolist():
-                    one = sel[li[sel] == layer]
-                    idx = _to_device_async(torch.from_numpy(ridx[one]), dev)
-                    pack_layout(self.data[layer], self.headers[layer],
-                                _to_device_async(torch.from_numpy(pages[one].astype(np.int32)),
-                                                 dev),
-                                batch.rotated[0][idx], batch.rotated[1][idx],
-                                lay.k.widths(self.head_dim),
-                                lay.v.widths(self.head_dim))
+                n_rot = batch.rotated[0].shape[0]
+                if m == n_rot and (r == np.arange(n_rot)).all():  # the whole batch, in order
+                    k_rot, v_rot = batch.rotated
+                else:
+                    idx = _to_device_async(torch.from_numpy(r), dev)
+                    k_rot, v_rot = batch.rotated[0][idx], batch.rotated[1][idx]
+                self._pack(li[sel], pages[sel], k_rot, v_rot, lay)
             else:
                 staged = torch.zeros(m, self.heads, lay.head_bytes, dtype=torch.uint8,
                                      device=dev)
@@ -395,6 +393,21 @@ class SegmentStore:
                                zip(bases.tolist(), sizes.tolist())))
         self.live_bytes += int(sizes.sum())
         np.add.at(self.layer_live, li, sizes)
+
+    def _pack(self, layers: np.ndarray, pages: np.ndarray, k_rot: torch.Tensor,
+              v_rot: torch.Tensor, lay: BlockLayout) -> None:
+        """The pack kernel writes segments (layer, page) of one layout, whatever their layers,
+        in one launch pair: the layers' arenas as one byte range (`_data`), their header tables
+        as one (`_headers`), each segment offset by its layer's start. Header rows written
+        first; k_rot/v_rot float32 [n, H, T, D], row i for segment i."""
+        dev = self.device
+        rows = layers.astype(np.int64) * self._headers.shape[1] + pages
+        pack_layout(self._data.view(-1), self._headers.view(-1, HEADER_WIDTH),
+                    _to_device_async(torch.from_numpy(rows.astype(np.int32)), dev),
+                    k_rot.contiguous(), v_rot.contiguous(), lay.k.widths(self.head_dim),
+                    lay.v.widths(self.head_dim),
+                    _to_device_async(torch.from_numpy(layers.astype(np.int64) *
+                                                      self._data.shape[1]), dev))
 
     def install(self, layer: int, pages: list[int], segs: list[Segment]) -> list[bool]:
         """Copy one layer's segments (one per logical page) into the arena and re-point their
@@ -448,10 +461,9 @@ class SegmentStore:
             self.pack_counts["no_rotated"] += len(segs)
         if kernel:
             blocks.index_fill_(0, rows, 0)  # alignment padding as the torch copy leaves it
-            pack_layout(self.data[layer], self.headers[layer], at.to(torch.int32),
-                        torch.stack([seg.rotated[0] for seg in segs]),
-                        torch.stack([seg.rotated[1] for seg in segs]),
-                        lay.k.widths(self.head_dim), lay.v.widths(self.head_dim))
+            self._pack(np.full(len(pages), layer), np.asarray(pages),
+                       torch.stack([seg.rotated[0] for seg in segs]),
+                       torch.stack([seg.rotated[1] for seg in segs]), lay)
         else:
             staged = torch.zeros(len(segs), self.heads, lay.head_bytes, dtype=torch.uint8,
                                  device=self.device)
