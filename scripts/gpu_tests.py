@@ -47,6 +47,7 @@ GPU_TEST_FILES = {
     "tests/test_band_pack_kernel.py": 2,
     "tests/test_band_unpack_kernel.py": 2,
     "tests/test_band_errors_kernel.py": 1,  # the chooser's error check; errors_first == cascade
+    "tests/test_transfer.py": 1,  # pinned, non-blocking host-to-device index copies
     "tests/test_decode_graph_gpu.py": 3,  # the breakable decode CUDA graph, captured for real
     "tests/test_adopt_in_place.py": 2,  # daemon results adopted in place (row_copy) on CUDA
     "tests/test_extend_attention.py": 1,  # prefill attention (SDPA) in bf16/fp32 on CUDA

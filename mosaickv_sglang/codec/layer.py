@@ -20,6 +20,7 @@ from .strategies import Encoded, Strategy, parse_strategy, strategy_id
 from .strategies.band import Band
 from mosaickv_kernels.band_errors import CHUNK as BAND_ERRORS_CHUNK, band_errors
 from .timing import phase
+from .transfer import to_device_async
 
 HEADER_FIELDS = ("k_strategy", "v_strategy", "k_basis", "v_basis", "start", "tokens")
 DENSE = parse_strategy("dense")
@@ -315,7 +316,7 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
         nonlocal todo
         src = x_rot if strat.rot else x
         if len(todo) < n:
-            src = src[torch.from_numpy(todo).to(src.device)]
+            src = src[to_device_async(todo, src.device)]
         m = len(todo)
         tensors, dec = strat.encode_decoded(src.reshape(m * h, s, d), kind)
         dec = dec.reshape(m, h, s, d)
@@ -376,7 +377,7 @@ def _choose_errors_first(x, x_rot, kind, candidates, budget, reason, fallback, n
     def encode(strat, why, rows, row_errs):
         src = x_rot if strat.rot else x
         if len(rows) < n:
-            src = src[torch.from_numpy(rows).to(src.device)]
+            src = src[to_device_async(rows, src.device)]
         m = len(rows)
         tensors, dec = strat.encode_decoded(src.reshape(m * h, s, d), kind)
         dec = dec.reshape(m, h, s, d)
@@ -489,8 +490,7 @@ class ChoiceBatch(Sequence):
             if out is None:
                 out = t.decoded.new_empty((len(self), *t.decoded.shape[1:]))
             dev = t.decoded.device
-            out[torch.from_numpy(mine).to(dev)] = t.decoded[
-                torch.from_numpy(self.row_of[mine]).to(dev)]
+            out[to_device_async(mine, dev)] = t.decoded[to_device_async(self.row_of[mine], dev)]
         return out
 
 

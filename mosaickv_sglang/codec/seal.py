@@ -25,6 +25,7 @@ from .layer import Candidates, Segment, SegmentBatch, seal_segments
 from .pages import build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy
 from .timing import phase
+from .transfer import to_device_async
 
 # page indices of a group -> its K and V, all layers, each [P, L, H, S, D] in the cache's dtype:
 # one gather per group, read once for the basis fit and for the chooser
@@ -245,7 +246,7 @@ def gather_pages(k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor],
     `page_size` rows; `pages` the page numbers in it) -> K and V [P, L, H, S, D], one gather per
     layer and kind."""
     rows = (pages.long()[:, None] * page_size + torch.arange(page_size)).flatten()
-    rows = rows.to(k_buffer[0].device)
+    rows = to_device_async(rows, k_buffer[0].device)
     out = []
     for buf in (k_buffer, v_buffer):
         x = torch.stack([layer[rows] for layer in buf])  # [L, P*S, H, D]
@@ -458,8 +459,8 @@ def _batch(k: torch.Tensor, v: torch.Tensor, tables: list[tuple[torch.Tensor, to
         if len({which[j] for j, _ in part}) == 1:
             return kk, vv, tables[which[first]]
     else:
-        pj = torch.tensor([j for j, _ in part], device=k.device)
-        pl = torch.tensor([local for _, local in part], device=k.device)
+        pj = to_device_async(torch.tensor([j for j, _ in part]), k.device)
+        pl = to_device_async(torch.tensor([local for _, local in part]), k.device)
         kk, vv = (x[pj, pl].to(torch.float32, memory_format=torch.contiguous_format)
                   for x in (k, v))
     # one transform per segment, stacked (one copy): whole pages as their blocks' [L, ...]

@@ -54,19 +54,11 @@ from ..codec.layer import Segment, Tried, own_storage, segment_bytes
 from ..codec.pages import PageMeta
 from ..codec.seal import PageSegments
 from ..codec.strategies.band import Band
+from ..codec.transfer import to_device_async
 from ..config import PACK_KERNELS
 from .block_alloc import BlockAllocator
 
 logger = logging.getLogger(__name__)
-
-
-def _to_device_async(t: torch.Tensor, device) -> torch.Tensor:
-    """A small host tensor onto `device` without waiting: a copy from pageable memory makes CUDA
-    first wait for the stream's queued work; from pinned memory it is queued like a kernel (the
-    caching host allocator keeps the pinned block until the copy is done)."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def use_pack_kernel(choice: str, device) -> bool:
@@ -334,9 +326,9 @@ class SegmentStore:
         layout_ids = np.array([g.layout_id for g in groups], dtype=np.int64)[gids]
         rows = self._header_table[layout_ids]
         rows[:, HDR["base16"]] = bases // ALIGN
-        at_layer = _to_device_async(torch.from_numpy(li), dev)
-        at_page = _to_device_async(torch.from_numpy(pages), dev)
-        self._headers[at_layer, at_page] = _to_device_async(torch.from_numpy(rows), dev)
+        at_layer = to_device_async(torch.from_numpy(li), dev)
+        at_page = to_device_async(torch.from_numpy(pages), dev)
+        self._headers[at_layer, at_page] = to_device_async(torch.from_numpy(rows), dev)
         width = self._data.shape[1]
         flat = self._data.view(-1, ALIGN)
         for g in np.unique(gids).tolist():
@@ -346,7 +338,7 @@ class SegmentStore:
             r = ridx[sel]
             units = ((li[sel] * width + bases[sel])[:, None] +
                      np.arange(0, grp.size, ALIGN)[None, :]).reshape(-1) // ALIGN
-            units = _to_device_async(torch.from_numpy(units), dev)
+            units = to_device_async(torch.from_numpy(units), dev)
             kernel = self.pack_kernel and batch.rotated is not None
             if self.pack_kernel and not kernel:
                 if not self.pack_counts["no_rotated"]:
@@ -360,14 +352,14 @@ class SegmentStore:
                 if m == n_rot and (r == np.arange(n_rot)).all():  # the whole batch, in order
                     k_rot, v_rot = batch.rotated
                 else:
-                    idx = _to_device_async(torch.from_numpy(r), dev)
+                    idx = to_device_async(torch.from_numpy(r), dev)
                     k_rot, v_rot = batch.rotated[0][idx], batch.rotated[1][idx]
                 self._pack(li[sel], pages[sel], k_rot, v_rot, lay)
             else:
                 staged = torch.zeros(m, self.heads, lay.head_bytes, dtype=torch.uint8,
                                      device=dev)
                 for kind, tried, choice in (("k", grp.k, batch.k), ("v", grp.v, batch.v)):
-                    rows_in_try = torch.from_numpy(choice.row_of[r]).to(dev)
+                    rows_in_try = to_device_async(choice.row_of[r], dev)
                     for name in tried.tensors:
                         key = f"{kind}.{name}"
                         part = tried.rows_of(name)  # [rows, H, ...]
@@ -380,9 +372,9 @@ class SegmentStore:
                 sel = np.nonzero(bidx == b)[0]
                 if not len(sel):
                     continue
-                at = (_to_device_async(torch.from_numpy(li[sel]), dev),
-                      _to_device_async(torch.from_numpy(pages[sel]), dev))
-                idx = torch.from_numpy(ridx[sel]).to(batch.meta.lo.device)
+                at = (to_device_async(torch.from_numpy(li[sel]), dev),
+                      to_device_async(torch.from_numpy(pages[sel]), dev))
+                idx = to_device_async(ridx[sel], batch.meta.lo.device)
                 for f in META_FIELDS:
                     src = getattr(batch.meta, f)[idx]
                     table = getattr(self._meta, f)
@@ -403,10 +395,10 @@ class SegmentStore:
         dev = self.device
         rows = layers.astype(np.int64) * self._headers.shape[1] + pages
         pack_layout(self._data.view(-1), self._headers.view(-1, HEADER_WIDTH),
-                    _to_device_async(torch.from_numpy(rows.astype(np.int32)), dev),
+                    to_device_async(torch.from_numpy(rows.astype(np.int32)), dev),
                     k_rot.contiguous(), v_rot.contiguous(), lay.k.widths(self.head_dim),
                     lay.v.widths(self.head_dim),
-                    _to_device_async(torch.from_numpy(layers.astype(np.int64) *
+                    to_device_async(torch.from_numpy(layers.astype(np.int64) *
                                                       self._data.shape[1]), dev))
 
     def install(self, layer: int, pages: list[int], segs: list[Segment]) -> list[bool]:
@@ -445,12 +437,12 @@ class SegmentStore:
         size = self.heads * lay.head_bytes
         # small host tables go up through pinned memory: a pageable copy would make the host
         # wait for the stream's queued work (the running step's forward) at every layer
-        at = _to_device_async(torch.tensor(pages), self.device)
+        at = to_device_async(torch.tensor(pages), self.device)
         # headers first: the pack kernel finds each block through its header row
-        self.headers[layer][at] = _to_device_async(lay.headers(bases, self._layout_id(lay)),
+        self.headers[layer][at] = to_device_async(lay.headers(bases, self._layout_id(lay)),
                                                    self.device)
         rows = (torch.tensor(bases)[:, None] + torch.arange(0, size, ALIGN)) // ALIGN
-        rows = _to_device_async(rows.flatten(), self.device)
+        rows = to_device_async(rows.flatten(), self.device)
         blocks = self.data[layer].view(-1, ALIGN)
         kernel = self.pack_kernel and all(seg.rotated is not None for seg in segs)
         if self.pack_kernel and not kernel:
@@ -596,7 +588,7 @@ class SegmentStore:
         """`adopt_pages`'s writes for one page without the pack kernel."""
         rows = torch.stack([self._header_rows[i] for i in layout_ids])
         rows[:, HDR["base16"]] = torch.tensor([b // ALIGN for b in bases], dtype=torch.int32)
-        self._headers[:, page].copy_(_to_device_async(rows, self.device), non_blocking=True)
+        self._headers[:, page].copy_(to_device_async(rows, self.device), non_blocking=True)
         # One contiguous slice per layer (an index_copy_ over ALIGN-byte rows took 4.5 ms a
         # Llama-8B page on a CPU, plain slice copies 0.4 ms).
         src = ap.blocks.to(self.device, non_blocking=True)[:sum(sizes)].split(sizes)
