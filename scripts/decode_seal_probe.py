@@ -61,6 +61,9 @@ PHASES = (
     ("page_meta", codec_layer, "build_page_meta"),
     ("install", MosaicKVPool, "_install"),
     ("store_pages", segment_store.SegmentStore, "store_pages"),
+    ("install_batched", segment_store.SegmentStore, "_install_batched"),
+    ("write_batched", segment_store.SegmentStore, "_write_batched"),
+    ("pack", segment_store.SegmentStore, "_pack"),
 )
 
 
