@@ -314,12 +314,8 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
 
     def attempt(strat, why, within_budget=True):
         nonlocal todo
-        src = x_rot if strat.rot else x
-        if len(todo) < n:
-            src = src[to_device_async(todo, src.device)]
         m = len(todo)
-        tensors, dec = strat.encode_decoded(src.reshape(m * h, s, d), kind)
-        dec = dec.reshape(m, h, s, d)
+        tensors, dec, src = _encode_rows(x, x_rot, strat, kind, todo)
         errs = _errors(dec, src).cpu().numpy().astype(np.float64)
         fits = np.ones(m, dtype=bool) if not within_budget else errs <= budget
         tries.append(Tried(strat, why, tensors, m, errs, dec, todo))
@@ -341,6 +337,19 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
     for t in tries:  # the reconstructions are not kept with the batch
         t.decoded = None
     return batch, decoded
+
+
+def _encode_rows(x, x_rot, strat, kind, rows: np.ndarray):
+    """`strat`'s encoding of the segments `rows` (host indices, ascending) of x [N, H, S, D], or
+    of x_rot for a rotated strategy (all N: no gather): (its tensors, its reconstruction
+    [m, H, S, D], the input it encoded)."""
+    n, h, s, d = x.shape
+    src = x_rot if strat.rot else x
+    if len(rows) < n:
+        src = src[to_device_async(rows, src.device)]
+    m = len(rows)
+    tensors, dec = strat.encode_decoded(src.reshape(m * h, s, d), kind)
+    return tensors, dec.reshape(m, h, s, d), src
 
 
 def _choose_errors_first(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded,
@@ -375,12 +384,8 @@ def _choose_errors_first(x, x_rot, kind, candidates, budget, reason, fallback, n
         pick = np.where(fits.any(0), fits.argmax(0), -1)
 
     def encode(strat, why, rows, row_errs):
-        src = x_rot if strat.rot else x
-        if len(rows) < n:
-            src = src[to_device_async(rows, src.device)]
         m = len(rows)
-        tensors, dec = strat.encode_decoded(src.reshape(m * h, s, d), kind)
-        dec = dec.reshape(m, h, s, d)
+        tensors, dec, src = _encode_rows(x, x_rot, strat, kind, rows)
         if row_errs is None:
             row_errs = _errors(dec, src).cpu().numpy().astype(np.float64)
         tries.append(Tried(strat, why, tensors, m, row_errs, dec, rows))
