@@ -42,7 +42,7 @@ DEFAULT_RESCUE_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 DECODE_KERNELS = ("auto", "triton", "reference")
 PACK_KERNELS = ("auto", "triton", "torch")
 CHOOSERS = ("auto", "cascade", "errors_first")
-FIT_SOLVERS = ("auto", "host", "device", "jacobi", "identity")
+FIT_SOLVERS = ("auto", "host", "device", "jacobi", "jacobi_tf32", "identity")
 READ_RULES = ("position", "chunk")
 BASIS_FITS = ("first_page", "group")
 
@@ -222,6 +222,8 @@ class MosaicConfig:
     # host for CPU pages, where LAPACK is 5x faster than jacobi). CPU pages are fitted on the
     # CPU with host and device alike. "identity" fits nothing: every basis is the identity, i.e.
     # no rotation (the no_rotation ablation; bands then take raw channels in index order).
+    # "jacobi_tf32": jacobi with its rotation steps on TF32 tensor cores on a GPU (the same as
+    # jacobi on a CPU); opt-in until seal_bench measures its speed and top-r energy on a GPU.
     fit_solver: str = "auto"
     # What a token reads compressed (docs/determinism.md). "position": every page ending >=
     # hot_tokens before it, prompt and generated tokens alike (pages a prefill chunk's own later

@@ -21,9 +21,11 @@ def cov(x: torch.Tensor) -> torch.Tensor:
     return x.float().transpose(-1, -2) @ x.float()
 
 
-def check_axes(x: torch.Tensor, seed: int, what: str) -> None:
-    """jacobi_axes of x's covariance: finite, orthonormal, sorted, top-r energy near exact."""
-    axes = jacobi_axes(cov(x))
+def check_axes(x: torch.Tensor, seed: int, what: str, tf32: bool = False) -> None:
+    """jacobi_axes of x's covariance: finite, orthonormal, sorted, top-r energy near exact
+    (checked in float64 on the CPU, wherever the fit ran)."""
+    axes = jacobi_axes(cov(x), tf32=tf32).cpu()
+    x = x.cpu()
     d = x.shape[-1]
     assert bool(torch.isfinite(axes).all()), f"{what}: non-finite axes {repro(seed)}"
     gram = axes.transpose(-1, -2) @ axes
@@ -51,6 +53,52 @@ def test_jacobi_axes_edge_cases(seed):
     gen = torch.Generator().manual_seed(seed)
     for name, x in edge_cases(128, gen).items():
         check_axes(x, seed, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_jacobi_tf32_axes_capture_the_exact_energy_on_a_gpu(seed):
+    """fit_solver "jacobi_tf32": the rotation steps on TF32 tensor cores still give orthonormal,
+    sorted axes capturing the exact top-r energy, on K/V-like blocks and the edge cases."""
+    gen = torch.Generator().manual_seed(seed)
+    for d in (64, 128):
+        for kind in ("k", "v"):
+            check_axes(kv_like(6, 1024, d, kind, gen).cuda(), seed, f"tf32 {kind} D={d}", True)
+    for name, x in edge_cases(128, gen).items():
+        check_axes(x.cuda(), seed, f"tf32 {name}", True)
+
+
+def test_jacobi_tf32_changes_nothing_on_a_cpu_and_restores_the_setting(seed, monkeypatch):
+    """On a CPU "jacobi_tf32" is "jacobi" bit for bit; the CUDA TF32 setting is on during the
+    rotation steps only and restored after (also when they raise)."""
+    from mosaickv_sglang.codec import basis
+    from mosaickv_sglang.codec.basis import fit_with
+
+    x = kv_like(3, 256, 64, "k", torch.Generator().manual_seed(seed))
+    assert torch.equal(fit_with(x, "jacobi_tf32"), fit_with(x, "jacobi")), repro(seed)
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    seen = []
+    tangents = basis._pair_tangents
+
+    def spy(b):
+        seen.append(matmul.fp32_precision)
+        return tangents(b)
+
+    monkeypatch.setattr(basis, "_pair_tangents", spy)
+    jacobi_axes(cov(x), tf32=True)
+    assert seen and set(seen) == {"tf32"} and matmul.fp32_precision == before
+    seen.clear()
+    jacobi_axes(cov(x))
+    assert set(seen) == {before}
+
+    def boom(b):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(basis, "_pair_tangents", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        jacobi_axes(cov(x), tf32=True)
+    assert matmul.fp32_precision == before
 
 
 def test_jacobi_axes_are_deterministic_and_scale_free(seed):

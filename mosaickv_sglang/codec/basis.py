@@ -16,12 +16,14 @@ every ratio we report.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 BASIS_DTYPE = torch.bfloat16
 
 
-def fit_basis(x: torch.Tensor, jacobi: bool = False) -> torch.Tensor:
+def fit_basis(x: torch.Tensor, jacobi: bool = False, tf32: bool = False) -> torch.Tensor:
     """Principal axes of x [..., S, D] per leading index, as the bf16 read transform R
     [..., D, D] (rows sorted by energy).
 
@@ -29,12 +31,12 @@ def fit_basis(x: torch.Tensor, jacobi: bool = False) -> torch.Tensor:
     GEMMs, one code path on CPU and GPU) instead of the exact eigendecomposition (LAPACK or
     cuSOLVER, one matrix at a time); both give orthonormal axes sorted by energy, R is their bf16
     cast. The eigh axes are orthonormalized again after the bf16 cast (QR) so that R stays close
-    to an isometry.
+    to an isometry. `tf32`: jacobi's rotation steps on a GPU's TF32 tensor cores (`jacobi_axes`).
     """
     x = x.float()
     cov = x.transpose(-1, -2) @ x  # [..., D, D]
     if jacobi:
-        return jacobi_axes(cov).transpose(-1, -2).to(BASIS_DTYPE)
+        return jacobi_axes(cov, tf32=tf32).transpose(-1, -2).to(BASIS_DTYPE)
     _, eigvecs = torch.linalg.eigh(cov)  # ascending eigenvalues
     u = eigvecs.flip(-1)
     u = u.to(BASIS_DTYPE).float()
@@ -50,7 +52,7 @@ def fit_with(x: torch.Tensor, solver: str) -> torch.Tensor:
     if solver == "identity":
         d = x.shape[-1]
         return torch.eye(d, dtype=BASIS_DTYPE, device=x.device).expand(*x.shape[:-2], d, d).clone()
-    return fit_basis(x, jacobi=solver == "jacobi")
+    return fit_basis(x, jacobi=solver in ("jacobi", "jacobi_tf32"), tf32=solver == "jacobi_tf32")
 
 
 # jacobi_axes' fixed schedule (measured: tests/test_basis_fit.py; docs/codec.md, "GEMM-only
@@ -64,7 +66,24 @@ EXP_SQUARINGS = 4
 EXP_MAX_ROW_SUM = 0.5 * 2 ** EXP_SQUARINGS  # |K|_2 <= row sum: K / 2^s stays within 0.5
 
 
-def jacobi_axes(cov: torch.Tensor) -> torch.Tensor:
+@contextmanager
+def _matmul_tf32(on: bool):
+    """CUDA float32 matmuls on TF32 tensor cores inside (10-bit mantissa inputs, float32
+    accumulation), the previous setting restored after; nothing changes when `on` is False.
+    CPU matmuls ignore the setting."""
+    if not on:
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
+
+
+def jacobi_axes(cov: torch.Tensor, tf32: bool = False) -> torch.Tensor:
     """Orthonormal axes of symmetric PSD `cov` [..., D, D] as columns, sorted by energy
     (Rayleigh quotient), from batched GEMMs and elementwise ops plus one batched Cholesky: no
     per-matrix solver loop, a fixed amount of work, no device sync, deterministic.
@@ -76,6 +95,12 @@ def jacobi_axes(cov: torch.Tensor) -> torch.Tensor:
     keeps Q orthonormal whatever the angles, and near-degenerate pairs (mixing them costs no
     energy) turn by at most 45 degrees: nothing can blow up. Top-r energy >= 0.998 of the exact
     top-r subspace's on SmolLM2 K/V, synthetic RoPE-like K/V and edge cases (docs/codec.md).
+
+    `tf32` runs the Jacobi steps' GEMMs (most of the fit's time on a GPU) on TF32 tensor cores:
+    each step's angles then carry ~1e-3 relative error, an error in the axes that costs energy
+    only to second order, and the start (fp64) and the final orthonormalization and energy
+    order (float32) are computed as without it, so the axes stay orthonormal to float32
+    precision. On a CPU it changes nothing.
     """
     shape, d = cov.shape, cov.shape[-1]
     c = cov.reshape(-1, d, d).float()
@@ -86,8 +111,9 @@ def jacobi_axes(cov: torch.Tensor) -> torch.Tensor:
     gram = z.transpose(-1, -2) @ z + GRAM_SHIFT * eye.double()
     chol, _ = torch.linalg.cholesky_ex(gram)  # cannot fail (the shifts); _ex: no device sync
     q = torch.linalg.solve_triangular(chol.transpose(-1, -2), z, upper=True, left=False).float()
-    for _ in range(JACOBI_STEPS):
-        q = q @ _expm_skew(_pair_tangents(q.transpose(-1, -2) @ c @ q), JACOBI_DAMPING)
+    with _matmul_tf32(tf32):
+        for _ in range(JACOBI_STEPS):
+            q = q @ _expm_skew(_pair_tangents(q.transpose(-1, -2) @ c @ q), JACOBI_DAMPING)
     q = 1.5 * q - 0.5 * q @ (q.transpose(-1, -2) @ q)  # Newton-Schulz: the Taylor's rounding
     energy = (q * (c @ q)).sum(-2)
     order = energy.argsort(dim=-1, descending=True, stable=True)

@@ -176,6 +176,7 @@ def fit_bases(k: torch.Tensor, v: torch.Tensor, solver: str = "host", timer=None
     * "device": cuSOLVER, one call per layer as before (cuSOLVER loops over matrices anyway,
       and the covariance GEMMs keep the batch shape, hence the bits, they had);
     * "jacobi": `jacobi_axes` (batched GEMMs) where the pages are, layers batched as for host;
+    * "jacobi_tf32": the same, its rotation steps on TF32 tensor cores on a GPU;
     * "auto": jacobi for pages on a GPU, host for CPU pages (`resolve_fit_solver`);
     * "identity": no fit, identity bases (the no-rotation ablation).
 
