@@ -376,7 +376,9 @@ def _choose_errors_first(x, x_rot, kind, candidates, budget, reason, fallback, n
         sums = []
         for st in order:
             src = x_rot if st.rot else x
-            err2, norm2 = band_errors(src.reshape(n * h, s, d), st.widths(d))
+            err2, norm2 = band_errors(
+                src.reshape(n * h, s, d).to(torch.float32, memory_format=torch.contiguous_format),
+                st.widths(d))
             sums.append(torch.stack([err2.view(n, h).sum(1), norm2.view(n, h).sum(1)]))
         both = torch.stack(sums).cpu().numpy().astype(np.float64)  # [C, 2, N]: one transfer
         errs = np.sqrt(both[:, 0]) / np.maximum(np.sqrt(both[:, 1]), 1e-12)
