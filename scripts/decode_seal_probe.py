@@ -43,6 +43,7 @@ from mosaickv_sglang.codec import seal as codec_seal
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.serving import pool as serving_pool
 from mosaickv_sglang.serving import segment_store
+from mosaickv_sglang.serving.graph_decode import band_pairs
 from mosaickv_sglang.serving.pool import MosaicKVPool
 
 # (phase name, the object whose attribute is the function, the attribute): every place the seal
@@ -112,6 +113,11 @@ def run(n: int, args, batched: bool = True) -> dict:
                         args.device, False,
                         mosaic_config=MosaicConfig(**{"hot_tokens": hot, **json.loads(
                             getattr(args, "config", None) or "{}"), "decode_seal_layers": n}))
+    # the kernel variants a server compiles at start-up (backend.py), so a step's time is not
+    # a first-use compile
+    pairs = band_pairs(pool.cfg)
+    pool.store.compile_pack_kernels(pairs, ps)
+    pool.store.compile_chooser_kernels(pairs, ps, pool.cfg.chooser)
     gen = torch.Generator().manual_seed(0)
     slots = torch.arange(ps, ps + per * args.requests * ps)
     for layer in range(layers):

@@ -4,6 +4,8 @@ bytes and reconstructions on fresh random segments (every default candidate, res
 dense fallback in play). On a CPU the kernel runs in Triton's interpreter (conftest.py)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -145,3 +147,51 @@ def test_which_chooser_runs():
         use_errors_first("errors_first", x, odd, ())
     with pytest.raises(ValueError, match="chooser"):
         MosaicConfig(chooser="fastest")
+
+
+class _Recorder:
+    """Stands in for band_errors._band_errors: the key Triton's cache would compile on
+    (argument dtypes, compile-time arguments) of each launch and each warm-up."""
+
+    def __init__(self, real):
+        self.real, self.launched, self.warmed = real, set(), set()
+
+    @staticmethod
+    def _key(args, kwargs):
+        return (tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
+                tuple(sorted(kwargs.items())))
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.add(self._key(args, kwargs))
+            return self.real[grid](*args, **kwargs)
+        return launch
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmed.add(self._key(args, kwargs))
+
+
+def test_start_up_compiles_every_band_errors_variant_the_chooser_launches(monkeypatch, seed):
+    """What `SegmentStore.compile_chooser_kernels` compiles at start-up (CUDA) covers every
+    `band_errors` launch of the errors-first chooser sealing with the default config (sink
+    segments too): a variant it missed would compile inside a live step (seconds)."""
+    from mosaickv_kernels import band_errors as be
+    from mosaickv_sglang.serving.graph_decode import band_pairs
+    from mosaickv_sglang.serving.segment_store import SegmentStore
+
+    rec = _Recorder(be._band_errors)
+    monkeypatch.setattr(be, "_band_errors", rec)
+    gen = torch.Generator().manual_seed(seed)
+    n, h, s, d = 6, 2, 128, 64
+    k, v = (_segments(n, h, s, d, gen) for _ in range(2))
+    basis = torch.linalg.qr(torch.randn(n, h, d, d, generator=gen))[0].to(torch.bfloat16)
+    cfg = MosaicConfig(chooser="errors_first")
+    cands = Candidates.from_config(cfg)
+    for sink in (False, True):
+        seal_segments(k, v, basis.to(DEVICE), basis.to(DEVICE), 0, list(range(n)), cfg, cands,
+                      sink, True)
+    assert rec.launched, repro(seed)
+    widths = [w for _, w in SegmentStore.pack_variants(
+        SimpleNamespace(head_dim=d), band_pairs(cfg), s)]
+    assert be.compile_variants(widths, s, d) >= 1
+    assert rec.launched <= rec.warmed, (rec.launched - rec.warmed, repro(seed))

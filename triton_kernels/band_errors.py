@@ -90,6 +90,21 @@ def band_errors(x: torch.Tensor, widths: tuple[int, int, int, int]):
     return err, norm
 
 
+def compile_variants(widths, tokens: int, head_dim: int) -> int:
+    """Compile `_band_errors` now for every (b8, b4, b2, group) in `widths` at `tokens` tokens a
+    row and `head_dim` (Triton's `warmup`: nothing runs, nothing is allocated), so that the
+    chooser's first segment of a candidate does not stall a live step on a compile. Widths the
+    kernel does not take (a group not a multiple of CHUNK or not dividing `tokens`) are
+    skipped. CUDA only. Returns how many were compiled."""
+    todo = [w for w in dict.fromkeys(tuple(w) for w in widths)
+            if w[3] % CHUNK == 0 and tokens % w[3] == 0]
+    for n8, n4, n2, group in todo:
+        _band_errors.warmup(torch.float32, torch.float32, torch.float32, grid=(1,), T=tokens,
+                            D=head_dim, N8=n8, N4=n4, N2=n2, GROUP=group, CHUNK=CHUNK,
+                            num_warps=4)
+    return len(todo)
+
+
 def band_errors_reference(x: torch.Tensor, strategy) -> tuple[torch.Tensor, torch.Tensor]:
     """`band_errors` through the codec: `strategy` (a Band) encodes and decodes x [R, T, D];
     the squared error and squared norm per row, float32 [R]."""

@@ -126,6 +126,16 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         except Exception as exc:  # noqa: BLE001 (performance only; the launch compiles anyway)
             logger.warning("MosaicKV: compiling the band-pack kernel variants at start-up "
                            "failed (%r): each compiles when a page first needs it", exc)
+        # and the errors-first chooser's `band_errors`, one variant per candidate width
+        t0 = time.perf_counter()
+        try:
+            if n := pool.store.compile_chooser_kernels(band_pairs(self.cfg), pool.page_size,
+                                                        self.cfg.chooser):
+                logger.info("MosaicKV: compiled %d band-errors kernel variants (the chooser's "
+                            "candidates) in %.1f s", n, time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 (performance only, as above)
+            logger.warning("MosaicKV: compiling the band-errors kernel variants at start-up "
+                           "failed (%r): each compiles when a candidate is first tried", exc)
         # Real rows of the batch under a breakable decode graph (None: an eager step); see
         # init_forward_metadata_out_graph.
         self.graph_rows: int | None = None
