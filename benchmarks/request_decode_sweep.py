@@ -87,23 +87,25 @@ def point(ctx: int, bs: int, args) -> list[dict]:
     v_off = pool.layer_num * h
     out = torch.empty(bs, hq, d, device=dev, dtype=torch.bfloat16)
     base = dict(splits=dec.num_splits, warps=dec.num_warps, block=dec.block_n, maxnreg=None,
-                gather=dec.gather)
+                gather=dec.gather, early_v=dec.early_v)
     # (8 warps, 16-token units: slower on the H200 in every run so far, 2026-12-04/05)
-    variants = [base, *({**base, "gather": g} for g in ("pairs", "tokens", "channels")
-                        if g != dec.gather),
+    variants = [base, {**base, "early_v": not dec.early_v},
+                *({**base, "gather": g} for g in ("pairs", "tokens", "channels")
+                  if g != dec.gather),
                 {**base, "splits": min(1024, 2 * dec.num_splits)},
                 {**base, "splits": min(1024, 4 * dec.num_splits)},
                 {**base, "splits": max(1, dec.num_splits // 2)},
                 # registers capped for three resident CTAs per SM (spills, if any, to local memory)
                 {**base, "maxnreg": 168, "splits": dec.num_splits * 3 // 2},
-                {**base, "maxnreg": 168}]
+                {**base, "maxnreg": 168},
+                {**base, "maxnreg": 168, "early_v": not dec.early_v}]
     ref = None
     for v in variants:
         dec.plan(batch=bs, rows_per_request=g.width, row_pages=g.row_pages, pages_per_seg=g.pps,
                  num_kv_heads=h, num_qo_heads=hq, head_dim=d, max_selected=ids.shape[2],
                  sm_scale=d ** -0.5, device=dev, num_splits=v["splits"], num_warps=v["warps"],
                  block_tokens=v["block"], hot_tokens=g.hot_cap, maxnreg=v["maxnreg"],
-                 gather=v["gather"])
+                 gather=v["gather"], early_v=v["early_v"])
         us = timed(lambda: dec.run(q_rot, q_s, tables, bk.basis_ptrs, v_off, out, page_ids=ids,
                                    page_counts=counts), args.reps)
         empty = timed(lambda: dec.run(q_rot, q_s, tables, bk.basis_ptrs, v_off, out,

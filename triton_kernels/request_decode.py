@@ -58,6 +58,9 @@ STAGE1_PROGRAMS_PER_SM = 2
 # broadcast to every token, scales applied to q and to p @ codes. sm_90 SASS per page
 # (scripts/sass_loops.py): 1,581 / 1,682 / ~2,461 instructions, 10 / 10 / 43 barriers.
 GATHER = "pairs"
+# Stage 1 issues a page's V loads before its K products (`plan(early_v=...)`, this by default),
+# so their latency overlaps the scores and softmax instead of following them.
+EARLY_V = True
 
 
 @triton.jit
@@ -162,6 +165,19 @@ def _kind_page(U8, F16, plan, base, group, tok0, D: tl.constexpr,
     bit-reversed order (t = i1 + 2 i2 + ... + 16 i5 sits at column 16 i1 + 8 i2 + ... + i5;
     PAIRS: 16 (t // 16) + bit-reversed (t % 16)), the same for every page and both kinds, so
     scores, softmax and p @ v agree; a page's tokens share their token group."""
+    codes, scale, zero = _kind_page_load(U8, F16, plan, base, group, tok0, D, R_CODE, R_ROW,
+                                         R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP, PAIRS)
+    return _kind_page_dequant(codes, scale, zero, D, PAIRS, EMULATE)
+
+
+@triton.jit
+def _kind_page_load(U8, F16, plan, base, group, tok0, D: tl.constexpr,
+                    R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr,
+                    R_MASK: tl.constexpr, R_SCALE: tl.constexpr, R_ZERO: tl.constexpr,
+                    R_GROUP: tl.constexpr, PAIRS: tl.constexpr):
+    """`_kind_page`'s loads: the page's codes (int32, [2, D, 16] under PAIRS, else [D, 32],
+    in `_kind_page`'s token order) and its scales and zeros (float32, the codes' channel
+    layout), not yet combined: a caller can issue them early and dequantize later."""
     if PAIRS:
         half = tl.arange(0, 2)[:, None, None]
         ch = (2 * tl.arange(0, D // 2))[None, :, None] + tl.arange(0, 2)[None, None, :] + 0 * half
@@ -173,13 +189,21 @@ def _kind_page(U8, F16, plan, base, group, tok0, D: tl.constexpr,
         R_GROUP)
     ptr0 = U8 + base + (code + (tok0 + 16 * half) * row)
     if PAIRS:
-        t = tl.reshape(_tokens(ptr0, row, shift, bits, keep, 0, 16), [2, D, 16])
-        x = t.to(tl.float32) * tl.reshape(scale, [2, D])[:, :, None] + \
-            tl.reshape(zero, [2, D])[:, :, None]
+        codes = tl.reshape(_tokens(ptr0, row, shift, bits, keep, 0, 16), [2, D, 16])
+        return codes, tl.reshape(scale, [2, D]), tl.reshape(zero, [2, D])
+    else:
+        return tl.reshape(_tokens(ptr0, row, shift, bits, keep, 0, 32), [D, 32]), scale, zero
+
+
+@triton.jit
+def _kind_page_dequant(codes, scale, zero, D: tl.constexpr, PAIRS: tl.constexpr,
+                       EMULATE: tl.constexpr):
+    """`_kind_page_load`'s codes, scales and zeros -> x^T [D, 32] as bf16 halves."""
+    if PAIRS:
+        x = codes.to(tl.float32) * scale[:, :, None] + zero[:, :, None]
         x = tl.reshape(tl.permute(x, (1, 0, 2)), [D, 32])
     else:
-        t = tl.reshape(_tokens(ptr0, row, shift, bits, keep, 0, 32), [D, 32])
-        x = t.to(tl.float32) * scale[:, None] + zero[:, None]
+        x = codes.to(tl.float32) * scale[:, None] + zero[:, None]
     return _split_bf16(x, EMULATE)
 
 
@@ -244,6 +268,7 @@ def _request_decode_stage1(
     R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, SUB: tl.constexpr, HOT_N: tl.constexpr, HAS_SELECT: tl.constexpr,
     EMULATE: tl.constexpr, TOKEN_GATHER: tl.constexpr, PAIRS: tl.constexpr,
+    EARLY_V: tl.constexpr,
 ):
     """Programs (request, KV head, split): splits [0, num_splits) share the request's selected
     pages, [num_splits, num_splits + hot_splits) its hot tokens. Products: q (or p) split in two
@@ -323,9 +348,14 @@ def _request_decode_stage1(
             plan = PLANS + lay * (2 * PLAN_W * D)
             tok0 = (page % pps) * (SUB * BLOCK_N) + (unit % SUB) * BLOCK_N
             if TOKEN_GATHER:  # whole pages (SUB == 1), dequantized: x^T [D, 32] halves
-                k_hi, k_lo = _kind_page(ARENA_U8, ARENA_F16, plan, base, kg, tok0, D, R_CODE,
-                                        R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP, PAIRS,
-                                        EMULATE)
+                k_codes, k_scale, k_zero = _kind_page_load(
+                    ARENA_U8, ARENA_F16, plan, base, kg, tok0, D, R_CODE, R_ROW, R_SHIFT, R_MASK,
+                    R_SCALE, R_ZERO, R_GROUP, PAIRS)
+                if EARLY_V:  # V's loads issued with K's (their latencies overlap)
+                    v_codes, v_scale, v_zero = _kind_page_load(
+                        ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg, tok0, D, R_CODE,
+                        R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP, PAIRS)
+                k_hi, k_lo = _kind_page_dequant(k_codes, k_scale, k_zero, D, PAIRS, EMULATE)
                 s = _dot3(q_hi, q_lo, k_hi, k_lo)
             else:
                 tok = tok0 + offs_n
@@ -340,9 +370,12 @@ def _request_decode_stage1(
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
             if TOKEN_GATHER:
-                v_hi, v_lo = _kind_page(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg, tok0,
-                                        D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
-                                        R_GROUP, PAIRS, EMULATE)
+                if EARLY_V:
+                    v_hi, v_lo = _kind_page_dequant(v_codes, v_scale, v_zero, D, PAIRS, EMULATE)
+                else:
+                    v_hi, v_lo = _kind_page(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg,
+                                            tok0, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE,
+                                            R_ZERO, R_GROUP, PAIRS, EMULATE)
                 p_hi, p_lo = _split_bf16(p, EMULATE)
                 pv = _dot3(p_hi, p_lo, tl.trans(v_hi), tl.trans(v_lo))
             else:
@@ -431,7 +464,8 @@ class RequestDecode:
              num_kv_heads: int, num_qo_heads: int, head_dim: int, max_selected: int | None,
              sm_scale: float, device, num_splits: int | None = None, hot_tokens: int = 1024,
              workspace: dict | None = None, num_warps: int = 4, block_tokens: int = 32,
-             maxnreg: int | None = None, gather: str | None = None) -> None:
+             maxnreg: int | None = None, gather: str | None = None,
+             early_v: bool | None = None) -> None:
         """`max_selected`: pages per (request, KV head) a run's selection lists at most (None:
         runs read every page, `run` without a selection); `hot_tokens`: hot tokens a request
         may have (the hot rows' table width), read by cdiv(hot_tokens, 128) splits;
@@ -470,6 +504,7 @@ class RequestDecode:
             raise ValueError(f"plan: gather={gather!r} reads whole {PAGE_TOKENS}-token pages "
                              f"(block_tokens={block_tokens})")
         self.gather = gather
+        self.early_v = EARLY_V if early_v is None else bool(early_v)
         self.launch = {} if maxnreg is None else {"maxnreg": maxnreg}  # stage 1's register cap
         self.hot_splits = max(1, -(-hot_tokens // HOT_SPLIT_TOKENS))
         parts = num_splits + self.hot_splits
@@ -553,6 +588,7 @@ class RequestDecode:
             BLOCK_N=self.block_n, SUB=PAGE_TOKENS // self.block_n, HOT_N=HOT_TOKENS,
             HAS_SELECT=has_select, EMULATE=interpreting(),
             TOKEN_GATHER=self.gather in ("tokens", "pairs"), PAIRS=self.gather == "pairs",
+            EARLY_V=self.early_v,
             num_warps=self.num_warps,
             **self.launch)
         block_c = min(d, 32)
