@@ -99,6 +99,9 @@ def point(ctx: int, bs: int, args) -> list[dict]:
                 {**base, "maxnreg": 168, "splits": dec.num_splits * 3 // 2},
                 {**base, "maxnreg": 168},
                 {**base, "maxnreg": 168, "early_v": not dec.early_v}]
+    if args.splits:  # only the default plan at these split counts
+        variants = [base, *({**base, "splits": n} for n in map(int, args.splits.split(","))
+                            if n != base["splits"])]
     ref = None
     for v in variants:
         dec.plan(batch=bs, rows_per_request=g.width, row_pages=g.row_pages, pages_per_seg=g.pps,
@@ -147,6 +150,8 @@ def main() -> None:
     p.add_argument("--batches", default="1,4")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--json", default=None)
+    p.add_argument("--splits", default=None,
+                   help="comma-separated split counts: time only the default plan at these")
     args = p.parse_args()
     rows = []
     for ctx in map(int, args.contexts.split(",")):
