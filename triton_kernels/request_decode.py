@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .band_decode import MIN_PAGES_PER_SPLIT, choose_num_splits  # noqa: F401 (re-exported)
+from .band_decode import MIN_PAGES_PER_SPLIT, _num_sms
 from .band_unpack import PLAN_ROW
 from .common import _round_bf16, channel_plan as _channel_plan, dot_exact, interpreting
 from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
@@ -46,10 +46,16 @@ from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
 PAGE_TOKENS = 32
 HOT_TOKENS = 64  # hot tokens per stage-1 iteration
 HOT_SPLIT_TOKENS = 128  # hot tokens per hot split at most (graph_hot_tokens / this splits)
-# Stage 1's splits: one wave of programs at the CTAs an SM holds (244 registers x 128 threads:
-# two). H200, 2026-12-05 (request_decode_sweep.py): 1 x 32K 34 splits 36.7 us vs 17: 44.7,
-# 68: 43.6; 4 x 32K 8 splits 102.0 us vs 16: 107.5, 33 (eight programs per SM): 114.9
+# Stage 1's splits (`stage1_splits`): the count whose programs, scheduled in launch order on
+# the SMs' slots (two CTAs of 128 threads at ~250 registers per SM), finish first under a cost
+# model fitted on the H100 (2026-12-06, `request_decode_sweep.py --splits`, 1 / 8 / 17 x 32K,
+# 26 split counts, within ~5% of each): a page program costs STAGE1_PROGRAM_US plus
+# STAGE1_PAGE_US per page, a hot-token program STAGE1_HOT_US. It picks the measured best at
+# each point (32-33 splits at 1 x 32K: 36.7 us; 4 at 8 x 32K: 177.9 us; 12 at 17 x 32K: 371.6
+# us), where "fill the slots once, rounded up" took 5 (248.4 us) and 2 (575.5 us): a second
+# wave of a few long programs nearly doubles the run.
 STAGE1_PROGRAMS_PER_SM = 2
+STAGE1_PROGRAM_US, STAGE1_PAGE_US, STAGE1_HOT_US = 8.0, 4.5, 8.0
 # How stage 1 reads a page (`plan(gather=...)`, this by default): "tokens" = one [D] vector per
 # token, a channel per thread (plan fields, scales and zeros one value per thread), dequantized
 # in place, products as three bf16 MMAs of hi/lo halves; "pairs" = the same with two adjacent
@@ -437,6 +443,37 @@ def _request_decode_stage2(
             tl.atomic_add(READ, tl.load(PAGE_COUNTS + bh).to(tl.int64))
 
 
+def stage1_makespan(pairs: int, pages: int, splits: int, hot_splits: int, slots: int) -> float:
+    """Modelled time (us) of stage 1: `pairs` (request, KV head) x (`splits` page programs of
+    ceil(pages / splits) pages each, then `hot_splits` hot-token programs), started in launch
+    order (split-major, as the grid's last axis) on `slots` equal slots, each program on the
+    first slot free."""
+    import heapq
+
+    per = -(-pages // splits)
+    slot = [0.0] * slots
+    for part in range(splits + hot_splits):
+        if part < splits:
+            n = max(0, min(per, pages - part * per))
+            cost = STAGE1_PROGRAM_US + n * STAGE1_PAGE_US
+        else:
+            cost = STAGE1_HOT_US
+        # `pairs` programs of equal cost: each takes the earliest free slot
+        for _ in range(pairs):
+            heapq.heapreplace(slot, slot[0] + cost)
+    return max(slot)
+
+
+def stage1_splits(pairs: int, pages: int, hot_splits: int, slots: int,
+                  max_splits: int = 64) -> int:
+    """Stage 1's page splits for `pairs` (request, KV head) pairs of up to `pages` selected
+    pages: the count in [1, max_splits] (each split >= MIN_PAGES_PER_SPLIT pages) with the
+    least `stage1_makespan`, the fewest splits on a tie."""
+    cap = max(1, min(max_splits, pages // MIN_PAGES_PER_SPLIT))
+    return min(range(1, cap + 1),
+               key=lambda s: (stage1_makespan(pairs, pages, s, hot_splits, slots), s))
+
+
 @dataclass
 class DecodeTables:
     """What a step reads besides q: the layer's arena and the step's tables (device tensors)."""
@@ -485,8 +522,10 @@ class RequestDecode:
             dev = torch.device("cuda", torch.cuda.current_device())
         g = num_qo_heads // h
         most = max_selected if max_selected is not None else rows_per_request * row_pages
+        hot_splits = max(1, -(-hot_tokens // HOT_SPLIT_TOKENS))
         if num_splits is None:
-            num_splits = choose_num_splits(batch, h, most, dev, STAGE1_PROGRAMS_PER_SM)
+            num_splits = stage1_splits(batch * h, most, hot_splits,
+                                       STAGE1_PROGRAMS_PER_SM * _num_sms(dev))
         if not 1 <= num_splits <= 1024:
             raise ValueError(f"plan: num_splits={num_splits} must be in [1, 1024]")
         self.batch, self.width, self.row_pages, self.pps = batch, rows_per_request, row_pages, \
@@ -506,7 +545,7 @@ class RequestDecode:
         self.gather = gather
         self.early_v = EARLY_V if early_v is None else bool(early_v)
         self.launch = {} if maxnreg is None else {"maxnreg": maxnreg}  # stage 1's register cap
-        self.hot_splits = max(1, -(-hot_tokens // HOT_SPLIT_TOKENS))
+        self.hot_splits = hot_splits
         parts = num_splits + self.hot_splits
 
         def buf(name: str, *shape: int) -> torch.Tensor:
