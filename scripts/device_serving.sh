@@ -16,7 +16,8 @@
 # servers at once, each with MEM_FRACTION of the GPU), MEM_FRACTION (default 0.85), CUDA_GRAPH_ARGS
 # (default --cuda-graph-max-bs 8), EXTRA_ARGS (more server arguments), SYSTEM_ARGS (one system's
 # server arguments, items SYSTEM:ARG, e.g. "mosaickv:--max-total-tokens mosaickv:270000"),
-# WARMUP (tokens of one uncounted request per server, default 8192), AGENT=1, DAEMON_BENCH=1,
+# WARMUP (tokens of one uncounted request per server, default 16384: two 8192-token chunks, so
+# the chunked prefill over a compressed prefix is compiled before TTFT is timed), AGENT=1, DAEMON_BENCH=1,
 # LOGPROBS=1, SEAL_SOLVERS (fit solvers the seal benchmark compares, e.g.
 # host,device,jacobi: give it SEAL_LIMIT_S=300; default the config's), SEAL_TOKENS, SEAL_LIMIT_S.
 set -uo pipefail
@@ -104,7 +105,7 @@ args=(--make-llama8b /tmp/llama8b --tokenizer $site/tok --load-format dummy
       --wait-for /tmp/bg_done --logs "$OUT/logs" --json "$OUT/serving.json")
 [ "${PARALLEL:-0}" = 1 ] && args+=(--parallel-start)
 [ "${LOGPROBS:-0}" = 1 ] && args+=(--logprobs)  # per-token log-probs compared across systems
-args+=(--warmup "${WARMUP:-8192}")  # tokens of one uncounted request per server (0: none)
+args+=(--warmup "${WARMUP:-16384}")  # tokens of one uncounted request per server (0: none)
 args+=("${agent_args[@]}")  # after serving_bench's own --max-running-requests: the last one wins
 # AGENT=1: the multi-turn agent workload (benchmarks/agent_bench.py) on each server after its rows
 [ "${AGENT:-0}" = 1 ] && args+=(--after-bench "timeout ${AGENT_LIMIT_S:-80} python3 \

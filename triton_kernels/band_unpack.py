@@ -126,13 +126,30 @@ def unpack_segments(arena: PackedArena, seg_list: torch.Tensor, seg_req: torch.T
     t, h, d = arena.segment_tokens, arena.num_kv_heads, arena.head_dim
     _unpack_segments[(n, h, triton.cdiv(t, block_tokens))](
         arena.data, arena.data.view(torch.float16), arena.headers, arena.plans, seg_list,
-        seg_req, arena.k_basis, arena.v_basis, out_k, out_v, h, t, D=d, HDR_W=HEADER_WIDTH,
-        PLAN_W=len(PLAN_FIELDS), BASE_COL=HDR["base16"], STRIDE_COL=HDR["head_stride"],
-        LAYOUT_COL=HDR["layout"], K_GROUP_COL=HDR["k_group"], V_GROUP_COL=HDR["v_group"],
-        R_CODE=PLAN_ROW["code"], R_ROW=PLAN_ROW["row"], R_SHIFT=PLAN_ROW["shift"],
-        R_MASK=PLAN_ROW["mask"], R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"],
-        R_GROUP=PLAN_ROW["group_bytes"], BLOCK_T=block_tokens,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_J=32, num_warps=4)
+        seg_req, arena.k_basis, arena.v_basis, out_k, out_v, h, t,
+        **_constants(d, block_tokens))
+
+
+def _constants(head_dim: int, block_tokens: int = 16) -> dict:
+    """`_unpack_segments`' compile-time arguments at `head_dim`: what a launch passes and what
+    `compile_variant` compiles ahead."""
+    return dict(D=head_dim, HDR_W=HEADER_WIDTH, PLAN_W=len(PLAN_FIELDS), BASE_COL=HDR["base16"],
+                STRIDE_COL=HDR["head_stride"], LAYOUT_COL=HDR["layout"],
+                K_GROUP_COL=HDR["k_group"], V_GROUP_COL=HDR["v_group"], R_CODE=PLAN_ROW["code"],
+                R_ROW=PLAN_ROW["row"], R_SHIFT=PLAN_ROW["shift"], R_MASK=PLAN_ROW["mask"],
+                R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"],
+                R_GROUP=PLAN_ROW["group_bytes"], BLOCK_T=block_tokens,
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_J=32, num_warps=4)
+
+
+def compile_variant(heads: int, tokens: int, head_dim: int, out_dtype: torch.dtype) -> None:
+    """Compile `_unpack_segments` now for the variant `unpack_segments` launches with these
+    shapes (float32 bases, `out_dtype` outputs; Triton's `warmup`: nothing runs), so that the
+    first chunk reading a compressed prefix does not stall on a compile (seconds: the 3.3 s
+    `read_prefix` of the first 32K prompt's second chunk on an H100, 2026-12-06). CUDA only."""
+    _unpack_segments.warmup(torch.uint8, torch.float16, torch.int32, torch.int32, torch.int32,
+                            torch.int32, torch.float32, torch.float32, out_dtype, out_dtype,
+                            heads, tokens, grid=(1, heads, 1), **_constants(head_dim))
 
 
 def decode_rotated_reference(arena: PackedArena, seg_list: torch.Tensor):

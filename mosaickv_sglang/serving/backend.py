@@ -136,6 +136,17 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         except Exception as exc:  # noqa: BLE001 (performance only, as above)
             logger.warning("MosaicKV: compiling the band-errors kernel variants at start-up "
                            "failed (%r): each compiles when a candidate is first tried", exc)
+        # and the prefill's read of a compressed prefix (`PackedDecode.unpack`)
+        if self.packed is not None and torch.device(pool.device).type == "cuda":
+            t0 = time.perf_counter()
+            try:
+                self.packed.compile_unpack()
+                logger.info("MosaicKV: compiled the prefix-unpack kernel in %.1f s",
+                            time.perf_counter() - t0)
+            except Exception as exc:  # noqa: BLE001 (performance only, as above)
+                logger.warning("MosaicKV: compiling the prefix-unpack kernel at start-up failed "
+                               "(%r): it compiles at the first chunk after a compressed prefix",
+                               exc)
         # Real rows of the batch under a breakable decode graph (None: an eager step); see
         # init_forward_metadata_out_graph.
         self.graph_rows: int | None = None

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mosaickv_kernels.band_decode import BandDecodeWrapper
-from mosaickv_kernels.band_unpack import unpack_segments
+from mosaickv_kernels.band_unpack import compile_variant as compile_unpack_variant, unpack_segments
 from mosaickv_kernels.basis_rotate import BasisTable, basis_pointers
 from mosaickv_kernels.page_select import RowSelection
 from mosaickv_kernels.row_merge import merge_rows
@@ -288,6 +288,11 @@ class PackedDecode:
                            basis=basis, hot_rows=st.hot_index)
 
     # ---- prefill over a compressed prefix -------------------------------------------------
+    def compile_unpack(self) -> None:
+        """Compile the `band_unpack` variant `unpack` launches (start-up, CUDA)."""
+        pool = self.pool
+        compile_unpack_variant(pool.head_num, pool.page_size, pool.head_dim, pool.dtype)
+
     def unpack(self, local: int, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [len(pages) * page_size, H, D] (cache dtype, raw basis) of packed sealed pages,
         token-major in `pages` order: one `band_unpack` launch reading the arena in place."""
