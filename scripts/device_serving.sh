@@ -18,6 +18,8 @@
 # server arguments, items SYSTEM:ARG, e.g. "mosaickv:--max-total-tokens mosaickv:270000"),
 # WARMUP (tokens of one uncounted request per server, default 16384: two 8192-token chunks, so
 # the chunked prefill over a compressed prefix is compiled before TTFT is timed), AGENT=1, DAEMON_BENCH=1,
+# SAVE_CACHES=1 (return Triton's and FlashInfer's compile caches as $OUT/compile_caches.tar.xz;
+# carried back as .device/compile_caches.tar.xz they spare the next call the compiles),
 # LOGPROBS=1, SEAL_SOLVERS (fit solvers the seal benchmark compares, e.g.
 # host,device,jacobi: give it SEAL_LIMIT_S=300; default the config's), SEAL_TOKENS, SEAL_LIMIT_S.
 set -uo pipefail
@@ -60,6 +62,16 @@ leftover=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | tr '\n' '
 if [ -n "${leftover// }" ]; then
   echo "killing GPU processes left by an earlier call: $leftover"
   kill -9 $leftover 2>/dev/null; sleep 5
+fi
+# Compile caches carried from an earlier call (SAVE_CACHES=1 returns them as
+# $OUT/compile_caches.tar.xz; carry it as .device/compile_caches.tar.xz): Triton's kernels
+# (MosaicKV's decode graph capture spent 72 s compiling on a fresh H100) and FlashInfer's JIT.
+# Entries whose sources changed simply miss and compile again.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/compile_caches/triton}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/compile_caches}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .device/compile_caches.tar.xz ]; then
+  tar -xJf .device/compile_caches.tar.xz -C /tmp && echo "compile caches: $(du -sh /tmp/compile_caches | cut -f1) carried in"
 fi
 rm -f /tmp/bg_done
 (
@@ -158,4 +170,11 @@ for f in "$OUT"/logs/*.log; do
   # that name a compile, with their times, kept even when the logs are not brought back
   grep -nE "compil|width class" "$f" | tail -8 | cut -c1-240
 done
+if [ "${SAVE_CACHES:-0}" = 1 ]; then  # small enough to come back (and to carry next time)?
+  tar -cJf /tmp/compile_caches.tar.xz -C /tmp compile_caches 2>/dev/null
+  size=$(stat -c %s /tmp/compile_caches.tar.xz 2>/dev/null || echo 0)
+  if [ "$size" -gt 0 ] && [ "$size" -lt $((40 * 1024 * 1024)) ]; then
+    cp /tmp/compile_caches.tar.xz "$OUT/" && echo "compile caches saved: $size bytes"
+  else echo "compile caches not saved ($size bytes)"; fi
+fi
 exit $rc
