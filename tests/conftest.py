@@ -140,6 +140,30 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, w
     return err
 
 
+class LaunchRecorder:
+    """Stands in for a Triton kernel (`kernel[grid](...)` and `kernel.warmup(...)`): records
+    the key Triton's cache would compile on (argument dtypes, ints, compile-time arguments) of
+    each launch and each warm-up, and runs the launch on `real` when given. A test that start-up
+    compiles cover a path asserts `launched <= warmed`."""
+
+    def __init__(self, real=None):
+        self.real, self.launched, self.warmed = real, set(), set()
+
+    @staticmethod
+    def _key(args, kwargs):
+        return (tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
+                tuple(sorted(kwargs.items())))
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.add(self._key(args, kwargs))
+            return None if self.real is None else self.real[grid](*args, **kwargs)
+        return launch
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmed.add(self._key(args, kwargs))
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

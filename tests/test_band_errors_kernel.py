@@ -17,7 +17,7 @@ from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import (DEFAULT_K_CANDIDATES, DEFAULT_RESCUE_CANDIDATES,
                                     DEFAULT_SINK_CANDIDATES, DEFAULT_V_CANDIDATES, MosaicConfig)
 
-from conftest import repro
+from conftest import LaunchRecorder, repro
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPECS = sorted(set(DEFAULT_K_CANDIDATES + DEFAULT_V_CANDIDATES + DEFAULT_SINK_CANDIDATES +
@@ -149,28 +149,6 @@ def test_which_chooser_runs():
         MosaicConfig(chooser="fastest")
 
 
-class _Recorder:
-    """Stands in for band_errors._band_errors: the key Triton's cache would compile on
-    (argument dtypes, compile-time arguments) of each launch and each warm-up."""
-
-    def __init__(self, real):
-        self.real, self.launched, self.warmed = real, set(), set()
-
-    @staticmethod
-    def _key(args, kwargs):
-        return (tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
-                tuple(sorted(kwargs.items())))
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launched.add(self._key(args, kwargs))
-            return self.real[grid](*args, **kwargs)
-        return launch
-
-    def warmup(self, *args, grid, **kwargs):
-        self.warmed.add(self._key(args, kwargs))
-
-
 def test_start_up_compiles_every_band_errors_variant_the_chooser_launches(monkeypatch, seed):
     """What `SegmentStore.compile_chooser_kernels` compiles at start-up (CUDA) covers every
     `band_errors` launch of the errors-first chooser sealing with the default config (sink
@@ -179,7 +157,7 @@ def test_start_up_compiles_every_band_errors_variant_the_chooser_launches(monkey
     from mosaickv_sglang.serving.graph_decode import band_pairs
     from mosaickv_sglang.serving.segment_store import SegmentStore
 
-    rec = _Recorder(be._band_errors)
+    rec = LaunchRecorder(be._band_errors)
     monkeypatch.setattr(be, "_band_errors", rec)
     gen = torch.Generator().manual_seed(seed)
     n, h, s, d = 6, 2, 128, 64

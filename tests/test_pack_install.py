@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import repro
+from conftest import LaunchRecorder, repro
 from mosaickv_sglang.codec.basis import fit_basis
 from mosaickv_sglang.codec.layer import Candidates, seal_segments
 from mosaickv_sglang.config import MosaicConfig
@@ -205,25 +205,6 @@ def test_kernel_install_equals_torch_install_gpu(seed):
 
 # ---- every pack variant compiled at start-up -------------------------------------------------
 
-class _PackRecorder:
-    """Stands in for band_pack._pack_kind: records what each launch and each warm-up compile
-    would key Triton's cache on (argument dtypes, ints, compile-time arguments)."""
-
-    def __init__(self):
-        self.launched, self.warmed = set(), set()
-
-    @staticmethod
-    def _key(args, kwargs):
-        return (tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
-                tuple(sorted(kwargs.items())))
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launched.add(self._key(args, kwargs))
-
-    def warmup(self, *args, grid, **kwargs):
-        self.warmed.add(self._key(args, kwargs))
-
-
 def test_start_up_compiles_every_pack_variant_sealing_launches(monkeypatch, seed):
     """What `SegmentStore.compile_pack_kernels` compiles (on CUDA, at start-up) covers every
     launch that installing pages of those layouts makes, compile-time arguments included: a
@@ -231,7 +212,7 @@ def test_start_up_compiles_every_pack_variant_sealing_launches(monkeypatch, seed
     1 x 32K on a cold Triton cache, 2026-12-05, is the kind of thing this prevents)."""
     from mosaickv_kernels import band_pack
 
-    rec = _PackRecorder()
+    rec = LaunchRecorder()
     monkeypatch.setattr(band_pack, "_pack_kind", rec)
     h, d = 2, 128
     gen = torch.Generator().manual_seed(seed)

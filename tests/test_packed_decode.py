@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import repro
+from conftest import LaunchRecorder, repro
 from mosaickv_sglang.codec.attention import PageReads, decode_attention
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.serving.packed_decode import PackedDecode
@@ -257,35 +257,13 @@ def test_prefill_workspace_through_unpack_kernel_matches_codec(seed):
     assert dec.stats()["prefill_unpacked_segments"] == 5 * LAYERS
 
 
-class _Recorder:
-    """Stands in for band_unpack._unpack_segments: the key Triton's cache would compile on
-    (argument dtypes, ints, compile-time arguments) of each launch and each warm-up."""
-
-    def __init__(self, real):
-        self.real, self.launched, self.warmed = real, set(), set()
-
-    @staticmethod
-    def _key(args, kwargs):
-        return (tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
-                tuple(sorted(kwargs.items())))
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launched.add(self._key(args, kwargs))
-            return self.real[grid](*args, **kwargs)
-        return launch
-
-    def warmup(self, *args, grid, **kwargs):
-        self.warmed.add(self._key(args, kwargs))
-
-
 def test_start_up_compiles_the_prefix_unpack_variant(monkeypatch, seed):
     """What `PackedDecode.compile_unpack` compiles (the backend, at start-up on CUDA) is the
     variant a prefill chunk's read of a compressed prefix launches: otherwise the first such
     chunk compiles inside a live step (3.3 s on an H100, 2026-12-06)."""
     from mosaickv_kernels import band_unpack
 
-    rec = _Recorder(band_unpack._unpack_segments)
+    rec = LaunchRecorder(band_unpack._unpack_segments)
     monkeypatch.setattr(band_unpack, "_unpack_segments", rec)
     gen = torch.Generator().manual_seed(seed)
     pool = make_pool()
