@@ -350,9 +350,9 @@ SCENARIOS = [
                                         "page_select._rows_from_requests"),
                lambda n=n: select_rows(n)) for n in (32768, 131072, 524288)),
     # stage 1's split count is a kernel argument Triton specializes (1: a constant; a multiple
-    # of 16: divisible): on an H100/H200 (132 SMs, two programs per SM) the default config
-    # plans 32 splits at 1 x 32K (a multiple of 16) and 9 at 4 x 32K (neither), and 1 only
-    # past 32 requests at head_dim 128; each is its own compiled variant
+    # of 16: divisible): on an H100/H200 (132 SMs, two programs per SM) `stage1_splits`
+    # plans e.g. 28-32 splits at 1 x 32K, 16 at 2 (a multiple of 16), 8 at 4 (neither) and 1 at
+    # 32 requests at head_dim 128; the three kinds are each their own compiled variant
     *(Scenario(f"graph decode d{d}{' select' if sel else ''}"
                f"{'' if splits is None else f' splits {splits}'}",
                ("request_decode._request_queries", "request_decode._request_decode_stage1",
