@@ -27,9 +27,9 @@ class BasisTable:
     keep: list = field(default_factory=list, repr=False)  # the tensors the addresses point into
 
 
-def basis_pointers(wholes: list[torch.Tensor | None], device) -> tuple[torch.Tensor, list]:
-    """(int64 [R] device addresses, the tensors kept) of each row's bases tensor (None: the
-    identity). Checks what the kernel assumes: bf16, contiguous, on `device`."""
+def check_bases(wholes: list[torch.Tensor | None], device) -> list[torch.Tensor]:
+    """The bases tensors of `wholes` (None: the identity), checked for what the kernels assume:
+    bf16, contiguous, on `device`. Host work only (no copy to the device)."""
     dev, bf16 = torch.device(device), torch.bfloat16
     if dev.type == "cuda" and dev.index is None:  # "cuda" names the current device: cuda:N
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -38,6 +38,13 @@ def basis_pointers(wholes: list[torch.Tensor | None], device) -> tuple[torch.Ten
         if w.dtype != bf16 or w.dim() != 4 or w.device != dev or not w.is_contiguous():
             raise ValueError(f"basis_pointers: bases must be contiguous bf16 [M, H, D, D] on "
                              f"{device}, got {w.dtype} {tuple(w.shape)} on {w.device}")
+    return keep
+
+
+def basis_pointers(wholes: list[torch.Tensor | None], device) -> tuple[torch.Tensor, list]:
+    """(int64 [R] device addresses, the tensors kept) of each row's bases tensor (None: the
+    identity), checked as `check_bases` does."""
+    keep = check_bases(wholes, device)
     ptrs = [0 if w is None else w.data_ptr() for w in wholes]
     return torch.tensor(ptrs, dtype=torch.int64).to(device), keep
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mosaickv_kernels.basis_rotate import basis_pointers
+from mosaickv_kernels.basis_rotate import check_bases
 from mosaickv_kernels.common import interpreting
 from mosaickv_kernels.decode_tables import build_decode_tables
 from mosaickv_kernels.page_rescore import page_rescore
@@ -387,11 +387,13 @@ class GraphDecode:
                 "basis_ptrs": ptrs, "hot_rows": hot_rows}
 
     def _address(self, whole: torch.Tensor) -> int:
-        """A bases tensor's device address, checked once per tensor (`basis_pointers`: bf16,
-        contiguous, on the pool's device)."""
+        """A bases tensor's device address, checked once per tensor (`check_bases`: bf16,
+        contiguous, on the pool's device), on the host only: it was `basis_pointers`, a
+        synchronizing host-to-device copy per new tensor, one per basis block on a batch's
+        first step (256 at 8 x 128K)."""
         key = whole.data_ptr()
         if self._checked.get(key) is not whole:
-            basis_pointers([whole], self.pool.device)
+            check_bases([whole], self.pool.device)
             self._checked[key] = whole
         return key
 
