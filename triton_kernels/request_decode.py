@@ -32,6 +32,7 @@ MMAs of q's bf16 halves against the bf16 bases, ~2^-17, was a tf32x3 dot). `requ
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -448,8 +449,6 @@ def stage1_makespan(pairs: int, pages: int, splits: int, hot_splits: int, slots:
     ceil(pages / splits) pages each, then `hot_splits` hot-token programs), started in launch
     order (split-major, as the grid's last axis) on `slots` equal slots, each program on the
     first slot free."""
-    import heapq
-
     per = -(-pages // splits)
     slot = [0.0] * slots
     for part in range(splits + hot_splits):
