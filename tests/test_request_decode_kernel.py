@@ -71,12 +71,15 @@ def _check(graph, bk, pool, q, local, seed, page_ids=None, page_counts=None):
     return got
 
 
-@pytest.fixture(params=["pairs", "tokens", "channels"])
+@pytest.fixture(params=["pairs", "pairs-late-v", "tokens", "channels"])
 def gather(request, monkeypatch):
-    """Each way stage 1 reads a page (`request_decode.GATHER`, the plan's default)."""
+    """Each way stage 1 reads a page (`request_decode.GATHER`, the plan's default), V's loads
+    with K's (`EARLY_V`, the default) or after the scores ("-late-v")."""
     import mosaickv_kernels.request_decode as rd
 
-    monkeypatch.setattr(rd, "GATHER", request.param)
+    name, late = request.param.removesuffix("-late-v"), request.param.endswith("-late-v")
+    monkeypatch.setattr(rd, "GATHER", name)
+    monkeypatch.setattr(rd, "EARLY_V", not late)
     return request.param
 
 
