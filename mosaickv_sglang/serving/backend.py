@@ -54,6 +54,20 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                         attn_mask=causal_lower_right(n, s), scale=scale)[0]
 
 
+def _compile_ahead(what: str, compile_fn, later: str) -> None:
+    """Run `compile_fn` (start-up compiles; it returns how many variants it compiled, 0 where
+    none are needed) and log it; a failure only moves the compiles to first use (`later`
+    says when): logged, not raised (performance only: the launch compiles anyway)."""
+    t0 = time.perf_counter()
+    try:
+        n = compile_fn()
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("MosaicKV: compiling the %s at start-up failed (%r): %s", what, exc, later)
+        return
+    if n:
+        logger.info("MosaicKV: compiled %d %s in %.1f s", n, what, time.perf_counter() - t0)
+
+
 def chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kd: torch.Tensor,
                     vd: torch.Tensor, first: int, read: torch.Tensor, ja: int, page: int,
                     scale: float, per_page: bool = True) -> torch.Tensor:
@@ -116,37 +130,20 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             self.graph = GraphDecode(pool, model_runner.model_config.context_len,
                                      self.packed.timer)
             self.packed.graph = self.graph
-        # Every band-pack variant a seal may launch, compiled now rather than inside a live
-        # step (seconds each); a failure only moves the compiles to first use: logged.
-        t0 = time.perf_counter()
-        try:
-            if n := pool.store.compile_pack_kernels(band_pairs(self.cfg), pool.page_size):
-                logger.info("MosaicKV: compiled %d band-pack kernel variants (every candidate "
-                            "layout's K and V) in %.1f s", n, time.perf_counter() - t0)
-        except Exception as exc:  # noqa: BLE001 (performance only; the launch compiles anyway)
-            logger.warning("MosaicKV: compiling the band-pack kernel variants at start-up "
-                           "failed (%r): each compiles when a page first needs it", exc)
-        # and the errors-first chooser's `band_errors`, one variant per candidate width
-        t0 = time.perf_counter()
-        try:
-            if n := pool.store.compile_chooser_kernels(band_pairs(self.cfg), pool.page_size,
-                                                        self.cfg.chooser):
-                logger.info("MosaicKV: compiled %d band-errors kernel variants (the chooser's "
-                            "candidates) in %.1f s", n, time.perf_counter() - t0)
-        except Exception as exc:  # noqa: BLE001 (performance only, as above)
-            logger.warning("MosaicKV: compiling the band-errors kernel variants at start-up "
-                           "failed (%r): each compiles when a candidate is first tried", exc)
-        # and the prefill's read of a compressed prefix (`PackedDecode.unpack`)
+        # Kernel variants a live step would otherwise compile on first use (seconds each),
+        # compiled now: every band-pack variant a seal may launch, the errors-first chooser's
+        # `band_errors` per candidate width, the prefill's read of a compressed prefix.
+        pairs = band_pairs(self.cfg)
+        _compile_ahead("band-pack kernel variants (every candidate layout's K and V)",
+                       lambda: pool.store.compile_pack_kernels(pairs, pool.page_size),
+                       "each compiles when a page first needs it")
+        _compile_ahead("band-errors kernel variants (the chooser's candidates)",
+                       lambda: pool.store.compile_chooser_kernels(pairs, pool.page_size,
+                                                                  self.cfg.chooser),
+                       "each compiles when a candidate is first tried")
         if self.packed is not None and torch.device(pool.device).type == "cuda":
-            t0 = time.perf_counter()
-            try:
-                self.packed.compile_unpack()
-                logger.info("MosaicKV: compiled the prefix-unpack kernel in %.1f s",
-                            time.perf_counter() - t0)
-            except Exception as exc:  # noqa: BLE001 (performance only, as above)
-                logger.warning("MosaicKV: compiling the prefix-unpack kernel at start-up failed "
-                               "(%r): it compiles at the first chunk after a compressed prefix",
-                               exc)
+            _compile_ahead("prefix-unpack kernel variant", self.packed.compile_unpack,
+                           "it compiles at the first chunk after a compressed prefix")
         # Real rows of the batch under a breakable decode graph (None: an eager step); see
         # init_forward_metadata_out_graph.
         self.graph_rows: int | None = None

@@ -288,10 +288,12 @@ class PackedDecode:
                            basis=basis, hot_rows=st.hot_index)
 
     # ---- prefill over a compressed prefix -------------------------------------------------
-    def compile_unpack(self) -> None:
-        """Compile the `band_unpack` variant `unpack` launches (start-up, CUDA)."""
+    def compile_unpack(self) -> int:
+        """Compile the `band_unpack` variant `unpack` launches (start-up, CUDA). Returns
+        variants compiled."""
         pool = self.pool
         compile_unpack_variant(pool.head_num, pool.page_size, pool.head_dim, pool.dtype)
+        return 1
 
     def unpack(self, local: int, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [len(pages) * page_size, H, D] (cache dtype, raw basis) of packed sealed pages,
