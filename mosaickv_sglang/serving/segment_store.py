@@ -336,9 +336,9 @@ class SegmentStore:
         layout_ids = np.array([g.layout_id for g in groups], dtype=np.int64)[gids]
         rows = self._header_table[layout_ids]
         rows[:, HDR["base16"]] = bases // ALIGN
-        at_layer = to_device_async(torch.from_numpy(li), dev)
-        at_page = to_device_async(torch.from_numpy(pages), dev)
-        self._headers[at_layer, at_page] = to_device_async(torch.from_numpy(rows), dev)
+        at_layer = to_device_async(li, dev)
+        at_page = to_device_async(pages, dev)
+        self._headers[at_layer, at_page] = to_device_async(rows, dev)
         width = self._data.shape[1]
         flat = self._data.view(-1, ALIGN)
         for g in np.unique(gids).tolist():
@@ -360,7 +360,7 @@ class SegmentStore:
                 if m == n_rot and (r == np.arange(n_rot)).all():  # the whole batch, in order
                     k_rot, v_rot = batch.rotated
                 else:
-                    idx = to_device_async(torch.from_numpy(r), dev)
+                    idx = to_device_async(r, dev)
                     k_rot, v_rot = batch.rotated[0][idx], batch.rotated[1][idx]
                 self._pack(li[sel], pages[sel], k_rot, v_rot, lay)
             else:
@@ -380,8 +380,8 @@ class SegmentStore:
                 sel = np.nonzero(bidx == b)[0]
                 if not len(sel):
                     continue
-                at = (to_device_async(torch.from_numpy(li[sel]), dev),
-                      to_device_async(torch.from_numpy(pages[sel]), dev))
+                at = (to_device_async(li[sel], dev),
+                      to_device_async(pages[sel], dev))
                 idx = to_device_async(ridx[sel], batch.meta.lo.device)
                 for f in META_FIELDS:
                     src = getattr(batch.meta, f)[idx]
@@ -403,11 +403,10 @@ class SegmentStore:
         dev = self.device
         rows = layers.astype(np.int64) * self._headers.shape[1] + pages
         pack_layout(self._data.view(-1), self._headers.view(-1, HEADER_WIDTH),
-                    to_device_async(torch.from_numpy(rows.astype(np.int32)), dev),
+                    to_device_async(rows.astype(np.int32), dev),
                     k_rot.contiguous(), v_rot.contiguous(), lay.k.widths(self.head_dim),
                     lay.v.widths(self.head_dim),
-                    to_device_async(torch.from_numpy(layers.astype(np.int64) *
-                                                      self._data.shape[1]), dev))
+                    to_device_async(layers.astype(np.int64) * self._data.shape[1], dev))
 
     def install(self, layer: int, pages: list[int], segs: list[Segment]) -> list[bool]:
         """Copy one layer's segments (one per logical page) into the arena and re-point their
