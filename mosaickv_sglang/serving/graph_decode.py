@@ -388,9 +388,7 @@ class GraphDecode:
 
     def _address(self, whole: torch.Tensor) -> int:
         """A bases tensor's device address, checked once per tensor (`check_bases`: bf16,
-        contiguous, on the pool's device), on the host only: it was `basis_pointers`, a
-        synchronizing host-to-device copy per new tensor, one per basis block on a batch's
-        first step (256 at 8 x 128K)."""
+        contiguous, on the pool's device), on the host: no device copy per new basis block."""
         key = whole.data_ptr()
         if self._checked.get(key) is not whole:
             check_bases([whole], self.pool.device)
