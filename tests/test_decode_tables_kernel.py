@@ -5,8 +5,10 @@ random hot pages. Without CUDA the kernel runs in Triton's interpreter. The grap
 (tests/test_graph_decode.py) checks the same tables against the host plan on a real pool."""
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from conftest import repro
@@ -77,3 +79,85 @@ def test_tables_match_the_torch_reference(seed):
         assert (out["seg_ids"][end:].cpu() == -7).all(), why  # past the last offset: untouched
         assert int(available) == 5 + int(want["req_pages"].sum()) * 3, why
     assert sum(ends) > 0, repro(seed)  # some page sealed: the CSR was exercised
+
+
+def test_one_compiled_variant_serves_every_batch(monkeypatch):
+    """Every launch `build_decode_tables` makes, whatever the batch size and real rows (1 and
+    multiples of 16 included: Triton's default gives each its own variant) and wherever the
+    bucket's tables sit in their flat buffers, is the variant `compile_variant` compiles at
+    start-up: no value of the kernel is specialized, so the compile key is the argument dtypes
+    and the block sizes. (The first multi-request device-planned step compiled in a live step
+    before: a ~0.7 s stall at 17 x 32K on an H100.)"""
+    from conftest import LaunchRecorder
+    from mosaickv_kernels import decode_tables as dt
+
+    # the key model below holds only if nothing is specialized: every argument but the
+    # constexprs is named in the decorator (a JITFunction, or the interpreter's wrapper)
+    kernel = dt._decode_tables
+    opts = getattr(kernel, "kwargs", None) or {
+        "do_not_specialize": kernel.do_not_specialize,
+        "do_not_specialize_on_alignment": kernel.do_not_specialize_on_alignment}
+    fn = getattr(kernel, "fn", kernel)
+    fn = getattr(fn, "fn", fn)
+    params = inspect.signature(fn).parameters.values()
+    runtime = {p.name for p in params if "constexpr" not in str(p.annotation)}
+    assert set(opts["do_not_specialize"]) | set(opts["do_not_specialize_on_alignment"]) \
+        == runtime
+
+    class Recorder(LaunchRecorder):
+        @staticmethod
+        def _key(args, kwargs):  # Triton's key without value specialization: dtypes, int width
+            return (tuple(a.dtype if isinstance(a, torch.Tensor) else
+                          a if isinstance(a, torch.dtype) else  # a warm-up's tensor
+                          ("i64" if abs(a) >= 2**31 else "i32") for a in args),
+                    tuple(sorted(kwargs.items())))
+
+    rec = Recorder()
+    monkeypatch.setattr(dt, "_decode_tables", rec)
+    gen = torch.Generator().manual_seed(0)
+    for bs, rows in ((1, 1), (2, 1), (16, 16), (24, 17), (24, 16)):
+        req_to_token, rpi, lens, table = _case(gen, bs, rows)
+        flat32 = torch.zeros(bs * W + 1 + bs * W * BLOCK + 2 * bs + 3, dtype=torch.int32,
+                             device=DEVICE)
+        out = {"seg_indptr": flat32[:bs * W + 1], "seg_ids": flat32[bs * W + 1:][:bs * W * BLOCK],
+               "hot_lens": flat32[-2 * bs:][:bs], "req_pages": flat32[-bs:],
+               "basis_ptrs": torch.zeros(bs * W, dtype=torch.int64, device=DEVICE),
+               "hot_rows": torch.zeros(bs, CAP, dtype=torch.int64, device=DEVICE)}
+        dt.build_decode_tables(req_to_token, rpi, lens, rows, table.sealed, table.basis_addr,
+                               table.hot_page, out, page_size=PS, width=W, block_pages=BLOCK,
+                               pages_per_seg=PPS, count_scale=3,
+                               available=torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    assert len(rec.launched) == 1, rec.launched
+    dt.compile_variant(width=W, block_pages=BLOCK, hot_cap=CAP)
+    assert rec.launched <= rec.warmed
+    # a server whose table sizes differ compiles its own (the block sizes are constexprs)
+    rec.warmed.clear()
+    dt.compile_variant(width=W + 4, block_pages=BLOCK, hot_cap=CAP)
+    assert not rec.launched <= rec.warmed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's compile cache: CUDA only")
+def test_the_start_up_compile_is_what_every_batch_launches():
+    """On the GPU: after `compile_variant`, launches at batch sizes 1, 16 and 24 (17 real rows)
+    add nothing to the kernel's compile cache."""
+    from mosaickv_kernels import decode_tables as dt
+
+    dt.compile_variant(width=W, block_pages=BLOCK, hot_cap=CAP)
+    dev = torch.cuda.current_device()
+    cache = dt._decode_tables.device_caches[dev][0]
+    before = len(cache)
+    gen = torch.Generator().manual_seed(1)
+    for bs, rows in ((1, 1), (16, 16), (24, 17)):
+        req_to_token, rpi, lens, table = _case(gen, bs, rows)
+        out = {"seg_indptr": torch.zeros(bs * W + 1, dtype=torch.int32, device=DEVICE),
+               "seg_ids": torch.zeros(bs * W * BLOCK, dtype=torch.int32, device=DEVICE),
+               "hot_lens": torch.zeros(bs, dtype=torch.int32, device=DEVICE),
+               "req_pages": torch.zeros(bs, dtype=torch.int32, device=DEVICE),
+               "basis_ptrs": torch.zeros(bs * W, dtype=torch.int64, device=DEVICE),
+               "hot_rows": torch.zeros(bs, CAP, dtype=torch.int64, device=DEVICE)}
+        dt.build_decode_tables(req_to_token, rpi, lens, rows, table.sealed, table.basis_addr,
+                               table.hot_page, out, page_size=PS, width=W, block_pages=BLOCK,
+                               pages_per_seg=PPS, count_scale=3,
+                               available=torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    torch.cuda.synchronize()
+    assert len(cache) == before

@@ -20,7 +20,19 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Nothing specialized on values: the batch size and real rows change from step to step, and
+# the tables are views of flat buffers at offsets that differ per captured batch size. With
+# Triton's default (an int equal to 1 or divisible by 16, a pointer 16-byte aligned, each a
+# variant of its own) the first device-planned step of each new combination compiled in a live
+# step: a ~0.7 s stall on an H100 (2026-12-06). One variant per server, compiled at start-up
+# (`compile_variant`); a single program walking the requests gains nothing from the hints.
+_INTS = ["r2t_stride", "r2t_cols", "bs", "rows", "ps", "W", "block", "pps", "cap", "most",
+         "count_scale"]
+_POINTERS = ["REQ_TO_TOKEN", "RPI", "SEQ_LENS", "SEALED", "BASIS_ADDR", "HOT_PAGE", "INDPTR",
+             "SEG_IDS", "HOT_LENS", "REQ_PAGES", "PTRS", "HOT_ROWS", "AVAILABLE"]
+
+
+@triton.jit(do_not_specialize=_INTS, do_not_specialize_on_alignment=_POINTERS)
 def _decode_tables(
     REQ_TO_TOKEN, r2t_stride, r2t_cols,  # int32 [R, L]: each request's token slots
     RPI, SEQ_LENS,  # [bs] the batch's request rows and lengths (the first `rows` real)
@@ -72,6 +84,25 @@ def _decode_tables(
     tl.store(AVAILABLE, tl.load(AVAILABLE) + prefix * pps * count_scale)
 
 
+def _constants(width: int, block_pages: int, hot_cap: int) -> dict:
+    return dict(BLOCK_P=triton.next_power_of_2(width * block_pages),
+                BLOCK_W=triton.next_power_of_2(width), BLOCK_T=triton.next_power_of_2(hot_cap),
+                num_warps=4)
+
+
+def compile_variant(*, width: int, block_pages: int, hot_cap: int,
+                    r2t_dtype: torch.dtype = torch.int32,
+                    index_dtype: torch.dtype = torch.int64) -> None:
+    """Compile `_decode_tables` now for the variant `build_decode_tables` launches on a server
+    with these table sizes (Triton's `warmup`: nothing runs), `req_to_token` in `r2t_dtype`
+    (SGLang's: int32) and the batch's request rows and lengths in `index_dtype` (SGLang's
+    decode graph buffers: int64). CUDA only."""
+    i32, i64 = torch.int32, torch.int64
+    _decode_tables.warmup(r2t_dtype, 0, 0, index_dtype, index_dtype, torch.bool, i64, i64,
+                          i32, i32, i32, i32, i64, i64, i64, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                          grid=(1,), **_constants(width, block_pages, hot_cap))
+
+
 def build_decode_tables(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                         seq_lens: torch.Tensor, rows: int, sealed: torch.Tensor,
                         basis_addr: torch.Tensor, hot_page: torch.Tensor, out: dict, *,
@@ -100,5 +131,4 @@ def build_decode_tables(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
         sealed, basis_addr, hot_page, out["seg_indptr"], out["seg_ids"], out["hot_lens"],
         out["req_pages"], out["basis_ptrs"], hot_rows, available,
         bs, rows, page_size, width, block_pages, pages_per_seg, cap, most, count_scale,
-        BLOCK_P=triton.next_power_of_2(most), BLOCK_W=triton.next_power_of_2(width),
-        BLOCK_T=triton.next_power_of_2(cap), num_warps=4)
+        **_constants(width, block_pages, cap))

@@ -132,7 +132,8 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             self.packed.graph = self.graph
         # Kernel variants a live step would otherwise compile on first use (seconds each),
         # compiled now: every band-pack variant a seal may launch, the errors-first chooser's
-        # `band_errors` per candidate width, the prefill's read of a compressed prefix.
+        # `band_errors` per candidate width, the prefill's read of a compressed prefix, the
+        # decode graph's device-built tables.
         pairs = band_pairs(self.cfg)
         _compile_ahead("band-pack kernel variants (every candidate layout's K and V)",
                        lambda: pool.store.compile_pack_kernels(pairs, pool.page_size),
@@ -144,6 +145,9 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         if self.packed is not None and torch.device(pool.device).type == "cuda":
             _compile_ahead("prefix-unpack kernel variant", self.packed.compile_unpack,
                            "it compiles at the first chunk after a compressed prefix")
+        if self.graph is not None and torch.device(pool.device).type == "cuda":
+            _compile_ahead("decode-table kernel variant", self.graph.compile_tables,
+                           "it compiles at the first decode step planned on the device")
         # Real rows of the batch under a breakable decode graph (None: an eager step); see
         # init_forward_metadata_out_graph.
         self.graph_rows: int | None = None

@@ -36,6 +36,7 @@ import torch
 from mosaickv_kernels.basis_rotate import check_bases
 from mosaickv_kernels.common import interpreting
 from mosaickv_kernels.decode_tables import build_decode_tables
+from mosaickv_kernels.decode_tables import compile_variant as compile_tables_variant
 from mosaickv_kernels.page_rescore import page_rescore
 from mosaickv_kernels.page_select import page_bounds, select_page_list
 from mosaickv_kernels.request_decode import DecodeTables, RequestDecode
@@ -284,6 +285,15 @@ class GraphDecode:
             if pos % ps == 0 or (pos > window and (pos - window) % ps == 0):
                 return False
         return True
+
+    def compile_tables(self) -> int:
+        """Compile the `decode_tables` variant `prepare_on_device` launches (start-up, CUDA:
+        SGLang's int32 `req_to_token`, its decode graph's int64 request rows and lengths), so
+        that the first step planned on the device does not stall on a compile. Returns variants
+        compiled."""
+        compile_tables_variant(width=self.width, block_pages=self.block_pages,
+                               hot_cap=self.hot_cap)
+        return 1
 
     def prepare_on_device(self, forward_batch, req_to_token, rows: int) -> None:
         """`prepare` for a step `can_skip_host` allows: the bucket's tables written on the
