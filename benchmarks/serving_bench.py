@@ -265,6 +265,9 @@ def measure(url: str, system: str, ctx: int, batch: int, n_out: int, vocab: int,
     row["token_capacity"] = tokens_held(info)  # after the batch sealed its pages
     for kind in ("decode", "prefill"):
         row[f"{kind}_profile"] = point_profile(state.get("mosaickv"), row["mosaickv"], kind)
+    # the decode graph's steps that did host work (seals, new pages), every one of them timed
+    row["decode_host_profile"] = point_profile(state.get("mosaickv"), row["mosaickv"], "decode",
+                                               "forced")
     rate = (f"{row['decode_tok_s']:.1f} tok/s" if row["decode_tok_s"] is not None
             else f"decode tok/s not measured ({row['decode_note']})")
     print(f"[{system}] ctx {ctx} batch {batch}: {rate}, ITL p50 {row['itl_ms_p50']:.1f} ms, "
@@ -357,11 +360,15 @@ def parse_batches(text: str) -> list:
     return out
 
 
-def point_profile(before: dict | None, after: dict | None, kind: str = "decode") -> dict | None:
+def point_profile(before: dict | None, after: dict | None, kind: str = "decode",
+                  part: str | None = None) -> dict | None:
     """MosaicKV's sampled `kind` ("decode" / "prefill") step phases (decode_profile_every > 0)
     of one point: the server's running averages before and after it, differenced -> ms per step
-    of this point, and the slowest sampled steps that fell inside it."""
+    of this point, and the slowest sampled steps that fell inside it. `part` "forced": the
+    steps timed apart from the sampling (the decode graph's steps with host work)."""
     prof = [((s or {}).get(kind) or {}).get("profile") or {} for s in (before, after)]
+    if part is not None:
+        prof = [{**(p.get(part) or {}), "steps": p.get("steps", 0)} for p in prof]
     steps = [p.get("sampled_steps", 0) for p in prof]
     if steps[1] <= steps[0]:
         return None
@@ -397,7 +404,7 @@ def print_table(results: list) -> None:
               f"{r.get('token_capacity') or r['max_total_num_tokens'] or 0:>10}"
               f"{ratio or 0:>7.2f}")
     for r in results:  # MosaicKV's sampled step phases (decode_profile_every > 0)
-        for kind in ("decode", "prefill"):
+        for kind in ("decode", "decode_host", "prefill"):
             prof = r.get(f"{kind}_profile")
             if not prof:
                 continue

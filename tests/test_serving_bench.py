@@ -36,6 +36,23 @@ def test_point_profile_keeps_only_the_slowest_steps_inside_the_point():
     assert serving_bench.point_profile(before, after, "decode") is None  # no decode profile
 
 
+def test_point_profile_of_the_forced_steps():
+    """`part="forced"`: the decode graph's host-work steps, timed apart from the sampling, with
+    the slowest kept by the whole profile's step count."""
+    old = {"step": 5, "ms": 30.0, "phases": {"seal": 28.0}}
+    new = {"step": 70, "ms": 45.0, "phases": {"seal": 40.0}}
+    before = _stats(2, {"kernels": 1.0}, counted=10)
+    before["decode"]["profile"]["forced"] = {"sampled_steps": 1, "ms_per_step": {"seal": 28.0},
+                                             "slowest": [old], "steps": 10}
+    after = _stats(20, {"kernels": 1.0}, counted=80)
+    after["decode"]["profile"]["forced"] = {"sampled_steps": 3, "ms_per_step": {"seal": 36.0},
+                                            "slowest": [new, old], "steps": 80}
+    got = serving_bench.point_profile(before, after, "decode", "forced")
+    assert got == {"sampled_steps": 2, "ms_per_step": {"seal": 40.0}, "slowest": [new]}
+    # no forced step in the profile (eager mode, or the profile off): none
+    assert serving_bench.point_profile(_stats(1, {}), _stats(2, {}), "decode", "forced") is None
+
+
 def test_point_profile_without_new_sampled_steps_is_none():
     assert serving_bench.point_profile(None, None) is None
     assert serving_bench.point_profile(_stats(3, {"kernels": 1.0}),

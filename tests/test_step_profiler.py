@@ -88,3 +88,32 @@ def test_prefill_steps_are_profiled_by_phase_when_profiling_is_on():
     assert prof["slowest"][0]["phases"]["seal"] > 0  # sealing two pages takes time on a CPU
     off = _prefill(profile_every=0).stats()["prefill"]["profile"]
     assert off["sampled_steps"] == 0 and off["ms_per_step"] == {}
+
+
+def test_forced_steps_are_timed_apart_and_leave_the_averages_alone():
+    # every=2: steps 2 and 4 sampled; steps 3 and 4 forced (4 is both). Each step: plan, then
+    # its tail at the next step's start (the last ended by end()).
+    prof = _clocked(StepProfiler(2, "cpu", keep_slowest=2),
+                    [0.000, 0.010,  # step 2 (sampled): start, plan 10
+                     0.011, 0.011, 0.111,  # its tail 1; step 3 (forced): start, plan 100
+                     0.112, 0.112, 0.132])  # its tail 1; step 4 (both): start, plan 20
+    # (end() charges no tail)
+    for forced in (False, False, True, True):
+        prof.step(forced=forced)
+        prof.lap("plan")
+    prof.end()
+    rep = prof.report()
+    assert rep["steps"] == 4 and rep["sampled_steps"] == 2  # steps 2 and 4 only
+    assert rep["ms_per_step"] == {"plan": 15.0, "between_steps": 0.5}
+    forced = rep["forced"]
+    assert forced["sampled_steps"] == 2 and forced["steps"] == 4
+    assert forced["ms_per_step"] == {"plan": 60.0, "between_steps": 0.5}
+    assert [s["step"] for s in forced["slowest"]] == [3, 4]
+    assert [s["step"] for s in rep["slowest"]] == [4, 2]
+    # off: nothing timed, forced or not (no clock read)
+    off = _clocked(StepProfiler(0, "cpu"), [])
+    for _ in range(2):
+        off.step(forced=True)
+        off.lap("plan")
+    off.end()
+    assert "forced" not in off.report() and off.report()["sampled_steps"] == 0

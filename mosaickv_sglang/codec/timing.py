@@ -41,24 +41,36 @@ class StepProfiler:
     off (every == 0), it costs one attribute check per phase. A step starts at `step()` and
     ends at the next `step()` (its tail charged to `tail`) or at `end()`. Besides the averages
     it keeps the `keep_slowest` slowest sampled steps with their phases: the rare stalls the
-    averages hide (an ITL p99 far above p50)."""
+    averages hide (an ITL p99 far above p50).
+
+    `step(forced=True)` times a step whatever its number (a decode step that does host work:
+    the few steps a page boundary makes, which every-Nth sampling can miss when the requests'
+    boundaries fall between samples). Forced steps are reported apart (`forced`: the same
+    fields), so the averages stay those of every Nth step; a step both sampled and forced
+    counts in both."""
 
     def __init__(self, every: int, device, tail: str = "between_steps", keep_slowest: int = 8):
         self.every, self.device, self.tail = every, torch.device(device), tail
         self.keep_slowest = keep_slowest
-        self.steps, self.sampled = 0, 0
-        self.ms: dict[str, float] = defaultdict(float)
-        self.slowest: list[dict] = []  # {"step", "ms", "phases"}, slowest first
+        self.steps = 0
+        self.sampled = _Tally(keep_slowest)  # every Nth step
+        self.forced = _Tally(keep_slowest)  # steps timed because the caller asked
         self.on, self._t, self._cur = False, 0.0, {}
+        self._kinds: tuple = ()
 
-    def step(self) -> None:
-        if self.on:  # the previous step was sampled: its tail up to this step's start
+    def step(self, forced: bool = False) -> None:
+        if self.on:  # the previous step was timed: its tail up to this step's start
             self.lap(self.tail)
             self.end()
         self.steps += 1
-        self.on = bool(self.every) and self.steps % self.every == 0
-        self.sampled += self.on
+        if not self.every:
+            return
+        self._kinds = tuple(t for t, on in ((self.sampled, self.steps % self.every == 0),
+                                            (self.forced, forced)) if on)
+        self.on = bool(self._kinds)
         if self.on:
+            for tally in self._kinds:
+                tally.count += 1
             self._cur = {}
             self._t = self._now()
 
@@ -66,21 +78,18 @@ class StepProfiler:
         if self.on:
             now = self._now()
             ms = (now - self._t) * 1e3
-            self.ms[phase] += ms
+            for tally in self._kinds:
+                tally.ms[phase] += ms
             self._cur[phase] = self._cur.get(phase, 0.0) + ms
             self._t = now
 
     def end(self) -> None:
-        """The sampled step is over: rank it among the slowest."""
+        """The timed step is over: rank it among the slowest of its tallies."""
         if not self.on:
             return
         self.on = False
-        total = sum(self._cur.values())
-        if len(self.slowest) < self.keep_slowest or total > self.slowest[-1]["ms"]:
-            self.slowest.append({"step": self.steps, "ms": round(total, 3),
-                                 "phases": {k: round(v, 3) for k, v in self._cur.items()}})
-            self.slowest.sort(key=lambda s: -s["ms"])
-            del self.slowest[self.keep_slowest:]
+        for tally in self._kinds:
+            tally.rank(self.steps, self._cur)
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -88,6 +97,29 @@ class StepProfiler:
         return time.perf_counter()
 
     def report(self) -> dict:
-        per = {k: round(v / self.sampled, 4) for k, v in self.ms.items()} if self.sampled else {}
-        return {"sampled_steps": self.sampled, "every": self.every, "steps": self.steps,
-                "ms_per_step": per, "slowest": list(self.slowest)}
+        out = {"every": self.every, "steps": self.steps, **self.sampled.report()}
+        if self.forced.count:
+            out["forced"] = {"steps": self.steps, **self.forced.report()}
+        return out
+
+
+class _Tally:
+    """Phase sums over some timed steps (added as they are timed), and the slowest of them
+    with their phases (ranked when each ends)."""
+
+    def __init__(self, keep_slowest: int):
+        self.keep_slowest, self.count = keep_slowest, 0
+        self.ms: dict[str, float] = defaultdict(float)
+        self.slowest: list[dict] = []  # {"step", "ms", "phases"}, slowest first
+
+    def rank(self, step: int, phases: dict) -> None:
+        total = sum(phases.values())
+        if len(self.slowest) < self.keep_slowest or total > self.slowest[-1]["ms"]:
+            self.slowest.append({"step": step, "ms": round(total, 3),
+                                 "phases": {k: round(v, 3) for k, v in phases.items()}})
+            self.slowest.sort(key=lambda s: -s["ms"])
+            del self.slowest[self.keep_slowest:]
+
+    def report(self) -> dict:
+        per = {k: round(v / self.count, 4) for k, v in self.ms.items()} if self.count else {}
+        return {"sampled_steps": self.count, "ms_per_step": per, "slowest": list(self.slowest)}

@@ -225,10 +225,11 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         previous step's last layer did), map this step's writes (`loc`), plan."""
         pool, req_to_token = self.pool, self.req_to_token_pool.req_to_token
         timer = self.packed.timer if self.packed is not None else None
-        if timer is not None:
-            timer.step()
         graph = self.graph is not None and self.graph_rows is not None
-        if graph and self.graph.can_skip_host(forward_batch, rows):
+        skip = graph and self.graph.can_skip_host(forward_batch, rows)
+        if timer is not None:  # a graph step with host work is timed whatever its number
+            timer.step(forced=graph and not skip)
+        if skip:
             # nothing to seal or map at this step: the replay's tables built on the device
             self.graph.prepare_on_device(forward_batch, req_to_token, rows)
             if timer is not None:
