@@ -81,6 +81,22 @@ def test_tables_match_the_torch_reference(seed):
     assert sum(ends) > 0, repro(seed)  # some page sealed: the CSR was exercised
 
 
+def _launch_on_views(dt, gen, bs: int, rows: int) -> None:
+    """`build_decode_tables` on a random batch, its int32 tables views of one flat buffer at
+    offsets that depend on `bs` (as the graph's buckets hold them)."""
+    req_to_token, rpi, lens, table = _case(gen, bs, rows)
+    flat32 = torch.zeros(bs * W + 1 + bs * W * BLOCK + 2 * bs + 3, dtype=torch.int32,
+                         device=DEVICE)
+    out = {"seg_indptr": flat32[:bs * W + 1], "seg_ids": flat32[bs * W + 1:][:bs * W * BLOCK],
+           "hot_lens": flat32[-2 * bs:][:bs], "req_pages": flat32[-bs:],
+           "basis_ptrs": torch.zeros(bs * W, dtype=torch.int64, device=DEVICE),
+           "hot_rows": torch.zeros(bs, CAP, dtype=torch.int64, device=DEVICE)}
+    dt.build_decode_tables(req_to_token, rpi, lens, rows, table.sealed, table.basis_addr,
+                           table.hot_page, out, page_size=PS, width=W, block_pages=BLOCK,
+                           pages_per_seg=PPS, count_scale=3,
+                           available=torch.zeros(1, dtype=torch.int64, device=DEVICE))
+
+
 def test_one_compiled_variant_serves_every_batch(monkeypatch):
     """Every launch `build_decode_tables` makes, whatever the batch size and real rows (1 and
     multiples of 16 included: Triton's default gives each its own variant) and wherever the
@@ -116,17 +132,7 @@ def test_one_compiled_variant_serves_every_batch(monkeypatch):
     monkeypatch.setattr(dt, "_decode_tables", rec)
     gen = torch.Generator().manual_seed(0)
     for bs, rows in ((1, 1), (2, 1), (16, 16), (24, 17), (24, 16)):
-        req_to_token, rpi, lens, table = _case(gen, bs, rows)
-        flat32 = torch.zeros(bs * W + 1 + bs * W * BLOCK + 2 * bs + 3, dtype=torch.int32,
-                             device=DEVICE)
-        out = {"seg_indptr": flat32[:bs * W + 1], "seg_ids": flat32[bs * W + 1:][:bs * W * BLOCK],
-               "hot_lens": flat32[-2 * bs:][:bs], "req_pages": flat32[-bs:],
-               "basis_ptrs": torch.zeros(bs * W, dtype=torch.int64, device=DEVICE),
-               "hot_rows": torch.zeros(bs, CAP, dtype=torch.int64, device=DEVICE)}
-        dt.build_decode_tables(req_to_token, rpi, lens, rows, table.sealed, table.basis_addr,
-                               table.hot_page, out, page_size=PS, width=W, block_pages=BLOCK,
-                               pages_per_seg=PPS, count_scale=3,
-                               available=torch.zeros(1, dtype=torch.int64, device=DEVICE))
+        _launch_on_views(dt, gen, bs, rows)
     assert len(rec.launched) == 1, rec.launched
     dt.compile_variant(width=W, block_pages=BLOCK, hot_cap=CAP)
     assert rec.launched <= rec.warmed
@@ -138,8 +144,8 @@ def test_one_compiled_variant_serves_every_batch(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's compile cache: CUDA only")
 def test_the_start_up_compile_is_what_every_batch_launches():
-    """On the GPU: after `compile_variant`, launches at batch sizes 1, 16 and 24 (17 real rows)
-    add nothing to the kernel's compile cache."""
+    """On the GPU: after `compile_variant`, launches at batch sizes 1, 16 and 24 (17 real rows),
+    the tables at the offsets each size puts them, add nothing to the kernel's compile cache."""
     from mosaickv_kernels import decode_tables as dt
 
     dt.compile_variant(width=W, block_pages=BLOCK, hot_cap=CAP)
@@ -148,16 +154,6 @@ def test_the_start_up_compile_is_what_every_batch_launches():
     before = len(cache)
     gen = torch.Generator().manual_seed(1)
     for bs, rows in ((1, 1), (16, 16), (24, 17)):
-        req_to_token, rpi, lens, table = _case(gen, bs, rows)
-        out = {"seg_indptr": torch.zeros(bs * W + 1, dtype=torch.int32, device=DEVICE),
-               "seg_ids": torch.zeros(bs * W * BLOCK, dtype=torch.int32, device=DEVICE),
-               "hot_lens": torch.zeros(bs, dtype=torch.int32, device=DEVICE),
-               "req_pages": torch.zeros(bs, dtype=torch.int32, device=DEVICE),
-               "basis_ptrs": torch.zeros(bs * W, dtype=torch.int64, device=DEVICE),
-               "hot_rows": torch.zeros(bs, CAP, dtype=torch.int64, device=DEVICE)}
-        dt.build_decode_tables(req_to_token, rpi, lens, rows, table.sealed, table.basis_addr,
-                               table.hot_page, out, page_size=PS, width=W, block_pages=BLOCK,
-                               pages_per_seg=PPS, count_scale=3,
-                               available=torch.zeros(1, dtype=torch.int64, device=DEVICE))
+        _launch_on_views(dt, gen, bs, rows)
     torch.cuda.synchronize()
     assert len(cache) == before
