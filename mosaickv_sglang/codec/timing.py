@@ -51,7 +51,6 @@ class StepProfiler:
 
     def __init__(self, every: int, device, tail: str = "between_steps", keep_slowest: int = 8):
         self.every, self.device, self.tail = every, torch.device(device), tail
-        self.keep_slowest = keep_slowest
         self.steps = 0
         self.sampled = _Tally(keep_slowest)  # every Nth step
         self.forced = _Tally(keep_slowest)  # steps timed because the caller asked

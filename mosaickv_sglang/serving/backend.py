@@ -113,9 +113,10 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         self.pool: MosaicKVPool = pool
         self.cfg = pool.cfg
         self.last_layer = pool.start_layer + pool.layer_num - 1
+        on_cuda = torch.device(pool.device).type == "cuda"
         kernel = self.cfg.decode_kernel
         if kernel == "auto":
-            kernel = "triton" if torch.device(pool.device).type == "cuda" else "reference"
+            kernel = "triton" if on_cuda else "reference"
         # Decode over sealed pages: the packed Triton kernels, or the torch codec per request.
         self.packed = PackedDecode(pool) if kernel == "triton" else None
         pool.decode_path = self.packed
@@ -142,12 +143,12 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
                        lambda: pool.store.compile_chooser_kernels(pairs, pool.page_size,
                                                                   self.cfg.chooser),
                        "each compiles when a candidate is first tried")
-        if self.packed is not None and torch.device(pool.device).type == "cuda":
+        if on_cuda and self.packed is not None:
             _compile_ahead("prefix-unpack kernel variant", self.packed.compile_unpack,
                            "it compiles at the first chunk after a compressed prefix")
-        if self.graph is not None and torch.device(pool.device).type == "cuda":
-            _compile_ahead("decode-table kernel variant", self.graph.compile_tables,
-                           "it compiles at the first decode step planned on the device")
+            if self.graph is not None:  # (the graph runs on the packed path)
+                _compile_ahead("decode-table kernel variant", self.graph.compile_tables,
+                               "it compiles at the first decode step planned on the device")
         # Real rows of the batch under a breakable decode graph (None: an eager step); see
         # init_forward_metadata_out_graph.
         self.graph_rows: int | None = None
