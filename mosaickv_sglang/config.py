@@ -40,6 +40,7 @@ DEFAULT_RESCUE_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 
 
 DECODE_KERNELS = ("auto", "triton", "reference")
+PREFILL_ATTENTIONS = ("auto", "flashinfer", "sdpa")
 PACK_KERNELS = ("auto", "triton", "torch")
 CHOOSERS = ("auto", "cascade", "errors_first")
 FIT_SOLVERS = ("auto", "host", "device", "jacobi", "jacobi_tf32", "identity")
@@ -191,6 +192,14 @@ class MosaicConfig:
     # "auto" (triton on CUDA, reference elsewhere). Segments the kernel cannot read (a dense
     # fallback, a non-band sink) send their request through the reference path, counted.
     decode_kernel: str = "auto"
+    # A prefill chunk's attention over its request's whole sequence (the compressed prefix read
+    # back, then its dense tokens): "flashinfer" (FlashInfer's single-request prefill kernel,
+    # GQA and the bottom-right causal mask inside it; CUDA only, an error elsewhere), "sdpa"
+    # (torch's scaled_dot_product_attention: its efficient kernel with a lower-right mask and
+    # the KV heads repeated after a prefix), or "auto" (flashinfer on CUDA where it imports,
+    # else sdpa; a CUDA server without FlashInfer logs that it runs sdpa). Same math, other
+    # speed: stats()["prefill"]["attention"] names the kernel and counts its calls.
+    prefill_attention: str = "auto"
     # Profiling: every Nth decode step on the kernels is timed phase by phase (host plan, bases,
     # hot gather, selection, kernels, merge, seal) with a device sync between phases, and, when
     # N > 0, every prefill step too (read prefix, attention, seal); 0 = off. The syncs slow the
@@ -312,6 +321,7 @@ class MosaicConfig:
                              "position rule what a token reads must not change after it is "
                              "sealed)")
         for key, choices in (("decode_kernel", DECODE_KERNELS), ("pack_kernel", PACK_KERNELS),
+                             ("prefill_attention", PREFILL_ATTENTIONS),
                              ("chooser", CHOOSERS),
                              ("fit_solver", FIT_SOLVERS), ("daemon", DAEMON_MODES),
                              ("read_rule", READ_RULES), ("basis_fit", BASIS_FITS),

@@ -1,10 +1,15 @@
 """backend.extend_attention (prefill of a chunk over a request's whole sequence) vs attention with
 an explicit bottom-right causal mask, on fresh random inputs: fresh prompts, chunks after a prefix,
-GQA and MHA, fp32 and (on a GPU, where SDPA takes its flash kernel) bf16."""
+GQA and MHA, fp32 and (on a GPU, where SDPA takes its flash kernel) bf16; on a GPU with FlashInfer
+its prefill kernel (the server's default there) on the same inputs, keys head-major as the
+backend passes them, queries as strided views; `prefill_attention_kernel`'s choices."""
+import importlib.util
+
 import pytest
 import torch
 
-from mosaickv_sglang.serving.backend import extend_attention
+from mosaickv_sglang.serving.backend import chunk_attention, extend_attention, \
+    prefill_attention_kernel
 
 from conftest import assert_rel_close
 
@@ -34,3 +39,54 @@ def test_extend_attention_matches_masked_reference(seed, hq, hk, d, n, s, dtype)
     assert got.dtype == dtype
     assert_rel_close(got.float(), want, 2e-2 if dtype == torch.bfloat16 else 1e-5,
                      f"extend n={n} s={s}", seed)
+
+
+HAS_FLASHINFER = DEVICE == "cuda" and importlib.util.find_spec("flashinfer") is not None
+
+
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs CUDA and FlashInfer")
+@pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (9, 3, 64), (4, 4, 128)])
+@pytest.mark.parametrize("n,s", [(37, 37), (16, 300), (129, 400), (1, 50), (512, 3000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flashinfer_prefill_matches_masked_reference(seed, hq, hk, d, n, s, dtype):
+    # queries as the backend passes them: a head-major view of token-major storage
+    q = torch.randn(n, hq, d, device=DEVICE).to(dtype).transpose(0, 1)
+    keys = torch.randn(hk, s, d, device=DEVICE).to(dtype)
+    values = torch.randn(hk, s, d, device=DEVICE).to(dtype)
+    got = extend_attention(q, keys, values, d ** -0.5, "flashinfer")
+    want = reference(q, keys, values, d ** -0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert_rel_close(got.float(), want, 2e-2, f"flashinfer n={n} s={s}", seed)
+
+
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs CUDA and FlashInfer")
+@pytest.mark.parametrize("per_page", [False, True])
+def test_chunk_attention_flashinfer_matches_sdpa(seed, per_page):
+    """A chunk after a compressed prefix (the backend's views of token-major pool tensors), in
+    one run (chunk rule) or per page (position rule): FlashInfer == SDPA within bf16 noise."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    page, hq, hk, d, first, n = 64, 16, 4, 128, 1024, 300
+    rule = (lambda t: max(t - 64, 0) // page) if per_page else (lambda t: first // page)  # noqa: E731
+    ja, jc = rule(first), rule(first + n - 1)
+    nhd = lambda t, h: torch.randn(t, h, d, device=DEVICE, generator=g).bfloat16()  # noqa: E731
+    q = nhd(n, hq).transpose(0, 1)
+    kc, vc = (nhd(jc * page, hk).transpose(0, 1) for _ in range(2))
+    kd, vd = (nhd(first + n - ja * page, hk).transpose(0, 1) for _ in range(2))
+    read = torch.tensor([rule(t) for t in range(first, first + n)])
+    args = (q, kc, vc, kd, vd, first, read, ja, page, d ** -0.5, per_page)
+    got = chunk_attention(*args, kernel="flashinfer")
+    want = chunk_attention(*args, kernel="sdpa")
+    assert_rel_close(got.float(), want.float(), 2e-2, f"chunk per_page={per_page}", seed)
+
+
+def test_prefill_attention_kernel_choices():
+    assert prefill_attention_kernel("sdpa", "cpu", torch.float32) == "sdpa"
+    assert prefill_attention_kernel("auto", "cpu", torch.bfloat16) == "sdpa"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        prefill_attention_kernel("flashinfer", "cpu", torch.bfloat16)
+    if DEVICE == "cuda":
+        assert prefill_attention_kernel("auto", "cuda", torch.float32) == "sdpa"
+        with pytest.raises(ValueError, match="fp16/bf16"):
+            prefill_attention_kernel("flashinfer", "cuda", torch.float32)
+        assert prefill_attention_kernel("auto", "cuda", torch.bfloat16) == \
+            ("flashinfer" if HAS_FLASHINFER else "sdpa")

@@ -92,6 +92,10 @@ def test_triton_decode_path_matches_reference_path(tmp_path, budget):
         prefill = stats[kernel]["prefill"]["profile"]
         assert prefill["sampled_steps"] >= 1 and prefill["slowest"], prefill
         assert {"read_prefix", "attention", "seal"} <= set(prefill["ms_per_step"]), prefill
+        # the chunk attention's kernel on a CPU server (FlashInfer is CUDA only), per (request,
+        # layer) of every prefill
+        attention = stats[kernel]["prefill"]["attention"]
+        assert attention["kernel"] == "sdpa" and attention["calls"] >= 1, attention
     decode = stats["triton"]["decode"]["profile"]
     assert decode["sampled_steps"] >= 2 and "kernels" in decode["ms_per_step"], decode
     assert stats["triton"]["sealed_pages"] >= 5

@@ -4,8 +4,9 @@
   query-aware page selection: on CUDA (``decode_kernel: auto``) one Triton launch per layer over
   the whole batch, reading the pool's packed arena in place (`packed_decode.py`); elsewhere the
   codec's torch reference per request;
-* extend/prefill: sealed prefix pages are decompressed into a workspace and the stock SDPA path
-  runs over (workspace + hot rows);
+* extend/prefill: sealed prefix pages are decompressed into a workspace and a chunk's queries
+  attend over (workspace + hot rows) through FlashInfer's prefill kernel on CUDA
+  (`prefill_attention`), torch SDPA elsewhere;
 * sealing: full pages ``hot_tokens`` behind their request's last token are sealed (compressed;
   ``daemon: off``: synchronously, else sent to the daemon) after a prefill's last layer, and for
   decode between steps: in the forward-metadata hook, before the step's write mapping and plan
@@ -36,13 +37,22 @@ LOG_EVERY_PAGES = 16  # a stats line in the server log each time this many more 
 
 
 def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, kernel: str = "sdpa") -> torch.Tensor:
     """Causal attention of a request's n new tokens over its whole sequence: q [Hq, n, D], keys
-    and values [Hk, S, D] (the new tokens last) -> [Hq, n, D]. A fresh prompt (n == S) is plain
-    causal; a chunk after a prefix is causal aligned to the bottom right (`causal_lower_right`),
-    which SDPA runs on its flash/efficient kernels without materializing an [n, S] mask (at a
-    128K prompt in 8K chunks that mask, broadcast over the heads, would not fit). KV heads are
-    repeated for GQA on that path (its flash call takes equal head counts)."""
+    and values [Hk, S, D] (the new tokens last) -> [Hq, n, D] (any strides with the last dim
+    contiguous). A fresh prompt (n == S) is plain causal; a chunk after a prefix is causal
+    aligned to the bottom right (new token i sees keys 0 .. S - n + i).
+
+    `kernel` "flashinfer": FlashInfer's single-request prefill (CUDA; GQA, the bottom-right
+    mask and the head-major keys inside the kernel, no copy). "sdpa": torch's SDPA, the
+    bottom-right mask as `causal_lower_right` on its efficient kernel without materializing an
+    [n, S] mask (at a 128K prompt in 8K chunks that mask, broadcast over the heads, would not
+    fit), KV heads repeated for GQA on that path (its call takes equal head counts)."""
+    if kernel == "flashinfer":
+        import flashinfer  # noqa: PLC0415 (CUDA only; PrefillAttention checked it imports)
+        return flashinfer.single_prefill_with_kv_cache(
+            q.transpose(0, 1), keys, values, causal=True, kv_layout="HND",
+            sm_scale=scale).transpose(0, 1)
     n, s = q.shape[1], keys.shape[1]
     if n == s:
         return scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True,
@@ -52,6 +62,37 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
     return scaled_dot_product_attention(q[None], keys[None], values[None],
                                         attn_mask=causal_lower_right(n, s), scale=scale)[0]
+
+
+def prefill_attention_kernel(choice: str, device, dtype: torch.dtype) -> str:
+    """The kernel `extend_attention` runs for config `prefill_attention` on `device` with
+    queries of `dtype`: "sdpa" off CUDA, and under "auto" for a dtype FlashInfer has no kernel
+    for or where it does not import (logged: same math, slower); an error for "flashinfer"
+    in those cases."""
+    if choice == "sdpa":
+        return "sdpa"
+    why = None
+    if torch.device(device).type != "cuda":
+        why = f"it needs a CUDA device (the pool is on {device})"
+    elif dtype not in (torch.float16, torch.bfloat16):
+        why = f"its kernels take fp16/bf16 queries, the model runs {dtype}"
+    if why is not None:
+        if choice == "flashinfer":
+            raise ValueError(f"mosaickv prefill_attention 'flashinfer': {why}; use 'auto' or "
+                             "'sdpa'")
+        if torch.device(device).type == "cuda":
+            logger.warning("MosaicKV: prefill attention runs torch SDPA, not FlashInfer: %s", why)
+        return "sdpa"
+    try:
+        import flashinfer  # noqa: F401, PLC0415
+    except ImportError as exc:
+        if choice == "flashinfer":
+            raise ValueError(f"mosaickv prefill_attention 'flashinfer': FlashInfer does not "
+                             f"import ({exc}): install flashinfer-python or use 'sdpa'") from exc
+        logger.warning("MosaicKV: FlashInfer does not import (%s): prefill attention runs "
+                       "torch SDPA (same math, slower)", exc)
+        return "sdpa"
+    return "flashinfer"
 
 
 def _compile_ahead(what: str, compile_fn, later: str) -> None:
@@ -70,7 +111,7 @@ def _compile_ahead(what: str, compile_fn, later: str) -> None:
 
 def chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kd: torch.Tensor,
                     vd: torch.Tensor, first: int, read: torch.Tensor, ja: int, page: int,
-                    scale: float, per_page: bool = True) -> torch.Tensor:
+                    scale: float, per_page: bool = True, kernel: str = "sdpa") -> torch.Tensor:
     """A prefill chunk's attention under the read rule: q [Hq, n, D] for positions first ..
     first + n - 1; kc/vc [Hk, jc * page, D] the pages read compressed by the chunk's last token;
     kd/vd [Hk, T, D] the dense tokens from position ja * page on; read [n] (int64, non-decreasing)
@@ -85,7 +126,7 @@ def chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kd: tor
     the K/V only, never on where the chunk starts or ends: the same bits whatever the chunking
     (one masked call over the chunk's whole key range gave other float sums for the same query
     under another chunking: docs/determinism.md). Under the chunk rule (every query reads `ja`
-    pages, per_page False) a chunk is one run, one causal call."""
+    pages, per_page False) a chunk is one run, one causal call. `kernel`: `extend_attention`'s."""
     n = q.shape[1]
     read = read.tolist()
     out = torch.empty_like(q)
@@ -98,7 +139,7 @@ def chunk_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, kd: tor
         lo, hi = (j - ja) * page, first + r1 - ja * page  # the run's dense keys in kd
         keys = torch.cat([kc[:, :j * page], kd[:, lo:hi]], 1)
         values = torch.cat([vc[:, :j * page], vd[:, lo:hi]], 1)
-        out[:, r0:r1] = extend_attention(q[:, r0:r1], keys, values, scale)
+        out[:, r0:r1] = extend_attention(q[:, r0:r1], keys, values, scale, kernel)
         r0 = r1
     return out
 
@@ -143,6 +184,15 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
                        lambda: pool.store.compile_chooser_kernels(pairs, pool.page_size,
                                                                   self.cfg.chooser),
                        "each compiles when a candidate is first tried")
+        # A prefill chunk's attention (extend_attention): its kernel, compiled now (FlashInfer
+        # JIT-builds its module at first use: a minute on a fresh machine).
+        self.prefill_kernel = prefill_attention_kernel(
+            self.cfg.prefill_attention, pool.device, getattr(model_runner, "dtype", pool.dtype))
+        pool.prefill_attention = {"kernel": self.prefill_kernel, "calls": 0}
+        if self.prefill_kernel == "flashinfer":
+            _compile_ahead("FlashInfer prefill attention module",
+                           lambda: self._compile_prefill(model_runner),
+                           "it compiles at the first prefill")
         if on_cuda and self.packed is not None:
             _compile_ahead("prefix-unpack kernel variant", self.packed.compile_unpack,
                            "it compiles at the first chunk after a compressed prefix")
@@ -155,6 +205,18 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         self.chunk_seal = None  # the prefill forward's layer-by-layer sealing (pool.ChunkSeal)
         self._prepared = None  # the batch whose decode step init_forward_metadata prepared
         logger.info("MosaicKV decode path: %s", kernel)
+
+    def _compile_prefill(self, model_runner) -> int:
+        """One tiny call of the prefill attention at the model's dtype and head shape (what
+        FlashInfer keys its JIT module on) -> 1."""
+        mc, hk, d = model_runner.model_config, self.pool.head_num, self.pool.head_dim
+        group = max(1, mc.num_attention_heads // max(1, mc.num_key_value_heads))
+        dtype = getattr(model_runner, "dtype", self.pool.dtype)
+        q = torch.zeros(hk * group, 16, d, dtype=dtype, device=self.pool.device)
+        kv = torch.zeros(hk, 48, d, dtype=dtype, device=self.pool.device)
+        extend_attention(q, kv, kv, d ** -0.5, self.prefill_kernel)
+        torch.cuda.synchronize(self.pool.device)
+        return 1
 
     # ---- extend -------------------------------------------------------------------------
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -193,7 +255,9 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             read = pool.chunk_reads(first, seq_len, ja)
             qi = q_[start:start + n_new].transpose(0, 1)  # [Hq, n_new, D]
             out = chunk_attention(qi, *(x.transpose(0, 1).to(q.dtype) for x in (kc, vc, kd, vd)),
-                                  first, read, ja, ps, layer.scaling, pool.position_rule)
+                                  first, read, ja, ps, layer.scaling, pool.position_rule,
+                                  self.prefill_kernel)
+            pool.prefill_attention["calls"] += 1
             o_[start:start + n_new] = out.transpose(0, 1)
             start += n_new
             timer.lap("attention")

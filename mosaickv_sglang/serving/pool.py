@@ -308,6 +308,8 @@ class MosaicKVPool(MHATokenToKVPool):
         self.reference_reads = PageReads()
         # Every prefill (extend) step timed by phase when decode steps are (decode_profile_every):
         # they are few and long, so the syncs cost little; stats()["prefill"]["profile"].
+        # set by the attention backend: {"kernel": its prefill attention, "calls": n}
+        self.prefill_attention = {"kernel": None, "calls": 0}
         self.prefill_timer = StepProfiler(1 if mosaic_config.decode_profile_every else 0,
                                           self.device)
         self._write_map: tuple = (None, None)  # (slots of this forward, their hot-buffer rows)
@@ -1554,7 +1556,9 @@ class MosaicKVPool(MHATokenToKVPool):
             # logical page (what the GPU holds) vs the blocks live now (inside arena_bytes).
             "decode": {**({} if self.decode_path is None else self.decode_path.stats()),
                        "selection_reference": self.reference_reads.stats()},
-            "prefill": {"profile": self.prefill_timer.report()},
+            "prefill": {"profile": self.prefill_timer.report(),
+                        # the chunk attention's kernel and its (request, layer) calls
+                        "attention": dict(self.prefill_attention)},
             "segment_store": {"reserved_bytes": self.store.reserved_bytes(),
                               "live_block_bytes": self.store.live_bytes,
                               "packed_segments": int(self.store.packed.sum()),
