@@ -43,16 +43,18 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     contiguous). A fresh prompt (n == S) is plain causal; a chunk after a prefix is causal
     aligned to the bottom right (new token i sees keys 0 .. S - n + i).
 
-    `kernel` "flashinfer": FlashInfer's single-request prefill (CUDA; GQA, the bottom-right
-    mask and the head-major keys inside the kernel, no copy). "sdpa": torch's SDPA, the
-    bottom-right mask as `causal_lower_right` on its efficient kernel without materializing an
-    [n, S] mask (at a 128K prompt in 8K chunks that mask, broadcast over the heads, would not
-    fit), KV heads repeated for GQA on that path (its call takes equal head counts)."""
+    `kernel` "flashinfer": FlashInfer's single-request prefill (CUDA; GQA and the bottom-right
+    mask inside the kernel; keys passed as token-major views, no copy: in 0.6.15 its sm90 (FA3)
+    path reads HND keys' head count and length as if they were NHD, a division by zero).
+    "sdpa": torch's SDPA, the bottom-right mask as `causal_lower_right` on its efficient kernel
+    without materializing an [n, S] mask (at a 128K prompt in 8K chunks that mask, broadcast
+    over the heads, would not fit), KV heads repeated for GQA on that path (its call takes
+    equal head counts)."""
     if kernel == "flashinfer":
-        import flashinfer  # noqa: PLC0415 (CUDA only; PrefillAttention checked it imports)
+        import flashinfer  # noqa: PLC0415 (CUDA only: prefill_attention_kernel checked it)
         return flashinfer.single_prefill_with_kv_cache(
-            q.transpose(0, 1), keys, values, causal=True, kv_layout="HND",
-            sm_scale=scale).transpose(0, 1)
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), causal=True,
+            kv_layout="NHD", sm_scale=scale).transpose(0, 1)
     n, s = q.shape[1], keys.shape[1]
     if n == s:
         return scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True,
