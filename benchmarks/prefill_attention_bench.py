@@ -1,5 +1,5 @@
 """A prefill chunk's attention over a request's prefix, per layer, with the server's own code
-(`backend.chunk_attention`: the compressed prefix read back and the dense tokens joined, then
+(`prefill_attention.chunk_attention`: the compressed prefix read back and the dense tokens joined, then
 `extend_attention`) for each `prefill_attention` kernel, side by side on the same inputs; and
 FlashInfer's prefill over one contiguous K/V with nothing joined (what a dense server's extend
 costs at least, the floor). The inputs are laid out as the pool returns them (token-major
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from mosaickv_sglang.serving.backend import chunk_attention
+from mosaickv_sglang.serving.prefill_attention import chunk_attention
 
 
 def time_ms(fn, reps: int) -> float:

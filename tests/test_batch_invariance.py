@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mosaickv_sglang.integration import platform_cpu
-from mosaickv_sglang.serving.backend import chunk_attention
+from mosaickv_sglang.serving.prefill_attention import chunk_attention
 
 PAGE, HQ, HK, D = 32, 4, 2, 16
 

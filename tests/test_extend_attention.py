@@ -1,4 +1,4 @@
-"""backend.extend_attention (prefill of a chunk over a request's whole sequence) vs attention with
+"""prefill_attention.extend_attention (prefill of a chunk over a request's whole sequence) vs attention with
 an explicit bottom-right causal mask, on fresh random inputs: fresh prompts, chunks after a prefix,
 GQA and MHA, fp32 and (on a GPU, where SDPA takes its flash kernel) bf16; on a GPU with FlashInfer
 its prefill kernel (the server's default there) on the same inputs, keys head-major as the
@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from mosaickv_sglang.serving.backend import chunk_attention, extend_attention, \
+from mosaickv_sglang.serving.prefill_attention import chunk_attention, extend_attention, \
     prefill_attention_kernel
 
 from conftest import assert_rel_close

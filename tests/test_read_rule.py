@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from mosaickv_sglang.serving.backend import chunk_attention
+from mosaickv_sglang.serving.prefill_attention import chunk_attention
 from mosaickv_sglang.config import MosaicConfig
 from mosaickv_sglang.serving.pool import MosaicKVPool
 
