@@ -17,6 +17,11 @@ K/V as its sealed pages read back: what a pool that no longer holds them dense c
 `inherit:N` (a block of fewer than N tokens -- the context's tail block -- takes block b-1's
 bases, every other block its own: the pool's `basis_inherit_below_tokens`, where a small group
 opening a block, e.g. a decode page, reuses the previous block's bases instead of fitting).
+`calib:S` (every block b fitted on the same positions, block b, of another text: the capture of
+seed S at the same length, per layer -- another span of the same essays; `calib:code`: this
+repository's Python sources instead, a text unlike the haystack; bases that depend on positions
+only, not on the request: prefix-closed for any prefix, what a start-up calibration pass on a
+fixed text could give).
 One JSON line per (seed, budget, rule).
 """
 from __future__ import annotations
@@ -58,10 +63,39 @@ def fit_range(rule: str, block_start: int, block_end: int, cfg: MosaicConfig) ->
     raise ValueError(f"unknown rule {rule!r}")
 
 
-def compressor(rule: str):
-    """`codec.layer.compress_layer` with the bases fitted as `rule` says."""
+CALIB: dict = {}  # seed or "code" -> capture (calib:S)
+CODE_SEED = 990001  # the capture cache's key for calib:code
+
+
+def code_capture(length: int):
+    """A capture of `length` tokens of this repository's Python sources (calib:code)."""
+    from pathlib import Path  # noqa: PLC0415
+    from mosaickv_sglang.bench import capture as capture_mod  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[1] / "mosaickv_sglang"
+    text = "\n\n".join(p.read_text() for p in sorted(root.rglob("*.py")))
+
+    def code_prompt(tokenizer, n_tokens, depth, seed):
+        ids = tokenizer(text)["input_ids"][:n_tokens]
+        return tokenizer.decode(ids), ""
+    saved = capture_mod.needle_prompt
+    capture_mod.needle_prompt = code_prompt
+    try:
+        return capture(length, seed=CODE_SEED)
+    finally:
+        capture_mod.needle_prompt = saved
+
+
+def compressor(rule: str, cap=None):
+    """`codec.layer.compress_layer` with the bases fitted as `rule` says (`cap`: the capture
+    being evaluated, to find a layer's index for calib:S)."""
     def compress_layer(k, v, cfg, select_meta=None):
         def fit_on(block_start, block_end, kf, vf, layer):
+            if rule.startswith("calib:"):
+                other = CALIB[rule.partition(":")[2]]
+                li = next(i for i, x in enumerate(cap.k) if x is k)
+                return (other.k[li][:, block_start:block_end].float(),
+                        other.v[li][:, block_start:block_end].float())
             a, b = fit_range(rule, block_start, block_end, cfg)
             if rule.startswith("prevdec:") and block_start > 0:  # block b-1 as it reads back
                 back = [_decoded(s, layer.k_bases[s.basis], layer.v_bases[s.basis])
@@ -86,7 +120,11 @@ def main() -> None:
             base = MosaicConfig()
             cfg = replace(base, select=replace(base.select, budget_tokens=budget))
             for rule in args.rules:
-                fidelity.compress_layer = compressor(rule)
+                name = rule.partition(":")[2]
+                if rule.startswith("calib:") and name not in CALIB:
+                    CALIB[name] = code_capture(args.length) if name == "code" else \
+                        capture(args.length, seed=int(name))
+                fidelity.compress_layer = compressor(rule, cap)
                 t0 = time.time()
                 r = fidelity.evaluate(fidelity.Method(rule, cfg, "mosaickv"), cap, layers)
                 print(json.dumps({"length": args.length, "seed": seed, "budget": budget,
