@@ -21,7 +21,8 @@ opening a block, e.g. a decode page, reuses the previous block's bases instead o
 seed S at the same length, per layer -- another span of the same essays; `calib:code`: this
 repository's Python sources instead, a text unlike the haystack; bases that depend on positions
 only, not on the request: prefix-closed for any prefix, what a start-up calibration pass on a
-fixed text could give).
+fixed text could give); `calib0:S` / `calib0:code`: every block on that text's block 0
+(positions 0 .. block - 1 only: one calibration block for any context).
 One JSON line per (seed, budget, rule).
 """
 from __future__ import annotations
@@ -91,11 +92,12 @@ def compressor(rule: str, cap=None):
     being evaluated, to find a layer's index for calib:S)."""
     def compress_layer(k, v, cfg, select_meta=None):
         def fit_on(block_start, block_end, kf, vf, layer):
-            if rule.startswith("calib:"):
+            if rule.startswith(("calib:", "calib0:")):
                 other = CALIB[rule.partition(":")[2]]
                 li = next(i for i, x in enumerate(cap.k) if x is k)
-                return (other.k[li][:, block_start:block_end].float(),
-                        other.v[li][:, block_start:block_end].float())
+                a, b = (block_start, block_end) if rule.startswith("calib:") else \
+                    (0, cfg.basis_block_tokens)
+                return other.k[li][:, a:b].float(), other.v[li][:, a:b].float()
             a, b = fit_range(rule, block_start, block_end, cfg)
             if rule.startswith("prevdec:") and block_start > 0:  # block b-1 as it reads back
                 back = [_decoded(s, layer.k_bases[s.basis], layer.v_bases[s.basis])
@@ -121,7 +123,7 @@ def main() -> None:
             cfg = replace(base, select=replace(base.select, budget_tokens=budget))
             for rule in args.rules:
                 name = rule.partition(":")[2]
-                if rule.startswith("calib:") and name not in CALIB:
+                if rule.startswith(("calib:", "calib0:")) and name not in CALIB:
                     CALIB[name] = code_capture(args.length) if name == "code" else \
                         capture(args.length, seed=int(name))
                 fidelity.compress_layer = compressor(rule, cap)
