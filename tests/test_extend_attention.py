@@ -47,7 +47,7 @@ HAS_FLASHINFER = DEVICE == "cuda" and importlib.util.find_spec("flashinfer") is 
 @pytest.mark.skipif(not HAS_FLASHINFER, reason="needs CUDA and FlashInfer")
 @pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (9, 3, 64), (4, 4, 128)])
 @pytest.mark.parametrize("n,s", [(37, 37), (16, 300), (129, 400), (1, 50), (512, 3000)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # (each dtype and head dim: a JIT build)
 def test_flashinfer_prefill_matches_masked_reference(seed, hq, hk, d, n, s, dtype):
     # queries as the backend passes them: a head-major view of token-major storage
     q = torch.randn(n, hq, d, device=DEVICE).to(dtype).transpose(0, 1)
