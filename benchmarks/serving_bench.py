@@ -31,8 +31,9 @@ SGLang's GPU backends can be served in one run), `dense_eager` (no CUDA graphs),
 `decode_cuda_graph: breakable`), `mosaickv_full` (with `decode_cuda_graph: full`: the whole
 decode step in SGLang's CUDA graph) and `mosaickv_daemon` (MosaicKV
 with `daemon: process`: pages sealed by the recompression daemon's workers and swapped in at
-step boundaries; its rows carry the daemon's counters), `mosaickv_sdpa` (`prefill_attention:
-sdpa`: a prefill chunk's attention through torch SDPA instead of FlashInfer's kernel).
+step boundaries; its rows carry the daemon's counters), `mosaickv_flashinfer_prefill`
+(`prefill_attention: flashinfer`: a prefill chunk's attention through FlashInfer's kernel instead
+of torch SDPA).
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ MOSAICKV_SYSTEMS = {"mosaickv": {}, "mosaickv_eager": {"decode_cuda_graph": "off
                     "mosaickv_graph": {"decode_cuda_graph": "breakable"},
                     "mosaickv_full": {"decode_cuda_graph": "full"},
                     "mosaickv_daemon": {"daemon": "process"},
-                    "mosaickv_sdpa": {"prefill_attention": "sdpa"}}
+                    "mosaickv_flashinfer_prefill": {"prefill_attention": "flashinfer"}}
 # The same dense/FP8 caches with FlashInfer's attention instead of --dense-backend, so both of
 # SGLang's GPU backends can be served side by side in one run.
 SYSTEMS.update({f"{name}_flashinfer": [*SYSTEMS[name], "--attention-backend", "flashinfer"]

@@ -198,8 +198,10 @@ class MosaicConfig:
     # (torch's scaled_dot_product_attention: its efficient kernel with a lower-right mask and
     # the KV heads repeated after a prefix), or "auto" (flashinfer on CUDA where it imports,
     # else sdpa; a CUDA server without FlashInfer logs that it runs sdpa). Same math, other
-    # speed: stats()["prefill"]["attention"] names the kernel and counts its calls.
-    prefill_attention: str = "auto"
+    # speed: stats()["prefill"]["attention"] names the kernel and counts its calls. Default
+    # "sdpa" until the FlashInfer path's GPU tests and TTFT A/B have passed on a GPU (its
+    # first run crashed on a FlashInfer sm90 quirk, fixed since, not re-run).
+    prefill_attention: str = "sdpa"
     # Profiling: every Nth decode step on the kernels is timed phase by phase (host plan, bases,
     # hot gather, selection, kernels, merge, seal) with a device sync between phases, and, when
     # N > 0, every prefill step too (read prefix, attention, seal); 0 = off. The syncs slow the

@@ -5,8 +5,8 @@
   the whole batch, reading the pool's packed arena in place (`packed_decode.py`); elsewhere the
   codec's torch reference per request;
 * extend/prefill: sealed prefix pages are decompressed into a workspace and a chunk's queries
-  attend over (workspace + hot rows) through FlashInfer's prefill kernel on CUDA
-  (`prefill_attention`), torch SDPA elsewhere;
+  attend over (workspace + hot rows) through torch SDPA or FlashInfer's prefill kernel
+  (`prefill_attention`, `prefill_attention.py`);
 * sealing: full pages ``hot_tokens`` behind their request's last token are sealed (compressed;
   ``daemon: off``: synchronously, else sent to the daemon) after a prefill's last layer, and for
   decode between steps: in the forward-metadata hook, before the step's write mapping and plan
