@@ -306,10 +306,10 @@ class MosaicKVPool(MHATokenToKVPool):
         # pages the torch reference decode could read and read (every request on a CPU server,
         # the kernel path's unreadable requests on a GPU): selection's read fraction there
         self.reference_reads = PageReads()
-        # Every prefill (extend) step timed by phase when decode steps are (decode_profile_every):
-        # they are few and long, so the syncs cost little; stats()["prefill"]["profile"].
         # set by the attention backend: {"kernel": its prefill attention, "calls": n}
         self.prefill_attention = {"kernel": None, "calls": 0}
+        # Every prefill (extend) step timed by phase when decode steps are (decode_profile_every):
+        # they are few and long, so the syncs cost little; stats()["prefill"]["profile"].
         self.prefill_timer = StepProfiler(1 if mosaic_config.decode_profile_every else 0,
                                           self.device)
         self._write_map: tuple = (None, None)  # (slots of this forward, their hot-buffer rows)

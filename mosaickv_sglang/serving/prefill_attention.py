@@ -1,7 +1,7 @@
 """A prefill chunk's attention: its queries over the request's compressed prefix (read back)
 and its own dense tokens, under the read rule (`chunk_attention`), through one of two kernels
-(`extend_attention`: FlashInfer's single-request prefill on CUDA, torch SDPA elsewhere or by
-choice; config `prefill_attention`, resolved by `prefill_attention_kernel`). No SGLang import:
+(`extend_attention`: torch SDPA, or FlashInfer's single-request prefill on CUDA; config
+`prefill_attention`, resolved by `prefill_attention_kernel`). No SGLang import:
 the attention backend calls it, and so do its tests and `benchmarks/prefill_attention_bench.py`
 on a machine without SGLang.
 """
