@@ -66,7 +66,7 @@ GPU_TEST_FILES = {
 # Files of GPU_TEST_FILES that import SGLang (the server bundle): without it they are reported
 # as not run, the others still run.
 NEEDS_SGLANG = {"tests/test_packed_decode.py", "tests/test_pack_install.py",
-                "tests/test_decode_graph_gpu.py", "tests/test_extend_attention.py",
+                "tests/test_decode_graph_gpu.py",
                 "tests/test_graph_decode.py", "tests/test_request_decode_kernel.py",
                 "tests/test_decode_tables_kernel.py", "tests/test_page_rescore_kernel.py"}
 # Test files that name CUDA but run on the CPU only (tests/test_gpu_tests_script.py checks that
