@@ -90,3 +90,51 @@ def test_prefill_attention_kernel_choices():
             prefill_attention_kernel("flashinfer", "cuda", torch.float32)
         assert prefill_attention_kernel("auto", "cuda", torch.bfloat16) == \
             ("flashinfer" if HAS_FLASHINFER else "sdpa")
+
+
+def test_flashinfer_call_convention_on_the_cpu(monkeypatch, seed):
+    """The FlashInfer path's arguments, checked without a GPU through a stand-in module with
+    FlashInfer's documented contract for single_prefill_with_kv_cache (q [qo_len, Hq, D]; NHD
+    keys [kv_len, Hk, D]; causal aligned to the bottom right): the keys must arrive token-major
+    (its sm90 path reads k.size(0) / k.size(1) as length / heads whatever the layout argument),
+    Hq a multiple of Hk, the scale passed through; the result must equal the SDPA path's."""
+    import sys
+    import types
+
+    calls = []
+
+    def single_prefill_with_kv_cache(q, k, v, causal=False, kv_layout="NHD", sm_scale=None,
+                                     **kw):
+        assert kv_layout == "NHD" and causal and not kw, (kv_layout, causal, kw)
+        kv_len, hk = k.size(0), k.size(1)  # as the sm90 kernel reads them
+        assert q.size(1) % hk == 0 and v.shape == k.shape and q.size(2) == k.size(2)
+        calls.append((q.shape, k.shape, k.stride(), sm_scale))
+        return reference(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                         sm_scale).transpose(0, 1).to(q.dtype)
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        single_prefill_with_kv_cache=single_prefill_with_kv_cache))
+    g = torch.Generator().manual_seed(seed)
+    hq, hk, d, n, s = 8, 2, 16, 20, 70
+    q = torch.randn(n, hq, d, generator=g).transpose(0, 1)  # the backend's view
+    keys, values = (torch.randn(hk, s, d, generator=g) for _ in range(2))
+    got = extend_attention(q, keys, values, 0.3, "flashinfer")
+    assert calls and calls[0][1] == (s, hk, d), calls  # token-major shape, head-major strides
+    assert calls[0][3] == 0.3
+    assert got.shape == q.shape
+    torch.testing.assert_close(got, extend_attention(q, keys, values, 0.3, "sdpa"),
+                               atol=1e-5, rtol=1e-5)
+    # a chunk after a prefix, per page (several calls), through the same stand-in
+    page, first, m, window = 16, 64, 40, 16
+    rule = lambda t: max(t - window, 0) // page  # noqa: E731  (positions 64..103: 3, 4, 5 pages)
+    ja, jc = rule(first), rule(first + m - 1)
+    kc, vc = (torch.randn(hk, jc * page, d, generator=g) for _ in range(2))
+    kd, vd = (torch.randn(hk, first + m - ja * page, d, generator=g) for _ in range(2))
+    qc = torch.randn(hq, m, d, generator=g)
+    read = torch.tensor([rule(t) for t in range(first, first + m)])
+    assert read.unique().tolist() == [3, 4, 5]
+    calls.clear()
+    args = (qc, kc, vc, kd, vd, first, read, ja, page, 0.25, True)
+    torch.testing.assert_close(chunk_attention(*args, kernel="flashinfer"),
+                               chunk_attention(*args, kernel="sdpa"), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 3  # one run per page under the position rule (pages 4, 5, 6)
