@@ -19,7 +19,8 @@ bases, every other block its own: the pool's `basis_inherit_below_tokens`, where
 opening a block, e.g. a decode page, reuses the previous block's bases instead of fitting).
 `calib:S` (every block b fitted on the same positions, block b, of another text: the capture of
 seed S at the same length, per layer -- another span of the same essays; `calib:code`: this
-repository's Python sources instead, a text unlike the haystack; bases that depend on positions
+repository's Python sources instead, a text unlike the haystack; `calib:random`: uniformly
+random token ids (decoded and re-tokenized); bases that depend on positions
 only, not on the request: prefix-closed for any prefix, what a start-up calibration pass on a
 fixed text could give); `calib0:S` / `calib0:code`: every block on that text's block 0
 (positions 0 .. block - 1 only: one calibration block for any context).
@@ -68,8 +69,13 @@ CALIB: dict = {}  # seed or "code" -> capture (calib:S)
 CODE_SEED = 990001  # the capture cache's key for calib:code
 
 
-def code_capture(length: int):
-    """A capture of `length` tokens of this repository's Python sources (calib:code)."""
+RANDOM_SEED = 990002  # the capture cache's key for calib:random
+
+
+def code_capture(length: int, random_tokens: bool = False):
+    """A capture of `length` tokens of this repository's Python sources (calib:code), or of
+    uniformly random token ids (calib:random: text a server could make up at start-up)."""
+    import random  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
     from mosaickv_sglang.bench import capture as capture_mod  # noqa: PLC0415
 
@@ -77,12 +83,16 @@ def code_capture(length: int):
     text = "\n\n".join(p.read_text() for p in sorted(root.rglob("*.py")))
 
     def code_prompt(tokenizer, n_tokens, depth, seed):
-        ids = tokenizer(text)["input_ids"][:n_tokens]
+        if random_tokens:
+            rng = random.Random(seed)
+            ids = [rng.randrange(100, tokenizer.vocab_size) for _ in range(n_tokens)]
+        else:
+            ids = tokenizer(text)["input_ids"][:n_tokens]
         return tokenizer.decode(ids), ""
     saved = capture_mod.needle_prompt
     capture_mod.needle_prompt = code_prompt
     try:
-        return capture(length, seed=CODE_SEED)
+        return capture(length, seed=RANDOM_SEED if random_tokens else CODE_SEED)
     finally:
         capture_mod.needle_prompt = saved
 
@@ -125,6 +135,7 @@ def main() -> None:
                 name = rule.partition(":")[2]
                 if rule.startswith(("calib:", "calib0:")) and name not in CALIB:
                     CALIB[name] = code_capture(args.length) if name == "code" else \
+                        code_capture(args.length, True) if name == "random" else \
                         capture(args.length, seed=int(name))
                 fidelity.compress_layer = compressor(rule, cap)
                 t0 = time.time()
