@@ -85,6 +85,26 @@ def _check(loaded, alone, label: str, which: list[int] | None = None) -> None:
                             f"-> first differing token: {first_diff}")
 
 
+# the same with page selection active on these short prompts (a 512-token budget: about half of
+# the pages read) and its second stage (candidates rescored on their compressed K): what the
+# position rule needs for its accuracy (docs/determinism.md), still a function of the request
+SELECTING = {**POSITION_RULE, "select": {"budget_tokens": 512, "recent_tokens": 128,
+                                         "sink_tokens": 64, "rescore_factor": 2,
+                                         "rescore_channels": 32}}
+
+
+def test_loaded_equals_alone_with_selection_and_second_stage(tmp_path):
+    model = make_tiny_llama(tmp_path / "tiny", head_dim=64)
+    args = ["--kv-backend", "mosaickv", *COMMON,
+            "--mosaickv-config", json.dumps({**SELECTING, "daemon": "off"})]
+    with running_server(model, tmp_path / "server.log", *args) as server:
+        loaded, alone = loaded_vs_alone(server.url, _prompts())
+        stats = mosaickv_stats(server.url)
+    reads = stats["decode"]["selection_reference"]
+    assert 0 < reads["read_fraction"] < 0.9, reads  # selection skipped pages
+    _check(loaded, alone, "mosaickv/off, selection + second stage")
+
+
 @pytest.mark.parametrize("kv_backend,daemon", [("default", None), ("mosaickv", "off"),
                                                ("mosaickv", "process")])
 def test_loaded_equals_alone(tmp_path, kv_backend, daemon):
