@@ -18,7 +18,8 @@
 # full = dense, mosaickv, fp8 on all 1900 prompts + 20 DSL questions; ablate = the ablations and
 # budgets on a 5-task x 2K/4K x 20-sample subset, dense's samples reused; ablate50 = every ablation
 # and budget on the 10 task-lengths where dense scored >= 50, 50 samples; select8_4k / select8_8k =
-# selection at 1/8 of the context: bound only, the second stage, Quest-like) until LIMIT_S, the
+# selection at 1/8 of the context: bound only, the second stage, Quest-like; position50 = the
+# default, its second stage and the traffic-independent config with it, on those 10 cells) until LIMIT_S, the
 # systems of a set served at once (--parallel), with SPLIT=N by N eval.ruler processes over task
 # groups (see ruler_run). Both sets share one samples file in /tmp/mosaickv_ruler (kept while
 # warm), copied to $OUT after every set; one carried as .device/ruler/samples.jsonl seeds a fresh
@@ -146,6 +147,9 @@ for set in ${RULER_SETS:-full ablate}; do
     rule50) args=(--systems dense mosaickv mosaickv_chunk_rule mosaickv_chunk_first_page
                   mosaickv_chunk_hot0 --parallel 5 --cells niah_single_1@8192 niah_single_2@8192
                   niah_single_3@2048 niah_single_3@4096 --samples 50) ;;
+    # the traffic-independent config with selection's second stage, on the competent cells
+    position50) args=(--systems dense mosaickv mosaickv_rescore mosaickv_position_rescore
+                      --parallel 4 --cells "${COMPETENT[@]}" --samples 50) ;;
     # selection at 1/8 of the context (issue: 512 tokens at 4K, 1024 at 8K) on the competent
     # cells of that length: the bound alone, the second stage on the compressed K, Quest-like
     select8_4k) args=(--systems dense mosaickv mosaickv_sel512 mosaickv_sel512_rescore

@@ -24,6 +24,11 @@ thing buys:
   bound's 4x candidates re-ranked on 32 leading channels of their compressed K (the kernels'
   second stage), and a Quest-like baseline (near-lossless 8-bit values on raw channels, every
   channel's min/max per 32-token page: kernel-readable, unlike bf16 values);
+* ``mosaickv_rescore`` / ``mosaickv_position_rescore``: the default budget with the second stage,
+  under the default config and under the traffic-independent one (``read_rule: position``,
+  ``basis_fit: first_page``, ``hot_tokens: 0``): the position rule's RULER loss is page
+  selection's, and at codec level the second stage puts it below the default's error
+  (docs/determinism.md);
 * ``mosaickv_k4``: the default without its 2-bit K candidate (K at >= 4.5 bits/scalar): the
   rotated chooser sends more K segments to 2 bits than the raw-basis one (18% vs 2% on the CPU);
 * ``mosaickv_hi`` / ``mosaickv_lo`` / ``mosaickv_xlo``: fixed band layouts at ~5.5 / 3.5 / 2.9
@@ -160,6 +165,16 @@ def build_systems() -> dict[str, System]:
         System("mosaickv_chunk_hot0", "chunk read rule, bases fitted on the block's first page, "
                "no hot window", config={"read_rule": "chunk", "basis_fit": "first_page",
                                         "hot_tokens": 0}, family="ablation"),
+        # the second stage at the default budget, and with it the traffic-independent config
+        System("mosaickv_rescore", f"default with the second stage: {RESCORE_FACTOR}x candidates "
+               f"re-ranked on {RESCORE_CHANNELS} leading channels of their compressed K",
+               config={"select": {"enabled": True, "rescore_factor": RESCORE_FACTOR,
+                                  "rescore_channels": RESCORE_CHANNELS}}, family="ablation"),
+        System("mosaickv_position_rescore", "the traffic-independent config (position read rule, "
+               "bases fitted on the block's first page, no hot window) with the second stage",
+               config={"read_rule": "position", "basis_fit": "first_page", "hot_tokens": 0,
+                       "select": {"enabled": True, "rescore_factor": RESCORE_FACTOR,
+                                  "rescore_channels": RESCORE_CHANNELS}}, family="ablation"),
     ]
     return {s.name: s for s in systems}
 
