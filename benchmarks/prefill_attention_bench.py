@@ -9,7 +9,7 @@ prefixes of --prefixes tokens. CUDA only.
     python benchmarks/prefill_attention_bench.py --out prefill_attention.json
     python benchmarks/prefill_attention_bench.py --prefixes 0,24576,122880 --chunk 8192
 
-Printed per prefix: ms per layer for each path and the ratio to the floor; a chunk of a 32-layer
+Printed per prefix: ms per layer for each path (best of --reps) and the ratio to the floor; a chunk of a 32-layer
 model costs 32 times that (plus its linear layers, the prefix's read-back and the sealing).
 """
 from __future__ import annotations
@@ -21,19 +21,13 @@ import time
 
 import torch
 
+from mosaickv_sglang.bench.basis_fit import timed
 from mosaickv_sglang.serving.prefill_attention import chunk_attention
 
 
 def time_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    """Best of `reps` synchronized wall-clock runs, in ms (`bench.basis_fit.timed`)."""
+    return timed(fn, reps, "cuda") * 1e3
 
 
 def main() -> None:
