@@ -91,8 +91,9 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
                        "each compiles when a candidate is first tried")
         # A prefill chunk's attention (extend_attention): its kernel, compiled now (FlashInfer
         # JIT-builds its module at first use: a minute on a fresh machine).
-        self.prefill_kernel = prefill_attention_kernel(
-            self.cfg.prefill_attention, pool.device, getattr(model_runner, "dtype", pool.dtype))
+        self.prefill_dtype = getattr(model_runner, "dtype", pool.dtype)  # the queries' dtype
+        self.prefill_kernel = prefill_attention_kernel(self.cfg.prefill_attention, pool.device,
+                                                       self.prefill_dtype)
         pool.prefill_attention = {"kernel": self.prefill_kernel, "calls": 0}
         if self.prefill_kernel == "flashinfer":
             _compile_ahead("FlashInfer prefill attention module",
@@ -116,9 +117,8 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         FlashInfer keys its JIT module on) -> 1."""
         mc, hk, d = model_runner.model_config, self.pool.head_num, self.pool.head_dim
         group = max(1, mc.num_attention_heads // max(1, mc.num_key_value_heads))
-        dtype = getattr(model_runner, "dtype", self.pool.dtype)
-        q = torch.zeros(hk * group, 16, d, dtype=dtype, device=self.pool.device)
-        kv = torch.zeros(hk, 48, d, dtype=dtype, device=self.pool.device)
+        q = torch.zeros(hk * group, 16, d, dtype=self.prefill_dtype, device=self.pool.device)
+        kv = torch.zeros(hk, 48, d, dtype=self.prefill_dtype, device=self.pool.device)
         extend_attention(q, kv, kv, d ** -0.5, self.prefill_kernel)
         torch.cuda.synchronize(self.pool.device)
         return 1

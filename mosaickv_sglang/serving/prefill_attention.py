@@ -53,8 +53,8 @@ def prefill_attention_kernel(choice: str, device, dtype: torch.dtype) -> str:
     in those cases."""
     if choice == "sdpa":
         return "sdpa"
-    why = None
-    if torch.device(device).type != "cuda":
+    on_cuda, why = torch.device(device).type == "cuda", None
+    if not on_cuda:
         why = f"it needs a CUDA device (the pool is on {device})"
     elif dtype not in (torch.float16, torch.bfloat16):
         why = f"its kernels take fp16/bf16 queries, the model runs {dtype}"
@@ -62,7 +62,7 @@ def prefill_attention_kernel(choice: str, device, dtype: torch.dtype) -> str:
         if choice == "flashinfer":
             raise ValueError(f"mosaickv prefill_attention 'flashinfer': {why}; use 'auto' or "
                              "'sdpa'")
-        if torch.device(device).type == "cuda":
+        if on_cuda:
             logger.warning("MosaicKV: prefill attention runs torch SDPA, not FlashInfer: %s", why)
         return "sdpa"
     try:
