@@ -1,7 +1,7 @@
 """prefill_attention.extend_attention (prefill of a chunk over a request's whole sequence) vs attention with
 an explicit bottom-right causal mask, on fresh random inputs: fresh prompts, chunks after a prefix,
 GQA and MHA, fp32 and (on a GPU, where SDPA takes its flash kernel) bf16; on a GPU with FlashInfer
-its prefill kernel (the server's default there) on the same inputs, keys head-major as the
+its prefill kernel (`prefill_attention: flashinfer` or `auto`) on the same inputs, keys head-major as the
 backend passes them, queries as strided views; `prefill_attention_kernel`'s choices."""
 import importlib.util
 
