@@ -32,8 +32,9 @@ SGLang's GPU backends can be served in one run), `dense_eager` (no CUDA graphs),
 decode step in SGLang's CUDA graph) and `mosaickv_daemon` (MosaicKV
 with `daemon: process`: pages sealed by the recompression daemon's workers and swapped in at
 step boundaries; its rows carry the daemon's counters), `mosaickv_flashinfer_prefill`
-(`prefill_attention: flashinfer`: a prefill chunk's attention through FlashInfer's kernel instead
-of torch SDPA).
+(`prefill_attention: flashinfer`: a prefill chunk's attention through FlashInfer's kernel, which
+the default `auto` picks on CUDA) and `mosaickv_sdpa_prefill` (`prefill_attention: sdpa`: torch
+SDPA instead).
 """
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ MOSAICKV_SYSTEMS = {"mosaickv": {}, "mosaickv_eager": {"decode_cuda_graph": "off
                     "mosaickv_graph": {"decode_cuda_graph": "breakable"},
                     "mosaickv_full": {"decode_cuda_graph": "full"},
                     "mosaickv_daemon": {"daemon": "process"},
-                    "mosaickv_flashinfer_prefill": {"prefill_attention": "flashinfer"}}
+                    "mosaickv_flashinfer_prefill": {"prefill_attention": "flashinfer"},
+                    "mosaickv_sdpa_prefill": {"prefill_attention": "sdpa"}}
 # The same dense/FP8 caches with FlashInfer's attention instead of --dense-backend, so both of
 # SGLang's GPU backends can be served side by side in one run.
 SYSTEMS.update({f"{name}_flashinfer": [*SYSTEMS[name], "--attention-backend", "flashinfer"]
