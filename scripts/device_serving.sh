@@ -18,8 +18,9 @@
 # server arguments, items SYSTEM:ARG, e.g. "mosaickv:--max-total-tokens mosaickv:270000"),
 # WARMUP (tokens of one uncounted request per server, default 16384: two 8192-token chunks, so
 # the chunked prefill over a compressed prefix is compiled before TTFT is timed), AGENT=1, DAEMON_BENCH=1,
-# SAVE_CACHES=1 (return Triton's and FlashInfer's compile caches as $OUT/compile_caches.tar.xz;
-# carried back as .device/compile_caches.tar.xz they spare the next call the compiles),
+# SOAK=1 (the soak and flood after each server's rows, below), SAVE_CACHES=1 (return Triton's
+# and FlashInfer's compile caches as $OUT/compile_caches.tar.xz; carried back as
+# .device/compile_caches.tar.xz they spare the next call the compiles),
 # LOGPROBS=1, SEAL_SOLVERS (fit solvers the seal benchmark compares, e.g.
 # host,device,jacobi: give it SEAL_LIMIT_S=300; default the config's), SEAL_TOKENS, SEAL_LIMIT_S.
 set -uo pipefail
@@ -124,6 +125,13 @@ args+=("${agent_args[@]}")  # after serving_bench's own --max-running-requests: 
 benchmarks/agent_bench.py --url {url} --systems {system} --model /tmp/llama8b --tokenizer $site/tok \
 --workloads ${AGENT_WORKLOADS:-native,dsl} --sessions ${AGENT_SESSIONS:-16} --turns ${AGENT_TURNS:-4} \
 --system-tokens 16384 --user-tokens 64 --output 16 --logs /tmp/agent_logs --json $OUT/agent_{system}.json")
+# SOAK=1: the soak and flood (benchmarks/soak_bench.py) on each server after its rows: SOAK_REQUESTS
+# concurrent mixed requests offering SOAK_OFFER x the tokens it holds, aborts, a daemon worker
+# killed once (with daemon: process), then every finished one alone; SOAK_ARGS adds flags.
+[ "${SOAK:-0}" = 1 ] && args+=(--after-bench "timeout ${SOAK_LIMIT_S:-300} python3 \
+benchmarks/soak_bench.py --url {url} --system {system} --requests ${SOAK_REQUESTS:-500} \
+--offer ${SOAK_OFFER:-2} --vocab 128256 --limit-s $(( ${SOAK_LIMIT_S:-300} - 20 )) ${SOAK_ARGS:-} \
+--json $OUT/soak_{system}.json")
 [ -n "${MOSAICKV_CONFIG:-}" ] && args+=(--mosaickv-config "$MOSAICKV_CONFIG")
 for a in ${CUDA_GRAPH_ARGS:---cuda-graph-max-bs 8} ${EXTRA_ARGS:-}; do args+=("--server-arg=$a"); done
 for a in ${SYSTEM_ARGS:-}; do args+=("--system-arg=$a"); done
