@@ -19,8 +19,9 @@
 # budgets on a 5-task x 2K/4K x 20-sample subset, dense's samples reused; ablate50 = every ablation
 # and budget on the 10 task-lengths where dense scored >= 50, 50 samples; select8_4k / select8_8k =
 # selection at 1/8 of the context: bound only, the second stage, Quest-like; position50 = the
-# default, its second stage and the traffic-independent config with it, on those 10 cells) until LIMIT_S, the
-# systems of a set served at once (--parallel), with SPLIT=N by N eval.ruler processes over task
+# default, its second stage and the traffic-independent config with it, on those 10 cells;
+# candidates50 = those and both with looser chooser budgets, candidate defaults at >= 3.5x)
+# until LIMIT_S, the systems of a set served at once (--parallel), with SPLIT=N by N eval.ruler processes over task
 # groups (see ruler_run). Both sets share one samples file in /tmp/mosaickv_ruler (kept while
 # warm), copied to $OUT after every set; one carried as .device/ruler/samples.jsonl seeds a fresh
 # machine, so a lost machine resumes too. The 2026-11-30 run: calls 1-3 as above (LIMIT_S=500;
@@ -150,6 +151,11 @@ for set in ${RULER_SETS:-full ablate}; do
     # the traffic-independent config with selection's second stage, on the competent cells
     position50) args=(--systems dense mosaickv mosaickv_rescore mosaickv_position_rescore
                       --parallel 4 --cells "${COMPETENT[@]}" --samples 50) ;;
+    # candidate defaults at >= 3.5x: the second stage's accuracy spent on looser chooser budgets
+    # (docs/codec.md), beside the default and the second stage alone, on the competent cells
+    candidates50) args=(--systems dense mosaickv mosaickv_rescore mosaickv_rescore_b12
+                        mosaickv_position_rescore mosaickv_position_rescore_b12 --parallel 6
+                        --cells "${COMPETENT[@]}" --samples 50) ;;
     # selection at 1/8 of the context (issue: 512 tokens at 4K, 1024 at 8K) on the competent
     # cells of that length: the bound alone, the second stage on the compressed K, Quest-like
     select8_4k) args=(--systems dense mosaickv mosaickv_sel512 mosaickv_sel512_rescore
