@@ -52,12 +52,13 @@ def stand_in(batch: int, context: int, layers: int, page_size: int, cfg: MosaicC
     for p, page in sealed.items():
         page_sealed[p], page_basis[p] = True, id(page.bases)
 
-    def read_split_np(pages, position):  # the chunk rule: every sealed leading page
+    def read_split_np(pages, position, prompt=None):  # the chunk rule: every sealed leading page
         flags = page_sealed[pages]
         return len(pages) if flags.all() else int(flags.argmin())
 
     pool = SimpleNamespace(page_size=page_size, sealed=sealed, hot_page_of=hot_page_of,
                            device="cpu", cfg=cfg, read_split_np=read_split_np,
+                           prompt_split=False,
                            page_sealed=page_sealed, page_basis=page_basis, layer_num=layers,
                            head_num=8, start_layer=0,
                            store=SimpleNamespace(packed=torch.ones(layers, total + 1,

@@ -61,6 +61,8 @@ EXPECTED_HOOKS = {
         ("AFTER", "mosaickv_sglang.integration.wiring._internal_state"),
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
         ("BEFORE", "mosaickv_sglang.integration.wiring._step_boundary"),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend":
+        ("AFTER", "mosaickv_sglang.integration.wiring._record_prompt_lens"),
     "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.available_size":
         ("AROUND", "mosaickv_sglang.integration.wiring._available_size"),
     "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info":

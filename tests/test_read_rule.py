@@ -72,7 +72,7 @@ def _prefill(pool, slots, kv, chunks):
             k, v = kv[layer_id]
             _write(pool, slots[start:end], k[start:end], v[start:end], layer_id)
             if layer_id == 0:
-                cs = pool.plan_chunk_seal([(pages, end - 1)])
+                cs = pool.plan_chunk_seal([(pages, end - 1, None)])
             fresh = {} if cs is None else pool.seal_chunk_layer(cs, layer_id)
             kc, vc, kd, vd, jc, ja = pool.chunk_kv(layer_id, slots[:end], start, fresh)
             seen.append((start, end, layer_id, kc.clone(), kd.clone(), ja))

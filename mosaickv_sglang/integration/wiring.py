@@ -206,6 +206,22 @@ def _internal_state(result, self, recv_req):
     return result
 
 
+def _record_prompt_lens(result, self, *args, **kwargs):
+    """AFTER ScheduleBatch.prepare_for_extend (its requests have their req_pool_idx, before
+    their prefill forward): each request's prompt length recorded in a MosaicKV pool whose read
+    rule splits prompt pages from the window (`pool.prompt_split`). A re-prefill after a
+    retraction records the same length, so its generated tokens read as when decoded."""
+    from ..serving.pool import MosaicKVPool
+
+    allocator = self.token_to_kv_pool_allocator
+    pool = allocator.get_kvcache() if allocator is not None else None
+    if isinstance(pool, MosaicKVPool) and pool.prompt_split:
+        for req in self.reqs:
+            if req.req_pool_idx is not None:
+                pool.set_prompt_len(req.req_pool_idx, len(req.origin_input_ids))
+    return result
+
+
 def _free_slots(allocator) -> int:
     """The allocator's free token slots (its own available_size, before the byte gate)."""
     return (len(allocator.free_pages) + len(allocator.release_pages)) * allocator.page_size
@@ -342,6 +358,8 @@ HOOKS = {
         (_internal_state, HookType.AFTER),
     "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run":
         (_step_boundary, HookType.BEFORE),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend":
+        (_record_prompt_lens, HookType.AFTER),
     "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.available_size":
         (_available_size, HookType.AROUND),
     "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info": (_worker_info, HookType.AFTER),

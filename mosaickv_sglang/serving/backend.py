@@ -27,7 +27,7 @@ from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import 
 
 from ..codec.attention import decode_attention
 from .graph_decode import GraphDecode, band_pairs
-from .packed_decode import PackedDecode, host_batch
+from .packed_decode import PackedDecode, host_batch, host_prompts
 from .pool import MosaicKVPool
 from .prefill_attention import chunk_attention, extend_attention, prefill_attention_kernel
 
@@ -110,6 +110,10 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         self.graph_rows: int | None = None
         self.chunk_seal = None  # the prefill forward's layer-by-layer sealing (pool.ChunkSeal)
         self._prepared = None  # the batch whose decode step init_forward_metadata prepared
+        # the prompt lengths of the requests of the forward in progress (`host_prompts`: None
+        # where the read rule does not use them), read once per forward
+        self.extend_prompts: list | None = None
+        self.decode_prompts: list | None = None
         logger.info("MosaicKV decode path: %s", kernel)
 
     def _compile_prefill(self, model_runner) -> int:
@@ -138,13 +142,14 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
                  int(forward_batch.extend_seq_lens[i])) for i in range(forward_batch.batch_size)]
         if layer.layer_id == pool.start_layer:
             timer.step()
+            self.extend_prompts = pool.prompt_lens_of([rid for rid, _, _ in reqs])
             if pool.position_rule:
                 # The position rule (pool.compressed_pages): pages the chunk's own later tokens
                 # read compressed are sealed layer by layer in this forward, installed after
                 # its last. Under the chunk rule a chunk reads what was sealed before it.
                 self.chunk_seal = pool.plan_chunk_seal(
-                    [((req_to_token[rid, :seq_len:ps] // ps).tolist(), seq_len - 1)
-                     for rid, seq_len, _ in reqs])
+                    [((req_to_token[rid, :seq_len:ps] // ps).tolist(), seq_len - 1, prompt)
+                     for (rid, seq_len, _), prompt in zip(reqs, self.extend_prompts)])
                 timer.lap("plan_chunk_seal")
         else:
             timer.lap("between_layers")
@@ -153,11 +158,12 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             fresh = pool.seal_chunk_layer(self.chunk_seal, local)
             timer.lap("chunk_seal")
         start = 0
-        for rid, seq_len, n_new in reqs:
+        for (rid, seq_len, n_new), prompt in zip(reqs, self.extend_prompts):
             first = seq_len - n_new
-            kc, vc, kd, vd, _, ja = pool.chunk_kv(local, req_to_token[rid, :seq_len], first, fresh)
+            kc, vc, kd, vd, _, ja = pool.chunk_kv(local, req_to_token[rid, :seq_len], first, fresh,
+                                                  prompt)
             timer.lap("read_prefix")
-            read = pool.chunk_reads(first, seq_len, ja)
+            read = pool.chunk_reads(first, seq_len, ja, prompt)
             qi = q_[start:start + n_new].transpose(0, 1)  # [Hq, n_new, D]
             out = chunk_attention(qi, *(x.transpose(0, 1).to(q.dtype) for x in (kc, vc, kd, vd)),
                                   first, read, ja, ps, layer.scaling, pool.position_rule,
@@ -199,6 +205,7 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         skip = graph and self.graph.can_skip_host(forward_batch, rows)
         if timer is not None:  # a graph step with host work is timed whatever its number
             timer.step(forced=graph and not skip)
+        self.decode_prompts = None
         if skip:
             # nothing to seal or map at this step: the replay's tables built on the device
             self.graph.prepare_on_device(forward_batch, req_to_token, rows)
@@ -208,10 +215,13 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             return
         # read once for the sealing and the plan: lengths, and every request's logical pages
         host = lens, page_ids = host_batch(forward_batch, req_to_token, rows, pool.page_size)
+        # and their prompt lengths, where the read rule uses them (one copy of their indices)
+        prompts = self.decode_prompts = host_prompts(pool, forward_batch, rows)
         before = pool.counters.sealed_pages
         with pool.batched_seals():  # every request's new pages sealed in one batch
             for i, seq_len in enumerate(lens):
-                pool.seal_request_pages(page_ids[i], seq_len - 1, decode_step=True)
+                pool.seal_request_pages(page_ids[i], seq_len - 1, decode_step=True,
+                                        prompt=None if prompts is None else prompts[i])
         if pool.decode_sealing:  # decode_seal_layers: the next layers of the pages in flight
             pool.advance_decode_seals()
         if pool.counters.sealed_pages // LOG_EVERY_PAGES > before // LOG_EVERY_PAGES:
@@ -232,11 +242,11 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         if timer is not None:
             timer.lap("writes")
         if graph:
-            self.graph.prepare(forward_batch, req_to_token, rows, host)  # the replay's tables
+            self.graph.prepare(forward_batch, req_to_token, rows, host, prompts)  # its tables
             if timer is not None:
                 timer.lap("host_plan")
         elif self.packed is not None:
-            self.packed.begin(forward_batch, req_to_token, rows, host)  # laps host_plan
+            self.packed.begin(forward_batch, req_to_token, rows, host, prompts)  # laps host_plan
         self._prepared = forward_batch
 
     # ---- decode under a breakable CUDA graph ---------------------------------------------
@@ -310,10 +320,12 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         if self.packed is not None:
             self.packed.attend(q_, layer, o_)
             return o_.reshape(q_.shape[0], hq * layer.v_head_dim)
+        prompts = self.decode_prompts
         for i in range(rows):
             rid = int(forward_batch.req_pool_indices[i])
             seq_len = int(forward_batch.seq_lens[i])
-            view = self.pool.layer_view(layer.layer_id, req_to_token[rid, :seq_len])
+            view = self.pool.layer_view(layer.layer_id, req_to_token[rid, :seq_len],
+                                        None if prompts is None else prompts[i])
             out, info = decode_attention(q_[i:i + 1].float(), view,
                                          torch.tensor([seq_len - 1]), self.cfg.select,
                                          self.cfg.page_tokens, sm_scale=layer.scaling)
@@ -329,11 +341,12 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
             return False
         req_to_token = self.req_to_token_pool.req_to_token
         before = self.pool.counters.sealed_pages
+        prompts = self.extend_prompts
         with self.pool.batched_seals():  # the batch's pages sealed together
             for i in range(forward_batch.batch_size):
                 rid = int(forward_batch.req_pool_indices[i])
                 seq_len = int(forward_batch.seq_lens[i])
-                self.pool.seal_request(req_to_token[rid, :seq_len], seq_len)
+                self.pool.seal_request(req_to_token[rid, :seq_len], seq_len, prompts[i])
         after = self.pool.counters.sealed_pages
         if after // LOG_EVERY_PAGES > before // LOG_EVERY_PAGES:
             logger.info(self.pool.summary())

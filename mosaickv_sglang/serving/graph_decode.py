@@ -42,8 +42,8 @@ from mosaickv_kernels.page_select import page_bounds, select_page_list
 from mosaickv_kernels.request_decode import DecodeTables, RequestDecode
 
 from ..codec.attention import PageReads
-from .packed_decode import (host_batch, host_seq_lens, hot_slots, readable, request_reads,
-                            rescore_plan)
+from .packed_decode import (host_batch, host_prompts, host_seq_lens, hot_slots, readable,
+                            request_reads, rescore_plan)
 from .pool import upload_changed_span
 
 logger = logging.getLogger(__name__)
@@ -197,16 +197,19 @@ class GraphDecode:
                 return "a page the kernel cannot read"
         return None
 
-    def prepare(self, forward_batch, req_to_token, rows: int, host: tuple | None = None) -> None:
+    def prepare(self, forward_batch, req_to_token, rows: int, host: tuple | None = None,
+                prompts: list | None = None) -> None:
         """Write this step's tables for the replay of `forward_batch.batch_size` with its first
         `rows` requests real (the pool sealed and mapped the writes already); `host`: their
-        `host_batch` when the caller read it already."""
+        `host_batch`, `prompts`: their `host_prompts`, when the caller read them already."""
         pool, ps, w = self.pool, self.pool.page_size, self.width
         bk = self.buckets.get(forward_batch.batch_size)
         if bk is None:
             raise RuntimeError(f"MosaicKV: no decode graph tables for batch size "
                                f"{forward_batch.batch_size}")
         seq_lens, all_ids = host or host_batch(forward_batch, req_to_token, rows, ps)
+        if prompts is None:
+            prompts = host_prompts(pool, forward_batch, rows)
         r, block = bk.rows, self.block_pages
         # the host staging buffers, as numpy views in the device tables' layout
         s32, s64 = (t.numpy() for t in bk.staging)
@@ -223,7 +226,8 @@ class GraphDecode:
         total_pages = 0
         for i, seq_len in enumerate(seq_lens):
             page_ids = all_ids[i, :-(-seq_len // ps)]
-            n, runs, run_bases, hot = request_reads(pool, page_ids, seq_len)
+            n, runs, run_bases, hot = request_reads(pool, page_ids, seq_len,
+                                                    None if prompts is None else prompts[i])
             if n and not readable(pool, page_ids[:n]):
                 raise RuntimeError("MosaicKV: a decode graph step holds a page the kernel "
                                    "cannot read (graph_refusal should have sent it eager)")

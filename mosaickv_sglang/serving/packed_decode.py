@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,6 +53,8 @@ class StepPlan:
     req_rows: torch.Tensor  # int64 [K, max rows] (device): each kernel request's rows (pad: R)
     basis_ptrs: torch.Tensor  # int64 [R] (device): each row's BasisPair.whole address (0: identity)
     basis_keep: list  # the tensors those addresses point into, alive for the step
+    # batch index -> its prompt length (None: unknown or not needed), for the torch reference
+    reference_prompts: dict = field(default_factory=dict)
 
 
 def host_seq_lens(forward_batch, rows: int) -> list[int]:
@@ -71,12 +73,21 @@ def host_batch(forward_batch, req_to_token, rows: int, page_size: int):
     return seq_lens, page_ids
 
 
-def _sealed_runs(pool, pages: np.ndarray, seq_len: int):
+def host_prompts(pool, forward_batch, rows: int) -> list | None:
+    """The batch's first `rows` requests' prompt lengths (`pool.prompt_lens_of`) where the read
+    rule uses them (`pool.prompt_split`: one device->host copy of their request indices), else
+    None (no host work)."""
+    if not pool.prompt_split:
+        return None
+    return pool.prompt_lens_of(forward_batch.req_pool_indices[:rows].tolist())
+
+
+def _sealed_runs(pool, pages: np.ndarray, seq_len: int, prompt: int | None = None):
     """(n, runs, run_bases): the first n of a request's `pages` (numpy, position order) that its
-    token at seq_len - 1 reads compressed (`pool.read_split_np`), split into runs of pages
-    sharing a basis block, and each run's BasisPair. Vectorized over the pool's page table; one
-    dict lookup per run."""
-    n = pool.read_split_np(pages, seq_len - 1)
+    token at seq_len - 1 reads compressed (`pool.read_split_np`; `prompt` its prompt length),
+    split into runs of pages sharing a basis block, and each run's BasisPair. Vectorized over
+    the pool's page table; one dict lookup per run."""
+    n = pool.read_split_np(pages, seq_len - 1, prompt)
     read = pages[:n]
     if not n:
         return 0, [], []
@@ -90,18 +101,19 @@ def _sealed_runs(pool, pages: np.ndarray, seq_len: int):
         [pool.sealed[int(read[a])].bases for a in starts]
 
 
-def request_reads(pool, page_ids: torch.Tensor, seq_len: int):
+def request_reads(pool, page_ids: torch.Tensor, seq_len: int, prompt: int | None = None):
     """What one request's decode token (position seq_len - 1) reads, from its page ids (host,
-    position order): (n, the first n pages read compressed by the read rule, their runs of
-    pages sharing a basis block (numpy arrays), each run's BasisPair, the hot pages of the
-    rest). A sealed set that is not a prefix is repaired first (`pool.seal_prefix_now`)."""
+    position order) and its prompt length (`prompt`, None: unknown or not needed): (n, the
+    first n pages read compressed by the read rule, their runs of pages sharing a basis block
+    (numpy arrays), each run's BasisPair, the hot pages of the rest). A sealed set that is not
+    a prefix is repaired first (`pool.seal_prefix_now`)."""
     pages = page_ids.numpy()
     # the host hot-page map, read in place as numpy (~10x cheaper than torch indexing here);
     # a view, so it sees the repair's updates below
     hot_of = pool.hot_page_of.numpy()
-    n, runs, run_bases = _sealed_runs(pool, pages, seq_len)
+    n, runs, run_bases = _sealed_runs(pool, pages, seq_len, prompt)
     if (hot_of[pages[n:]] < 0).any() and pool.seal_prefix_now(pages.tolist()):  # not a prefix
-        n, runs, run_bases = _sealed_runs(pool, pages, seq_len)
+        n, runs, run_bases = _sealed_runs(pool, pages, seq_len, prompt)
     return n, runs, run_bases, torch.from_numpy(hot_of[pages[n:]])
 
 
@@ -165,22 +177,28 @@ class PackedDecode:
 
     # ---- per step ----------------------------------------------------------------------
     def begin(self, forward_batch, req_to_token, rows: int | None = None,
-              host: tuple | None = None) -> None:
+              host: tuple | None = None, prompts: list | None = None) -> None:
         """Plan the step for the batch's first `rows` requests (all by default; under a decode
-        graph the rest are padding). `host`: their `host_batch` when the caller read it
-        already. The caller starts the profiled step."""
+        graph the rest are padding). `host`: their `host_batch`, `prompts`: their
+        `host_prompts`, when the caller read them already. The caller starts the profiled
+        step."""
         pool, ps = self.pool, self.pool.page_size
         bsz = forward_batch.batch_size if rows is None else rows
         seq_lens, all_ids = host or host_batch(forward_batch, req_to_token, bsz, ps)
+        if prompts is None:
+            prompts = host_prompts(pool, forward_batch, bsz)
+        reference_prompts = {}
         kernel_reqs, reference_slots = [], {}
         row_req, row_pages, row_bases, hot_rows, needs_select = [], [], [], [], False
         sealed_ids = []  # each kernel request's sealed pages (tensor): the rows' pages in order
         for i, seq_len in enumerate(seq_lens):
             page_ids = all_ids[i, :-(-seq_len // ps)]
-            n, runs, run_bases, hot = request_reads(pool, page_ids, seq_len)
+            prompt = None if prompts is None else prompts[i]
+            n, runs, run_bases, hot = request_reads(pool, page_ids, seq_len, prompt)
             if n and not readable(pool, page_ids[:n]):
                 rid = int(forward_batch.req_pool_indices[i])
                 reference_slots[i] = req_to_token[rid, :seq_len]
+                reference_prompts[i] = prompt
                 continue
             kernel_reqs.append(i)
             sealed_ids.append(page_ids[:n])
@@ -217,7 +235,8 @@ class PackedDecode:
             hot_index.to(dev), torch.tensor([h.numel() for h in hot_rows], dtype=torch.int32).to(dev),
             rows, len(row_req) > len(kernel_reqs),
             torch.tensor(req_rows, dtype=torch.long).reshape(len(kernel_reqs), width).to(dev),
-            *basis_pointers([None if b is None else b.stacked() for b in row_bases], dev))
+            *basis_pointers([None if b is None else b.stacked() for b in row_bases], dev),
+            reference_prompts)
         self.kernel_requests += len(kernel_reqs)
         if reference_slots:
             if not self.reference_requests:
@@ -233,7 +252,7 @@ class PackedDecode:
         st, pool, timer = self.step, self.pool, self.timer
         timer.lap("between_layers")  # since the previous layer's attention
         for i, slots in st.reference_slots.items():
-            view = pool.layer_view(layer.layer_id, slots)
+            view = pool.layer_view(layer.layer_id, slots, st.reference_prompts.get(i))
             o, info = decode_attention(q[i:i + 1].float(), view, torch.tensor([len(slots) - 1]),
                                        self.cfg.select, self.cfg.page_tokens,
                                        sm_scale=layer.scaling)

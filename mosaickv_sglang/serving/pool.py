@@ -128,9 +128,13 @@ class PoolCounters:
     cold_pages: int = 0
     cold_kept: int = 0
     cold_saved_bytes: int = 0
-    # reads that found pages sealed that the read rule wants dense (only possible with
-    # hot_tokens > 0 and a prefix another request sealed): read compressed, counted
+    # reads that found pages sealed that the read rule wants dense (only possible with a
+    # window > 0: a page another request sealed inside it, e.g. a prefix cached by a request
+    # whose prompt length is not known): read compressed, counted
     early_sealed_reads: int = 0
+    # position rule with a window (prompt_split): request lookups that found no prompt length
+    # recorded (`set_prompt_len`); those reads took the window for every page
+    prompt_len_unknown: int = 0
     # decode_seal_layers > 0: (page, layer) segments sealed a slice at a time between decode
     # steps, pages installed that way, and pages whose remaining layers were sealed at once
     # because they were needed whole (hot-buffer pressure, a finished request, a prefill or
@@ -350,6 +354,10 @@ class MosaicKVPool(MHATokenToKVPool):
         self.dense_window = mosaic_config.hot_tokens + (
             mosaic_config.daemon_lag_tokens if self.daemon is not None and self.position_rule
             else 0)
+        # the window covers pages holding generated tokens only: each request's prompt length
+        # (req_pool_idx -> tokens, `set_prompt_len`), looked up where it can change a read
+        self.prompt_split = self.position_rule and self.dense_window > 0
+        self.prompt_lens: dict[int, int] = {}
         self.swaps = SwapLog() if self.daemon is not None else None  # flushed by step_boundary()
         # decode_seal_layers (chunk rule, no daemon): layers a decode step seals of the pages
         # in flight (0: all at once), and those pages -> their DecodeSeal, oldest first (the
@@ -459,16 +467,17 @@ class MosaicKVPool(MHATokenToKVPool):
         super().set_kv_buffer(layer, self._table_map[1], cache_k, cache_v)
 
     # ---- reads --------------------------------------------------------------------------
-    def request_view(self, layer_id: int, slots: torch.Tensor):
+    def request_view(self, layer_id: int, slots: torch.Tensor, prompt: int | None = None):
         """(sealed logical pages in position order, hot K, hot V, hot start) for one request's
-        slots [T] in position order. Sealed pages are a prefix of the request's pages (made one
+        slots [T] in position order, as its token at T - 1 reads them (`prompt`: its prompt
+        length, `compressed_pages`). Sealed pages are a prefix of the request's pages (made one
         first by `seal_prefix_now` where SGLang's prefix swap broke it)."""
         ps = self.page_size
         pages = (slots[::ps] // ps).tolist()
         n_sealed = self._sealed_prefix(pages)
         if any(p in self.sealed for p in pages[n_sealed:]):
             self.seal_prefix_now(pages)
-        n_sealed = self.read_split(pages, slots.numel() - 1)
+        n_sealed = self.read_split(pages, slots.numel() - 1, prompt)
         local = layer_id - self.start_layer
         hot_slots = slots[n_sealed * ps:]
         phys = self.physical_loc(hot_slots) if hot_slots.numel() else hot_slots
@@ -518,9 +527,11 @@ class MosaicKVPool(MHATokenToKVPool):
                        "on the scheduler thread (counted as prefix_repairs)", done)
         return done
 
-    def layer_view(self, layer_id: int, slots: torch.Tensor) -> CompressedLayer:
-        """One request's sealed segments + hot rows as a CompressedLayer for the codec."""
-        pages, hot_k, hot_v, hot_start = self.request_view(layer_id, slots)
+    def layer_view(self, layer_id: int, slots: torch.Tensor,
+                   prompt: int | None = None) -> CompressedLayer:
+        """One request's sealed segments + hot rows as a CompressedLayer for the codec
+        (`request_view`'s split)."""
+        pages, hot_k, hot_v, hot_start = self.request_view(layer_id, slots, prompt)
         local = layer_id - self.start_layer
         blocks, index = self.basis_blocks(pages)
         return CompressedLayer(
@@ -541,54 +552,88 @@ class MosaicKVPool(MHATokenToKVPool):
             index.append(of[id(bases)])
         return blocks, index
 
-    def dense_kv(self, layer_id: int, slots: torch.Tensor):
-        """Decompress one request's K/V [T, H, D] into a workspace (prefill over a prefix): with
-        the kernel decode path and every page packed, one `band_unpack` launch; else the codec."""
-        pages, hot_k, hot_v, _ = self.request_view(layer_id, slots)
+    def dense_kv(self, layer_id: int, slots: torch.Tensor, prompt: int | None = None):
+        """Decompress one request's K/V [T, H, D] into a workspace (`request_view`'s split):
+        with the kernel decode path and every page packed, one `band_unpack` launch; else the
+        codec."""
+        pages, hot_k, hot_v, _ = self.request_view(layer_id, slots, prompt)
         k, v = self.decompress(layer_id - self.start_layer, pages)
         return (torch.cat([k, hot_k.transpose(0, 1).to(self.dtype)]),
                 torch.cat([v, hot_v.transpose(0, 1).to(self.dtype)]))
 
     # ---- the read rule and prefill chunks ---------------------------------------------------
-    def compressed_pages(self, position: int) -> int:
-        """The read rule: a token at `position` reads compressed every page of its request that
-        ends at least `dense_window` tokens before it (hot_tokens, + daemon_lag_tokens with the
-        daemon), and the rest dense. A function of the position
-        alone, for prompt and generated tokens alike, so what a request reads does not depend
-        on how its prompt was chunked or batched (docs/determinism.md)."""
-        return max(position - self.dense_window, 0) // self.page_size
+    def compressed_pages(self, position: int, prompt: int | None = None) -> int:
+        """The read rule: how many leading pages of its request a token at `position` reads
+        compressed (the rest dense). With `prompt` (the request's prompt length L) a page whose
+        tokens are all prompt tokens (it ends at or before L) is read compressed by every token
+        after it, and any other page (holding generated tokens) once it ends at least
+        `dense_window` tokens before the token (hot_tokens, + daemon_lag_tokens with the
+        daemon); both are prefixes: max(max(t - W, 0) // page, min(t, L) // page). Without it
+        (unknown), the window applies to every page. A function of the position and the prompt
+        length alone, so what a request reads does not depend on how it was chunked, batched or
+        re-prefilled after a retraction, nor on who cached its prefix (docs/determinism.md)."""
+        n = max(position - self.dense_window, 0) // self.page_size
+        if prompt is None:
+            return n
+        return max(n, min(position, prompt) // self.page_size)
 
-    def chunk_reads(self, first: int, end: int, ja: int) -> torch.Tensor:
+    def chunk_reads(self, first: int, end: int, ja: int, prompt: int | None = None) -> torch.Tensor:
         """int64 [end - first]: how many pages each token of a prefill chunk at positions
-        first .. end - 1 reads compressed (`compressed_pages` for each, at least `ja`, what the
-        chunk's first token reads: see chunk_kv); under the chunk rule all read `ja`."""
+        first .. end - 1 reads compressed (`compressed_pages` for each with `prompt`, at least
+        `ja`, what the chunk's first token reads: see chunk_kv); under the chunk rule all read
+        `ja`."""
         if not self.position_rule:
             return torch.full((end - first,), ja, dtype=torch.long)
         pos = torch.arange(first, end, dtype=torch.long)
-        return ((pos - self.dense_window).clamp(min=0) // self.page_size).clamp(min=ja)
+        n = (pos - self.dense_window).clamp(min=0) // self.page_size
+        if prompt is not None:
+            n = torch.maximum(n, pos.clamp(max=prompt) // self.page_size)
+        return n.clamp(min=ja)
+
+    def set_prompt_len(self, req_pool_idx: int, prompt: int) -> None:
+        """Record the prompt length of the request holding `req_pool_idx` (the scheduler's
+        prepare_for_extend, before each prefill forward; a reused index is overwritten)."""
+        self.prompt_lens[req_pool_idx] = prompt
+
+    def prompt_lens_of(self, req_pool_indices: list[int]) -> list[int | None]:
+        """The prompt length of each request (by req_pool_idx) where the read rule uses it
+        (`prompt_split`), else all None. One without a record reads by the window alone:
+        counted (`prompt_len_unknown`), logged once."""
+        if not self.prompt_split:
+            return [None] * len(req_pool_indices)
+        out = [self.prompt_lens.get(i) for i in req_pool_indices]
+        missing = out.count(None)
+        if missing:
+            if not self.counters.prompt_len_unknown:
+                logger.warning("MosaicKV: %d request(s) without a recorded prompt length: their "
+                               "prompt pages are read with the window too (counted in stats as "
+                               "prompt_len_unknown)", missing)
+            self.counters.prompt_len_unknown += missing
+        return out
 
     def sealed_prefix(self, pages: list[int]) -> int:
         """How many leading `pages` are sealed."""
         return self._sealed_prefix(pages)
 
-    def plan_chunk_seal(self, requests: list[tuple[list[int], int]]) -> ChunkSeal | None:
+    def plan_chunk_seal(self, requests: list[tuple[list[int], int, int | None]]
+                        ) -> ChunkSeal | None:
         """Before a prefill forward's attention: the pages its tokens read compressed under the
         read rule that are not sealed yet (pages of this very chunk, or hot pages of a cached
         prefix), grouped by basis block; `requests` holds (page ids in position order, position
-        of the chunk's last token) per request. Pages still with the daemon are sealed now
-        (they are needed now). None when there is nothing to seal."""
+        of the chunk's last token, prompt length or None) per request. Pages still with the
+        daemon are sealed now (they are needed now). None when there is nothing to seal."""
         if not self.position_rule:
             return None  # a chunk reads what was sealed before it: nothing to seal inside it
         ps, block = self.page_size, self.cfg.basis_block_tokens // self.page_size
         todo: dict[int, tuple[int, int]] = {}  # page -> (position index, its block's first page)
-        for pages, last in requests:
-            for i in range(min(self.compressed_pages(last), len(pages))):
+        for pages, last, prompt in requests:
+            for i in range(min(self.compressed_pages(last, prompt), len(pages))):
                 p = pages[i]
                 if p not in self.sealed and p not in todo:
                     todo[p] = (i, pages[i // block * block])
         if self.daemon is not None and any(p in self.pending for p in todo):
-            for pages, last in requests:
-                self._seal_pending(pages, min(self.compressed_pages(last), len(pages)))
+            for pages, last, prompt in requests:
+                self._seal_pending(pages, min(self.compressed_pages(last, prompt), len(pages)))
             todo = {p: x for p, x in todo.items() if p not in self.sealed}
         if not todo:
             return None
@@ -719,18 +764,19 @@ class MosaicKVPool(MHATokenToKVPool):
         return tuple(buf[local][rows].view(len(pages), ps, *buf[local].shape[1:])
                      .transpose(1, 2)[:, None] for buf in (self.k_buffer, self.v_buffer))
 
-    def chunk_kv(self, local: int, slots: torch.Tensor, first: int, fresh: dict):
+    def chunk_kv(self, local: int, slots: torch.Tensor, first: int, fresh: dict,
+                 prompt: int | None = None):
         """What a prefill chunk of one request reads at one layer: `slots` its slots [0, b) in
         position order, `first` the chunk's first position, `fresh` this forward's
-        `seal_chunk_layer` output. Returns (Kc, Vc, Kd, Vd, jc, ja): Kc/Vc [jc * page, H, D] the
-        compressed pages as they read back (jc = pages the chunk's last token reads compressed),
-        Kd/Vd [b - ja * page, H, D] the dense tokens from page ja on (ja = pages its first token
-        reads compressed). Pages sealed before the read rule wants them (hot_tokens > 0 and a
-        prefix another request sealed) are read compressed by every token: counted."""
+        `seal_chunk_layer` output, `prompt` the request's prompt length (`compressed_pages`).
+        Returns (Kc, Vc, Kd, Vd, jc, ja): Kc/Vc [jc * page, H, D] the compressed pages as they
+        read back (jc = pages the chunk's last token reads compressed), Kd/Vd [b - ja * page, H,
+        D] the dense tokens from page ja on (ja = pages its first token reads compressed). Pages sealed before the read rule wants them (see `read_split`) are
+        read compressed by every token: counted."""
         ps, b = self.page_size, slots.numel()
         pages = (slots[::ps] // ps).tolist()
-        ja = self.read_split(pages, first)  # fresh pages install after the forward
-        jc = max(self.compressed_pages(b - 1), ja) if self.position_rule else ja
+        ja = self.read_split(pages, first, prompt)  # fresh pages install after the forward
+        jc = max(self.compressed_pages(b - 1, prompt), ja) if self.position_rule else ja
         old = [p for p in pages[:jc] if p not in fresh]
         if old != pages[:len(old)]:
             raise RuntimeError("MosaicKV: a chunk's compressed pages are not a sealed prefix "
@@ -780,35 +826,39 @@ class MosaicKVPool(MHATokenToKVPool):
         return job
 
     # ---- sealing ------------------------------------------------------------------------
-    def seal_request(self, slots: torch.Tensor, seq_len: int) -> int:
+    def seal_request(self, slots: torch.Tensor, seq_len: int, prompt: int | None = None) -> int:
         """After a forward: make one request's pages ready for its next token (position
-        `seq_len`). The pages it reads compressed under the read rule are sealed now (inline;
-        ones the daemon still has are taken back and sealed here), and their hot copies kept for
-        the read rule are freed; with the daemon, full pages it does not read compressed yet are
-        submitted (that slack, `hot_tokens`, is the daemon's time). Returns pages newly sealed
-        or submitted."""
+        `seq_len`; `prompt` its prompt length, `compressed_pages`). The pages it reads
+        compressed under the read rule are sealed now (inline; ones the daemon still has are
+        taken back and sealed here: prompt pages always), and their hot copies kept for the
+        read rule are freed; with the daemon, full pages it does not read compressed yet (pages
+        holding generated tokens, inside the window) are submitted (that slack is the daemon's
+        time). Returns pages newly sealed or submitted."""
         ps = self.page_size
-        limit = self._seal_limits(seq_len)[1]
-        return self.seal_request_pages((slots[: limit * ps: ps] // ps).cpu().numpy(), seq_len)
+        limit = self._seal_limits(seq_len, prompt)[1]
+        return self.seal_request_pages((slots[: limit * ps: ps] // ps).cpu().numpy(), seq_len,
+                                       prompt=prompt)
 
-    def _seal_limits(self, seq_len: int) -> tuple[int, int, int]:
+    def _seal_limits(self, seq_len: int, prompt: int | None = None) -> tuple[int, int, int]:
         """(need, limit, inline_below) of `seal_request`: pages read compressed next step,
         pages to seal or submit, pages sealed inline whatever the daemon."""
-        need = self.compressed_pages(seq_len)
+        need = self.compressed_pages(seq_len, prompt)
         if not self.position_rule:  # chunk rule: pages go to the daemon (if any) until adopted
             return need, need, 0
         # position rule: the pages needed next step are sealed here
         return need, need if self.daemon is None else seq_len // self.page_size, need
 
-    def seal_request_pages(self, page_ids, seq_len: int, decode_step: bool = False) -> int:
+    def seal_request_pages(self, page_ids, seq_len: int, decode_step: bool = False,
+                           prompt: int | None = None) -> int:
         """`seal_request` from the request's logical page ids on the host (numpy or a CPU
         tensor, position order; pages past what it seals are ignored): what the decode step's
         host work calls with the page ids it reads once for the whole batch. The common case,
         nothing new to seal, is one vectorized look at the page table. `decode_step`: the
         decode step's call; with `decode_seal_layers` its new pages start sealing in slices
         (`DecodeSeal`, advanced by `advance_decode_seals`) instead of all at once. Any other
-        call needs its pages whole: those in slices get their other layers sealed now."""
-        need, limit, inline_below = self._seal_limits(seq_len)
+        call needs its pages whole: those in slices get their other layers sealed now.
+        `prompt`: the request's prompt length (`compressed_pages`)."""
+        need, limit, inline_below = self._seal_limits(seq_len, prompt)
         pages = np.asarray(page_ids)[:limit]
         if self._queued and not self._queued.isdisjoint(pages.tolist()):
             # a page of this request waits in `batched_seals` (a shared prefix another request
@@ -989,9 +1039,9 @@ class MosaicKVPool(MHATokenToKVPool):
     def seal_finished(self, slots: torch.Tensor) -> int:
         """A finished request's pages before its radix insert (`slots` its KV slots in position
         order). Position rule: every full page, whatever the window, with its hot copy freed:
-        nothing reads them dense any more except a later request matching them in the radix
-        tree within its own window, which then reads them compressed (counted:
-        early_sealed_reads). Chunk rule: every full page too. Returns pages sealed."""
+        nothing reads them dense any more (a later request matching them in the radix tree
+        holds them as prompt pages, read compressed by its every later token). Chunk rule:
+        every full page too. Returns pages sealed."""
         before = self.counters.sealed_pages
         full = slots.numel() // self.page_size * self.page_size
         if not self.position_rule:
@@ -1019,21 +1069,22 @@ class MosaicKVPool(MHATokenToKVPool):
                 self.free_hot_pages.append(int(self.hot_page_of[p]))
                 self.hot_page_of[p] = -1
 
-    def read_split_np(self, pages: np.ndarray, position: int) -> int:
+    def read_split_np(self, pages: np.ndarray, position: int, prompt: int | None = None) -> int:
         """`read_split` for page ids as a numpy array: the chunk rule's count (the sealed
         prefix) vectorized; the position rule through `read_split`."""
         if self.position_rule:
-            return self.read_split(pages.tolist(), position)
+            return self.read_split(pages.tolist(), position, prompt)
         return self._sealed_prefix(pages)
 
-    def read_split(self, pages: list[int], position: int) -> int:
+    def read_split(self, pages: list[int], position: int, prompt: int | None = None) -> int:
         """How many leading `pages` (one request's, position order) a token at `position` reads
-        compressed: the read rule's count, or more where pages past it are sealed without a hot
-        copy (hot_tokens > 0 and a prefix another request sealed: counted)."""
+        compressed (`prompt`: its request's prompt length): the read rule's count, or more where
+        pages past it are sealed without a hot copy (a window > 0 and a page another request
+        sealed inside it, or a prompt length not known: counted)."""
         n = self._sealed_prefix(pages)
         if not self.position_rule:
             return n  # whatever is sealed (before this forward) is read compressed
-        rule = min(self.compressed_pages(position), len(pages))
+        rule = min(self.compressed_pages(position, prompt), len(pages))
         if n <= rule:
             return n
         if all(p in self.kept_hot for p in pages[rule:n]):
@@ -1465,6 +1516,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.decode_sealing.clear()
         self.cold_done.clear()
         self._cold_queue.clear()
+        self.prompt_lens.clear()
         if self.daemon is not None:
             for job in self.daemon.open_jobs():
                 self.daemon.cancel(job)
