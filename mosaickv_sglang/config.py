@@ -127,9 +127,9 @@ class MosaicConfig:
     segment_tokens: int = 128  # sealing / strategy granularity
     page_tokens: int = 32  # selection granularity (divides segment_tokens)
     basis_block_tokens: int = 4096  # one SVD basis per (layer, KV head) per this many tokens
-    # The dense window: a decode token (and, under read_rule "position", every token) reads
-    # dense every page ending less than this many tokens before it (docs/determinism.md). The
-    # position rule's traffic-independence, radix reuse included, needs 0.
+    # The dense window: a decode token reads dense every page ending less than this many tokens
+    # before it (docs/determinism.md); under read_rule "position" the window covers pages
+    # holding generated tokens only (prompt pages are read compressed by every later token).
     hot_tokens: int = 64
     # Serving: the dense hot buffer. 0 (default): sized to what is in flight, one prefill chunk
     # plus the last page of `hot_buffer_requests` other running requests, carved out of the KV
@@ -153,12 +153,13 @@ class MosaicConfig:
     # the chunk rule pages are read hot until adopted between steps, under the position rule
     # full pages go to the workers daemon_lag_tokens ahead of need.
     daemon: str = "off"
-    # daemon "process", read_rule "position" only: the workers' slack. Pages are read dense
-    # this many tokens longer
-    # (added to hot_tokens); a page still with the workers when its request reads it compressed
-    # is sealed on the scheduler thread (counted: sync_seals_needed). Outputs stay independent
-    # of the daemon's speed; a window > 0 means a prefix another request sealed may be read
-    # compressed inside it (counted: early_sealed_reads, docs/determinism.md).
+    # daemon "process", read_rule "position" only: the workers' slack. Pages holding generated
+    # tokens are read dense this many tokens longer (added to hot_tokens) and go to the workers
+    # when full; prompt pages are read compressed by every later token, sealed inline (in the
+    # prefill forward), never sent. A page still with the workers when its request reads it
+    # compressed is sealed on the scheduler thread (counted: sync_seals_needed). Outputs stay
+    # independent of the daemon's speed, and of who cached a reused prefix (prompt pages of
+    # the request reusing it: read compressed as the cache holds them; docs/determinism.md).
     daemon_lag_tokens: int = 128
     # read_rule "chunk" with daemon "off" only: a page a decode step makes sealable is sealed
     # this many layers per decode step (between steps, where decode seals) and installed after
@@ -237,9 +238,11 @@ class MosaicConfig:
     # jacobi on a CPU); opt-in: on an H100 it fitted a prefill block 5% faster at slightly
     # lower top-r energy (docs/codec.md).
     fit_solver: str = "auto"
-    # What a token reads compressed (docs/determinism.md). "position": every page ending >=
-    # hot_tokens before it, prompt and generated tokens alike (pages a prefill chunk's own later
-    # tokens read are sealed inside the forward): outputs independent of other traffic.
+    # What a token reads compressed (docs/determinism.md). "position": every page of its
+    # request's prompt ending at or before it, and every page holding generated tokens ending
+    # >= the window (hot_tokens, + daemon_lag_tokens with the daemon) before it, whether the
+    # token is a prompt or a generated one (pages a prefill chunk's own later tokens read are
+    # sealed inside the forward): outputs independent of other traffic.
     # "chunk": a prefill chunk reads the pages sealed before it compressed and itself dense,
     # decode as "position": what a prompt token reads depends on where its chunk began.
     read_rule: str = "chunk"
