@@ -135,6 +135,7 @@ def test_loaded_equals_alone(tmp_path, kv_backend, daemon):
     if daemon == "process":
         label += " " + str({k: stats["daemon"][k] for k in (
             "worker_pages", "sync_seals_needed", "sync_seals_backpressure")})
+    print(label)  # the counters (pytest -rP shows them)
     _check(loaded, alone, label)
     if daemon == "process" and not os.environ.get("MOSAICKV_TI_CONFIG"):
         # the daemon sealed pages (a daemon that seals nothing would pass like daemon: off)
