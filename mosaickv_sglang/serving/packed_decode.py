@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 class StepPlan:
     """Host-side structure of one decode batch, shared by every layer of the step."""
     kernel_reqs: torch.Tensor  # int64 [K] (device): batch indices decoded by the kernel
-    reference_slots: dict[int, torch.Tensor]  # batch index -> its slots, for the torch reference
+    # batch index -> (its slots, its prompt length or None), for the torch reference
+    reference_slots: dict[int, tuple[torch.Tensor, int | None]]
     row_req: torch.Tensor  # int64 [R] (device): batch index of each row
     row_bases: list  # each row's BasisPair (None: the identity, a row without sealed pages)
     seg_indptr: torch.Tensor  # int32 [R+1]
@@ -53,8 +54,6 @@ class StepPlan:
     req_rows: torch.Tensor  # int64 [K, max rows] (device): each kernel request's rows (pad: R)
     basis_ptrs: torch.Tensor  # int64 [R] (device): each row's BasisPair.whole address (0: identity)
     basis_keep: list  # the tensors those addresses point into, alive for the step
-    # batch index -> its prompt length (None: unknown or not needed), for the torch reference
-    reference_prompts: dict = field(default_factory=dict)
 
 
 def host_seq_lens(forward_batch, rows: int) -> list[int]:
@@ -187,7 +186,6 @@ class PackedDecode:
         seq_lens, all_ids = host or host_batch(forward_batch, req_to_token, bsz, ps)
         if prompts is None:
             prompts = host_prompts(pool, forward_batch, bsz)
-        reference_prompts = {}
         kernel_reqs, reference_slots = [], {}
         row_req, row_pages, row_bases, hot_rows, needs_select = [], [], [], [], False
         sealed_ids = []  # each kernel request's sealed pages (tensor): the rows' pages in order
@@ -197,8 +195,7 @@ class PackedDecode:
             n, runs, run_bases, hot = request_reads(pool, page_ids, seq_len, prompt)
             if n and not readable(pool, page_ids[:n]):
                 rid = int(forward_batch.req_pool_indices[i])
-                reference_slots[i] = req_to_token[rid, :seq_len]
-                reference_prompts[i] = prompt
+                reference_slots[i] = (req_to_token[rid, :seq_len], prompt)
                 continue
             kernel_reqs.append(i)
             sealed_ids.append(page_ids[:n])
@@ -235,8 +232,7 @@ class PackedDecode:
             hot_index.to(dev), torch.tensor([h.numel() for h in hot_rows], dtype=torch.int32).to(dev),
             rows, len(row_req) > len(kernel_reqs),
             torch.tensor(req_rows, dtype=torch.long).reshape(len(kernel_reqs), width).to(dev),
-            *basis_pointers([None if b is None else b.stacked() for b in row_bases], dev),
-            reference_prompts)
+            *basis_pointers([None if b is None else b.stacked() for b in row_bases], dev))
         self.kernel_requests += len(kernel_reqs)
         if reference_slots:
             if not self.reference_requests:
@@ -251,8 +247,8 @@ class PackedDecode:
         """q [B, Hq, D] -> writes out [B, Hq, D] for every request of the step."""
         st, pool, timer = self.step, self.pool, self.timer
         timer.lap("between_layers")  # since the previous layer's attention
-        for i, slots in st.reference_slots.items():
-            view = pool.layer_view(layer.layer_id, slots, st.reference_prompts.get(i))
+        for i, (slots, prompt) in st.reference_slots.items():
+            view = pool.layer_view(layer.layer_id, slots, prompt)
             o, info = decode_attention(q[i:i + 1].float(), view, torch.tensor([len(slots) - 1]),
                                        self.cfg.select, self.cfg.page_tokens,
                                        sm_scale=layer.scaling)

@@ -552,11 +552,10 @@ class MosaicKVPool(MHATokenToKVPool):
             index.append(of[id(bases)])
         return blocks, index
 
-    def dense_kv(self, layer_id: int, slots: torch.Tensor, prompt: int | None = None):
-        """Decompress one request's K/V [T, H, D] into a workspace (`request_view`'s split):
-        with the kernel decode path and every page packed, one `band_unpack` launch; else the
-        codec."""
-        pages, hot_k, hot_v, _ = self.request_view(layer_id, slots, prompt)
+    def dense_kv(self, layer_id: int, slots: torch.Tensor):
+        """Decompress one request's K/V [T, H, D] into a workspace (prefill over a prefix): with
+        the kernel decode path and every page packed, one `band_unpack` launch; else the codec."""
+        pages, hot_k, hot_v, _ = self.request_view(layer_id, slots)
         k, v = self.decompress(layer_id - self.start_layer, pages)
         return (torch.cat([k, hot_k.transpose(0, 1).to(self.dtype)]),
                 torch.cat([v, hot_v.transpose(0, 1).to(self.dtype)]))
@@ -771,8 +770,9 @@ class MosaicKVPool(MHATokenToKVPool):
         `seal_chunk_layer` output, `prompt` the request's prompt length (`compressed_pages`).
         Returns (Kc, Vc, Kd, Vd, jc, ja): Kc/Vc [jc * page, H, D] the compressed pages as they
         read back (jc = pages the chunk's last token reads compressed), Kd/Vd [b - ja * page, H,
-        D] the dense tokens from page ja on (ja = pages its first token reads compressed). Pages sealed before the read rule wants them (see `read_split`) are
-        read compressed by every token: counted."""
+        D] the dense tokens from page ja on (ja = pages its first token reads compressed). Pages
+        sealed before the read rule wants them (see `read_split`) are read compressed by every
+        token: counted."""
         ps, b = self.page_size, slots.numel()
         pages = (slots[::ps] // ps).tolist()
         ja = self.read_split(pages, first, prompt)  # fresh pages install after the forward
