@@ -363,3 +363,87 @@ def test_host_work_is_skipped_only_where_nothing_is_due():
     assert not skip(300, 1000)  # the position rule: host only
     pool.position_rule, pool.basis_addr_ok = False, False
     assert not skip(300, 1000)  # a page's bases without one tensor: host only
+
+
+def test_daemon_pages_past_the_graph_hot_table_are_sealed_before_the_step(seed):
+    """Under the daemon (chunk rule) a prompt's full pages are read hot until the workers' results
+    are adopted; right after a long prefill a request held more hot tokens than the graph's static
+    hot table (`graph_hot_tokens`), which stopped the scheduler (H100, 2026-12-06: a 16K prompt,
+    12,273 hot tokens). Before the step the pool seals on its thread the oldest pages the request
+    needs to stay within the table until its next page (counted: sync_seals_graph) and no more;
+    the replay then equals the eager step of a twin pool brought to the same state."""
+    lengths, bs, cap = (700,), 2, 2 * PS
+    extra = dict(daemon="process", daemon_workers=1, graph_hot_tokens=cap)
+    graph, pool_g = _backend("full", seed, (), DEVICE, **extra)  # captured before the prefill
+    eager, pool_e = _backend("off", seed, lengths, DEVICE, **extra)
+    try:
+        layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D,
+                                  scaling=D ** -0.5) for i in range(LAYERS)]
+        fill = graph.get_cuda_graph_seq_len_fill_value()
+        static = SimpleNamespace(
+            batch_size=bs, req_pool_indices=torch.zeros(bs, dtype=torch.long, device=DEVICE),
+            seq_lens=torch.full((bs,), fill, device=DEVICE), seq_lens_cpu=torch.full((bs,), fill),
+            out_cache_loc=torch.zeros(bs, dtype=torch.long, device=DEVICE),
+            forward_mode=ForwardMode.DECODE)
+        q_in = torch.zeros(LAYERS, bs, HQ * D, device=DEVICE)
+        k_in = torch.zeros(LAYERS, bs, H, D, dtype=torch.bfloat16, device=DEVICE)
+        v_in = torch.zeros_like(k_in)
+
+        def step():
+            return torch.stack([graph.forward_decode(q_in[j] * 1, k_in[j], v_in[j], layer, static)
+                                for j, layer in enumerate(layers)])
+
+        graph.init_cuda_graph_state(bs, bs)
+        graph.init_forward_metadata_out_graph(static, in_capture=True)
+        step()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph):
+                out = step()
+            replay = lambda: cuda_graph.replay() or out  # noqa: E731
+        else:
+            replay = step
+        # the prefill: the prompt's 5 full pages go to the daemon (no step boundary: never sent)
+        req_to_token = write_requests(pool_g, lengths, seed, DEVICE)
+        graph.req_to_token_pool.req_to_token = req_to_token.to(DEVICE)
+        pages = (req_to_token[1, :768:PS] // PS).tolist()
+        assert sorted(pool_g.pending) == sorted(pages[:5]) and not pool_g.sealed
+        gen = torch.Generator().manual_seed(seed + 1)
+        _, live = next(decode_steps(eager.req_to_token_pool.req_to_token, lengths, DEVICE))
+        locs = live.out_cache_loc
+        # the twin: the same pages sealed on its thread, then its eager step
+        assert pool_e.bound_hot_reads(pages, 701, None, cap) == 701 - 4 * PS
+        eager.init_forward_metadata(live)
+        want = []
+        for layer in layers:
+            q = torch.randn(1, HQ * D, generator=gen).to(DEVICE)
+            k, v = (torch.randn(1, H, D, generator=gen).bfloat16().to(DEVICE) for _ in range(2))
+            want.append(eager.forward_decode(q, k, v, layer, live))
+            q_in[layer.layer_id, :1], k_in[layer.layer_id, :1] = q, k
+            v_in[layer.layer_id, :1] = v
+        refresh_static(static, live, fill)
+        assert graph.graph_refusal(live) is None
+        graph.init_forward_metadata_out_graph(replay_view(static, bs, bs - 1, locs))
+        st = pool_g.daemon.counters
+        # 4 pages: 768 - 4 * 128 = 256 hot tokens at the page's end; the fifth stays pending
+        assert st.sync_seals_graph == 4 and sorted(pool_g.sealed) == sorted(pages[:4]), st
+        assert sorted(pool_g.pending) == [pages[4]]
+        assert int(graph.graph.bucket.hot_lens[0]) == 701 - 4 * PS
+        got = replay()
+        for j, w in enumerate(want):
+            err = float((got[j, :1] - w).abs().max())
+            assert err <= 1e-4 * float(w.abs().max()), (j, err, repro(seed))
+        assert sorted(pool_e.sealed) == sorted(pool_g.sealed)
+    finally:
+        for p in (pool_g, pool_e):
+            p.daemon.close()
+
+
+def test_the_graph_hot_table_holds_the_read_rules_window(seed):
+    """A graph hot table smaller than the position rule's window with the daemon (hot_tokens +
+    daemon_lag_tokens) + 2 pages is refused at start-up, naming the size to set."""
+    with pytest.raises(ValueError, match="raise it to at least 1280"):
+        _backend("full", seed, (130,), DEVICE, read_rule="position", basis_fit="first_page",
+                 daemon="process", daemon_workers=1, daemon_lag_tokens=1024,
+                 graph_hot_tokens=1024)

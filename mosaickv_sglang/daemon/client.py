@@ -99,6 +99,7 @@ class DaemonCounters:
     discarded_pages: int = 0  # result dropped: page freed/reused, or sealed by backpressure first
     sync_seals_backpressure: int = 0  # pages sealed on the scheduler thread (hot buffer low)
     sync_seals_needed: int = 0  # pages sealed on the scheduler thread: a forward read them now
+    sync_seals_graph: int = 0  # pages sealed on the scheduler thread: over the decode graph's hot table
     sync_seals_fallback: int = 0  # pages sealed on the scheduler thread (worker error / broken)
     out_of_order_seals: int = 0  # pages of those sealed while no job was installable (stays 0)
     worker_errors: int = 0

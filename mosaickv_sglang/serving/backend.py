@@ -224,6 +224,11 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
                                         prompt=None if prompts is None else prompts[i])
         if pool.decode_sealing:  # decode_seal_layers: the next layers of the pages in flight
             pool.advance_decode_seals()
+        if graph and pool.daemon is not None:  # the daemon's pages in flight are read hot:
+            # seal those a request needs to fit the graph's hot table (counted, logged)
+            for i, seq_len in enumerate(lens):
+                pool.bound_hot_reads(page_ids[i], seq_len,
+                                     None if prompts is None else prompts[i], self.graph.hot_cap)
         if pool.counters.sealed_pages // LOG_EVERY_PAGES > before // LOG_EVERY_PAGES:
             logger.info(pool.summary())
         if timer is not None:

@@ -110,9 +110,17 @@ class GraphDecode:
         self.row_pages = self.block_pages * self.pps  # 32-token pages per row
         self.width = -(-context_len // cfg.basis_block_tokens)  # W: rows per request
         self.context_len = context_len
-        # hot tokens a request may have at a step: the read rule's window, the page being
-        # filled, and the daemon's pages in flight (sealed here when over: prepare)
+        # hot tokens a request may have at a step: the read rule's window (with the daemon
+        # under the position rule: + daemon_lag_tokens), the page being filled and the one
+        # before it; the daemon's pages in flight past that are sealed before the step
+        # (`pool.bound_hot_reads`)
         self.hot_cap = cfg.graph_hot_tokens
+        if pool.dense_window + 2 * ps > self.hot_cap:
+            raise ValueError(f"mosaickv config: graph_hot_tokens={self.hot_cap} is below the "
+                             f"read rule's dense window ({pool.dense_window} tokens: hot_tokens"
+                             f"{' + daemon_lag_tokens' if pool.dense_window > cfg.hot_tokens else ''}"
+                             f") + 2 pages ({2 * ps}): raise it to at least "
+                             f"{pool.dense_window + 2 * ps} in --mosaickv-config")
         sel, pt = cfg.select, cfg.page_tokens
         self.budget_pages = sel.budget_tokens // pt
         self.sink_pages, self.recent_pages = -(-sel.sink_tokens // pt), -(-sel.recent_tokens // pt)

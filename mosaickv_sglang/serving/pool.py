@@ -804,15 +804,44 @@ class MosaicKVPool(MHATokenToKVPool):
         return (torch.cat(ks, 1).transpose(0, 1).to(self.dtype),
                 torch.cat(vs, 1).transpose(0, 1).to(self.dtype))
 
-    def _seal_pending(self, pages: list[int], n: int) -> None:
+    def _seal_pending(self, pages: list[int], n: int, counter: str = "sync_seals_needed") -> None:
         """Seal on this thread the first `n` of one request's `pages` that the daemon still has
-        (they are needed now): its job is cancelled and sealed from the hot buffer."""
+        (they are needed now): its job is cancelled and sealed from the hot buffer; the pages
+        are counted in the daemon's `counter`."""
         for i in range(n):
             page = pages[i]
             while page not in self.sealed and page in self.pending:
                 job = self._job_of(page)
                 self.daemon.cancel(job)
-                self.daemon.counters.sync_seals_needed += self._finish([job])
+                sealed = self._finish([job])
+                setattr(self.daemon.counters, counter, getattr(self.daemon.counters, counter)
+                        + sealed)
+
+    def bound_hot_reads(self, page_ids, seq_len: int, prompt: int | None, cap: int) -> int:
+        """Before a decode graph step (between steps): make one request's step (its token at
+        `seq_len - 1`, `page_ids` its logical pages on the host, position order) read at most
+        `cap` hot tokens, the graph's static hot table, and every step until its next page
+        starts (device-planned steps check nothing; a new page makes a host step). Only the
+        daemon's pages in flight can push a request past it (read hot until adopted: a long
+        prompt just prefilled under the chunk rule); the oldest of those it needs are sealed on
+        this thread, counted in `sync_seals_graph` and logged. Returns the hot tokens the step
+        then reads."""
+        ps = self.page_size
+        n_pages = -(-seq_len // ps)
+        pages = np.asarray(page_ids)[:n_pages]
+        hot = n_pages * ps - self.read_split_np(pages, seq_len - 1, prompt) * ps  # at page end
+        if hot <= cap or self.daemon is None:
+            return hot - (n_pages * ps - seq_len)
+        want = min(n_pages - cap // ps, self.compressed_pages(seq_len - 1, prompt)
+                   if self.position_rule else len(pages))
+        before = self.daemon.counters.sync_seals_graph
+        self._seal_pending(pages.tolist(), want, counter="sync_seals_graph")
+        done = self.daemon.counters.sync_seals_graph - before
+        if done:
+            logger.warning("MosaicKV daemon behind the decode graph: %d pages of a request "
+                           "sealed on the scheduler thread (it read %d hot tokens, the graph "
+                           "holds %d; counted in daemon.sync_seals_graph)", done, hot, cap)
+        return seq_len - self.read_split_np(pages, seq_len - 1, prompt) * ps
 
     def _job_of(self, page: int):
         """The daemon job that must finish for pending `page` to be sealed: its own, or, when it
