@@ -95,7 +95,10 @@ def make_workload(rng: random.Random, capacity: int, *, requests: int, offer: fl
         else:  # aborted while it runs (or waits): a long answer it never finishes
             ids, n = tokens(rng.randint(*short)), abort_output
         i = len(jobs)
-        jobs.append(Job(i, kind, ids, n, f"soak-{os.getpid()}-{i}"))
+        # SGLang's /abort_request aborts every request whose rid *starts with* the one given
+        # (scheduler.abort_request: `req.rid.startswith(recv_req.rid)`): fixed-width ids, so
+        # aborting request 1 does not abort 10-19 too
+        jobs.append(Job(i, kind, ids, n, f"soak-{os.getpid()}-{i:06d}"))
         offered += len(ids) + (0 if kind == "abort" else n)
     return jobs, offered
 
