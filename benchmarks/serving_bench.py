@@ -504,6 +504,10 @@ def main() -> None:
             raise SystemExit(f"--system-arg {item!r}: use SYSTEM:ARG with SYSTEM one of {systems}")
         per_system[name].append(arg)
     contexts = [int(c) for c in args.contexts.split(",")]
+    if args.warmup > max(contexts):  # the servers' context is the largest point's + 1024
+        print(f"[serving_bench] --warmup {args.warmup} is past the largest context: the warm-up "
+              f"request takes {max(contexts)} tokens")
+        args.warmup = max(contexts)
     batches = parse_batches(args.batches)
     model = args.model
     if args.make_llama8b:
