@@ -391,6 +391,15 @@ class MosaicConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "MosaicConfig":
+        """From JSON keys; `"preset": NAME` starts from a named set of keys (PRESETS), which the
+        other keys override (nested ones, e.g. `select`, key by key)."""
+        if "preset" in data:
+            data = dict(data)
+            name = data.pop("preset")
+            if name not in PRESETS:
+                raise ValueError(f"mosaickv config: unknown preset {name!r}; known: "
+                                 f"{sorted(PRESETS)}")
+            data = _merged(PRESETS[name], data)
         return _build(cls, data, "")
 
     @classmethod
@@ -457,6 +466,26 @@ def fit_rescue(cfg: "MosaicConfig", head_dim: int) -> "MosaicConfig":
             logger.warning("MosaicKV: rescue candidate '%s' does not fit head_dim %d (%s): not "
                            "used; segments no candidate fits stay dense", spec, head_dim, exc)
     return cfg if keep == list(cfg.rescue_candidates) else replace(cfg, rescue_candidates=keep)
+
+
+# Named starting points for `--mosaickv-config '{"preset": NAME, ...}'`, each documented with the
+# measurement that defines it.
+PRESETS: dict[str, dict] = {
+    # what a greedy request reads is a function of its own tokens, positions and prompt length,
+    # not of other traffic, with the daemon off or on (docs/determinism.md; 12 of 12 in CI)
+    "traffic_independent": {"read_rule": "position", "basis_fit": "first_page", "hot_tokens": 0},
+}
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`base` with `over`'s keys on top; dict values merged key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 _FIELD_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool, "list[str]": (list, tuple),

@@ -275,3 +275,23 @@ def test_decode_seal_layers_defaults_to_all_at_once():
     assert MosaicConfig.parse('{"decode_seal_layers": 4}').decode_seal_layers == 4
     with pytest.raises(ValueError, match="decode_seal_layers=-2 must be an int >= 0"):
         MosaicConfig(decode_seal_layers=-2)
+
+
+def test_a_preset_is_a_starting_point_the_other_keys_override():
+    from mosaickv_sglang.config import PRESETS
+
+    cfg = MosaicConfig.parse('{"preset": "traffic_independent"}')
+    for key, value in PRESETS["traffic_independent"].items():
+        assert getattr(cfg, key) == value, key
+    assert cfg.read_rule == "position" and MosaicConfig().read_rule == "chunk"
+    # the user's keys win; a nested one merges key by key over the preset's (and the defaults)
+    cfg = MosaicConfig.parse('{"preset": "traffic_independent", "hot_tokens": 64, '
+                             '"select": {"rescore_factor": 4}}')
+    assert cfg.hot_tokens == 64 and cfg.read_rule == "position"
+    assert cfg.select.rescore_factor == 4
+    assert cfg.select.budget_tokens == MosaicConfig().select.budget_tokens
+    with pytest.raises(ValueError, match="unknown preset 'nope'; known: .*traffic_independent"):
+        MosaicConfig.parse('{"preset": "nope"}')
+    for name, keys in PRESETS.items():  # every preset is a valid config on its own
+        MosaicConfig.from_dict({"preset": name})
+        assert "preset" not in keys

@@ -41,7 +41,7 @@ DAEMON_NEW_TOKENS = 192
 SHARED_PREFIX = [i for i in range(N_REQ) if i % 4 == 1]  # the requests behind the shared prefix
 # the configuration whose outputs do not depend on other traffic (docs/determinism.md); the
 # default (read_rule "chunk") gave 4 of 12 here
-POSITION_RULE = {"read_rule": "position", "basis_fit": "first_page", "hot_tokens": 0}
+POSITION_RULE = {"preset": "traffic_independent"}  # the position rule, first-page bases, W 0
 COMMON = ("--dtype", "float32", "--max-total-tokens", "4096", "--chunked-prefill-size", "512")
 
 
