@@ -21,7 +21,8 @@
 # and budget on the 10 task-lengths where dense scored >= 50, 50 samples; select8_4k / select8_8k =
 # selection at 1/8 of the context: bound only, the second stage, Quest-like; position50 = the
 # default, its second stage and the traffic-independent config with it, on those 10 cells;
-# candidates50 = those and both with looser chooser budgets, candidate defaults at >= 3.5x)
+# candidates50 = those and both with looser chooser budgets, candidate defaults at >= 3.5x;
+# compact50 = two compact presets at >= 4.5x beside the default and FP8)
 # until LIMIT_S, the systems of a set served at once (--parallel), with SPLIT=N by N eval.ruler processes over task
 # groups (see ruler_run). Both sets share one samples file in /tmp/mosaickv_ruler (kept while
 # warm), copied to $OUT after every set; one carried as .device/ruler/samples.jsonl seeds a fresh
@@ -176,6 +177,10 @@ for set in ${RULER_SETS:-full ablate}; do
     candidates50) args=(--systems dense mosaickv mosaickv_rescore mosaickv_rescore_b12
                         mosaickv_position_rescore mosaickv_position_rescore_b12 --parallel 6
                         --cells "${COMPETENT[@]}" --samples 50) ;;
+    # compact presets at >= 4.5x (codec probe: compact_cpu_2026-12-06), beside the default and
+    # FP8 (resumed from the carried samples), on the competent cells
+    compact50) args=(--systems dense mosaickv fp8 mosaickv_compact_c20 mosaickv_compact_c25
+                     --parallel 5 --cells "${COMPETENT[@]}" --samples 50) ;;
     # selection at 1/8 of the context (issue: 512 tokens at 4K, 1024 at 8K) on the competent
     # cells of that length: the bound alone, the second stage on the compressed K, Quest-like
     select8_4k) args=(--systems dense mosaickv mosaickv_sel512 mosaickv_sel512_rescore

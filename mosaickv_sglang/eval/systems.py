@@ -32,6 +32,9 @@ thing buys:
 * ``mosaickv_rescore_b12`` / ``mosaickv_position_rescore_b12``: the same with looser chooser
   budgets (k 0.12, v 0.20): at codec level the second stage buys ~10% more compression at the
   default's attention error (a candidate default at >= 3.5x, docs/codec.md);
+* ``mosaickv_compact_c20`` / ``mosaickv_compact_c25``: compact candidates (the rotated tail
+  dropped, more 2-bit channels) with the second stage and looser chooser budgets: candidate
+  compact presets at >= 4.5x (codec level at 8K: 4.06x / 4.43x);
 * ``mosaickv_k4``: the default without its 2-bit K candidate (K at >= 4.5 bits/scalar): the
   rotated chooser sends more K segments to 2 bits than the raw-basis one (18% vs 2% on the CPU);
 * ``mosaickv_hi`` / ``mosaickv_lo`` / ``mosaickv_xlo``: fixed band layouts at ~5.5 / 3.5 / 2.9
@@ -53,6 +56,13 @@ SMOLLM2_HEAD_DIM = 64
 EIGHTH_BUDGETS = (512, 1024)  # 1/8 of 4K and of 8K
 RESCORE_FACTOR, RESCORE_CHANNELS = 4, 32  # the codec probe's best (docs/codec.md)
 LOOSE_BUDGETS = (0.12, 0.20)  # chooser k/v error budgets a candidate default spends on bytes
+# compact candidates (codec probe, benchmarks/results/compact_cpu_2026-12-06/): bands dropping the
+# rotated tail and more 2-bit channels before the default's, cheapest first
+COMPACT_K = ["band:b8=4,b4=20,b2=32,group=128", "band:b8=4,b4=28,b2=24,group=128",
+             "band:b8=4,b4=44,b2=16,group=128", "band:b8=4,b4=60,b2=0,group=128"]
+COMPACT_V = ["band:b8=0,b4=16,b2=40,group=128", "band:b8=0,b4=32,b2=24,group=128",
+             "band:b8=0,b4=48,b2=16,group=128", "band:b8=4,b4=60,b2=0,group=128"]
+COMPACT_BUDGETS = {"c20": (0.20, 0.30), "c25": (0.25, 0.35)}  # codec: 4.06x / 4.43x at 8K
 
 
 @dataclass(frozen=True)
@@ -193,6 +203,17 @@ def build_systems() -> dict[str, System]:
                    "select": {"enabled": True, "rescore_factor": RESCORE_FACTOR,
                               "rescore_channels": RESCORE_CHANNELS}}, family="budget"),
     ]
+    # compact presets at >= 4.5x (the accuracy issue): the compact candidates with the second
+    # stage, chooser budgets k/v 0.20/0.30 and 0.25/0.35 (codec, 8K: 4.06x at attention error
+    # 0.121 / 4.43x at 0.146; mosaickv_lo, 0.129 there, lost 4.1 points at 4.32x)
+    for tag, (kb, vb) in COMPACT_BUDGETS.items():
+        systems.append(System(
+            f"mosaickv_compact_{tag}", f"compact candidates (tail channels dropped, more 2-bit), "
+            f"the second stage, chooser budgets k {kb} / v {vb}", config={
+                "k_candidates": COMPACT_K, "v_candidates": COMPACT_V, "k_error_budget": kb,
+                "v_error_budget": vb, "select": {"enabled": True, "rescore_factor": RESCORE_FACTOR,
+                                                 "rescore_channels": RESCORE_CHANNELS}},
+            family="budget"))
     return {s.name: s for s in systems}
 
 
