@@ -144,10 +144,6 @@ def _mosaic(url: str) -> dict | None:
     return (info.get("internal_states") or [{}])[0].get("mosaickv")
 
 
-def _worker_pids() -> list[int]:
-    import psutil  # noqa: PLC0415 - an SGLang dependency; only needed to kill a worker
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if "mosaickv_sglang.daemon.worker" in " ".join(p.info["cmdline"] or [])]
 
 
 class Watcher(threading.Thread):
@@ -173,7 +169,8 @@ class Watcher(threading.Thread):
             self.max_hot = max(self.max_hot, st.get("hot_tokens_in_use") or 0)
             daemon = st.get("daemon") or {}
             if self.kill and self.killed is None and daemon.get("inflight_pages", 0) > 0:
-                pids = _worker_pids()
+                # the server's own workers (rank 0's pool), not any worker on the machine
+                pids = daemon.get("worker_pids") or []
                 if pids:
                     os.kill(pids[0], signal.SIGKILL)
                     self.killed = {"pid": pids[0], "inflight_pages": daemon["inflight_pages"],

@@ -114,6 +114,42 @@ def _state(pool):
     return (sorted(pool.sealed), pool.hot_page_of.clone().cpu(), sorted(pool.free_hot_pages))
 
 
+def _captured(graph, bs: int, device: str, why: str):
+    """What SGLang's decode graph runner does for batch size `bs` before any step: the
+    capture-time batch (every row padded), state init, the tables of a padding-only step, two
+    warm-ups (finite outputs) and the capture: a real torch.cuda.CUDAGraph on a GPU; on the CPU
+    the same forward, called again per step on the capture-time tensors. Returns (static batch,
+    (q, k, v) input buffers [layers, bs, ...] the steps fill, the layers, replay)."""
+    layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D,
+                              scaling=D ** -0.5) for i in range(LAYERS)]
+    fill = graph.get_cuda_graph_seq_len_fill_value()
+    static = SimpleNamespace(
+        batch_size=bs, req_pool_indices=torch.zeros(bs, dtype=torch.long, device=device),
+        seq_lens=torch.full((bs,), fill, device=device), seq_lens_cpu=torch.full((bs,), fill),
+        out_cache_loc=torch.zeros(bs, dtype=torch.long, device=device),
+        forward_mode=ForwardMode.DECODE)
+    q_in = torch.zeros(LAYERS, bs, HQ * D, device=device)
+    k_in = torch.zeros(LAYERS, bs, H, D, dtype=torch.bfloat16, device=device)
+    v_in = torch.zeros_like(k_in)
+
+    def step():  # the model's layers around the attention
+        return torch.stack([graph.forward_decode(q_in[j] * 1, k_in[j], v_in[j], layer, static)
+                            for j, layer in enumerate(layers)])
+
+    graph.init_cuda_graph_state(bs, bs)
+    graph.init_forward_metadata_out_graph(static, in_capture=True)
+    for _ in range(2):  # SGLang's two warm-ups
+        assert torch.isfinite(step()).all(), why
+    if device != "cuda":
+        step()  # the capture's own run
+        return static, (q_in, k_in, v_in), layers, step
+    torch.cuda.synchronize()
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        out = step()
+    return static, (q_in, k_in, v_in), layers, lambda: cuda_graph.replay() or out
+
+
 # decode_seal_layers 1 (of 2 layers): request 3's first page, sealable at step 1, is sealed over
 # steps 1 and 2 (both host steps: the host seals the slices) and installed at step 2, read
 # compressed from step 3 on: one device-planned step fewer
@@ -136,14 +172,6 @@ def test_full_graph_replay_matches_the_eager_step(device, seal_layers, device_pl
                              decode_profile_every=1000 if device == "cpu" else 0)
     assert graph.graph.rescore == eager.packed.rescore == ((2, 32) if rescore else None)
     assert graph.graph.width == 4  # 1024-token context, 256-token blocks
-    layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D,
-                              scaling=D ** -0.5) for i in range(LAYERS)]
-    fill = graph.get_cuda_graph_seq_len_fill_value()
-    static = SimpleNamespace(
-        batch_size=bs, req_pool_indices=torch.zeros(bs, dtype=torch.long, device=device),
-        seq_lens=torch.full((bs,), fill, device=device), seq_lens_cpu=torch.full((bs,), fill),
-        out_cache_loc=torch.zeros(bs, dtype=torch.long, device=device),
-        forward_mode=ForwardMode.DECODE)
     # fp32 queries (the kernels take them; the output then is fp32 too). Both paths' products
     # split q (or p) in two bf16 halves (~2^-17 relative per product) but round different
     # operands (the graph scores q * scale against codes per page, the eager kernel per band;
@@ -152,28 +180,9 @@ def test_full_graph_replay_matches_the_eager_step(device, seal_layers, device_pl
     # the graph reads are compared with the eager plan's exactly (a hot token missed moved an
     # output by ~1.5e-4); the graph's kernels are checked against their float32 reference in
     # test_request_decode_kernel.py
-    q_in = torch.zeros(LAYERS, bs, HQ * D, device=device)
-    k_in = torch.zeros(LAYERS, bs, H, D, dtype=torch.bfloat16, device=device)
-    v_in = torch.zeros_like(k_in)
-
-    def step():  # the model's layers around the attention
-        return torch.stack([graph.forward_decode(q_in[j] * 1, k_in[j], v_in[j], layer, static)
-                            for j, layer in enumerate(layers)])
-
-    graph.init_cuda_graph_state(bs, bs)
-    graph.init_forward_metadata_out_graph(static, in_capture=True)
     before = _state(pool_g)
-    for _ in range(2):  # SGLang's two warm-ups
-        assert torch.isfinite(step()).all(), repro(seed)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            out = step()
-        replay = lambda: cuda_graph.replay() or out  # noqa: E731
-    else:
-        out = step()
-        replay = step  # the same Python path on the same tensors: only the tables change
+    static, (q_in, k_in, v_in), layers, replay = _captured(graph, bs, device, repro(seed))
+    fill = graph.get_cuda_graph_seq_len_fill_value()
     after = _state(pool_g)
     assert before[0] == after[0] and torch.equal(before[1], after[1]) and before[2] == after[2]
 
@@ -377,33 +386,8 @@ def test_daemon_pages_past_the_graph_hot_table_are_sealed_before_the_step(seed):
     graph, pool_g = _backend("full", seed, (), DEVICE, **extra)  # captured before the prefill
     eager, pool_e = _backend("off", seed, lengths, DEVICE, **extra)
     try:
-        layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D,
-                                  scaling=D ** -0.5) for i in range(LAYERS)]
+        static, (q_in, k_in, v_in), layers, replay = _captured(graph, bs, DEVICE, repro(seed))
         fill = graph.get_cuda_graph_seq_len_fill_value()
-        static = SimpleNamespace(
-            batch_size=bs, req_pool_indices=torch.zeros(bs, dtype=torch.long, device=DEVICE),
-            seq_lens=torch.full((bs,), fill, device=DEVICE), seq_lens_cpu=torch.full((bs,), fill),
-            out_cache_loc=torch.zeros(bs, dtype=torch.long, device=DEVICE),
-            forward_mode=ForwardMode.DECODE)
-        q_in = torch.zeros(LAYERS, bs, HQ * D, device=DEVICE)
-        k_in = torch.zeros(LAYERS, bs, H, D, dtype=torch.bfloat16, device=DEVICE)
-        v_in = torch.zeros_like(k_in)
-
-        def step():
-            return torch.stack([graph.forward_decode(q_in[j] * 1, k_in[j], v_in[j], layer, static)
-                                for j, layer in enumerate(layers)])
-
-        graph.init_cuda_graph_state(bs, bs)
-        graph.init_forward_metadata_out_graph(static, in_capture=True)
-        step()
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-            cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph):
-                out = step()
-            replay = lambda: cuda_graph.replay() or out  # noqa: E731
-        else:
-            replay = step
         # the prefill: the prompt's 5 full pages go to the daemon (no step boundary: never sent)
         req_to_token = write_requests(pool_g, lengths, seed, DEVICE)
         graph.req_to_token_pool.req_to_token = req_to_token.to(DEVICE)
@@ -440,10 +424,22 @@ def test_daemon_pages_past_the_graph_hot_table_are_sealed_before_the_step(seed):
             p.daemon.close()
 
 
-def test_the_graph_hot_table_holds_the_read_rules_window(seed):
+def test_the_graph_hot_table_holds_the_read_rules_window():
     """A graph hot table smaller than the position rule's window with the daemon (hot_tokens +
     daemon_lag_tokens) + 2 pages is refused at start-up, naming the size to set."""
-    with pytest.raises(ValueError, match="raise it to at least 1280"):
-        _backend("full", seed, (130,), DEVICE, read_rule="position", basis_fit="first_page",
-                 daemon="process", daemon_workers=1, daemon_lag_tokens=1024,
-                 graph_hot_tokens=1024)
+    from mosaickv_sglang.serving.backend import MosaicAttnBackend
+    from mosaickv_sglang.serving.pool import MosaicKVPool
+
+    cfg = MosaicConfig(decode_kernel="triton", decode_cuda_graph="full", read_rule="position",
+                       basis_fit="first_page", hot_tokens=0, daemon="process", daemon_workers=1,
+                       daemon_lag_tokens=1024, graph_hot_tokens=1024)
+    pool = MosaicKVPool(8 * PS, PS, torch.bfloat16, H, D, LAYERS, DEVICE, False,
+                        mosaic_config=cfg)
+    try:
+        with pytest.raises(ValueError, match="raise it to at least 1280"):
+            MosaicAttnBackend(SimpleNamespace(
+                device=DEVICE, token_to_kv_pool=pool, model_config=SimpleNamespace(
+                    context_len=1024), req_to_token_pool=SimpleNamespace(
+                    req_to_token=torch.zeros(2, 1024, dtype=torch.int32, device=DEVICE))))
+    finally:
+        pool.daemon.close()

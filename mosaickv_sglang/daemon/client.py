@@ -468,6 +468,7 @@ class DaemonClient:
 
         return {
             "workers": len(self.workers), "broken": self.broken,
+            "worker_pids": [w.proc.pid for w in self.workers],  # this pool's own (soak_bench)
             "queued_pages": sum(len(j.pages) for j in self.waiting),
             "inflight_pages": sum(len(j.pages) for j in list(self.copying) +
                                   list(self.inflight.values())),
