@@ -3,9 +3,9 @@ real SGLang server on the CPU platform): a tiny random Llama served with `--kv-b
 and the traffic-independent config with the daemon (`read_rule: position`, `daemon: process`),
 concurrent short, long, shared-prefix and aborted requests offering 2x the tokens the pool holds,
 one daemon worker SIGKILLed while it holds pages; then an even sample of 8 finished requests
-alone after a flush. Every claim must pass: no errors, aborts end early, bytes exact, the daemon restarted
-once, the same greedy output as alone for every request re-run, nothing leaked after the flush. The
-GPU version is `SOAK=1` in scripts/device_serving.sh."""
+alone after a flush. Every claim must pass: no errors, aborts end early, bytes exact, the daemon
+restarted once, the same greedy output as alone for every request re-run, nothing leaked after
+the flush. The GPU version is `SOAK=1` in scripts/device_serving.sh."""
 import json
 import subprocess
 import sys
