@@ -144,8 +144,6 @@ def _mosaic(url: str) -> dict | None:
     return (info.get("internal_states") or [{}])[0].get("mosaickv")
 
 
-
-
 class Watcher(threading.Thread):
     """Polls the MosaicKV stats while the flood runs: the largest byte deficit admission waited
     on, the largest hot use; kills one daemon worker once while it holds pages (`kill`)."""

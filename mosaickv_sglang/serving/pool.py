@@ -632,7 +632,8 @@ class MosaicKVPool(MHATokenToKVPool):
                     todo[p] = (i, pages[i // block * block])
         if self.daemon is not None and any(p in self.pending for p in todo):
             for pages, last, prompt in requests:
-                self._seal_pending(pages, min(self.compressed_pages(last, prompt), len(pages)))
+                self.daemon.counters.sync_seals_needed += self._seal_pending(
+                    pages, min(self.compressed_pages(last, prompt), len(pages)))
             todo = {p: x for p, x in todo.items() if p not in self.sealed}
         if not todo:
             return None
@@ -804,18 +805,18 @@ class MosaicKVPool(MHATokenToKVPool):
         return (torch.cat(ks, 1).transpose(0, 1).to(self.dtype),
                 torch.cat(vs, 1).transpose(0, 1).to(self.dtype))
 
-    def _seal_pending(self, pages: list[int], n: int, counter: str = "sync_seals_needed") -> None:
+    def _seal_pending(self, pages: list[int], n: int) -> int:
         """Seal on this thread the first `n` of one request's `pages` that the daemon still has
-        (they are needed now): its job is cancelled and sealed from the hot buffer; the pages
-        are counted in the daemon's `counter`."""
+        (they are needed now): its job is cancelled and sealed from the hot buffer. Returns the
+        pages sealed (the caller counts them under its reason)."""
+        done = 0
         for i in range(n):
             page = pages[i]
             while page not in self.sealed and page in self.pending:
                 job = self._job_of(page)
                 self.daemon.cancel(job)
-                sealed = self._finish([job])
-                setattr(self.daemon.counters, counter, getattr(self.daemon.counters, counter)
-                        + sealed)
+                done += self._finish([job])
+        return done
 
     def bound_hot_reads(self, page_ids, seq_len: int, prompt: int | None, cap: int) -> int:
         """Before a decode graph step (between steps): make one request's step (its token at
@@ -829,15 +830,14 @@ class MosaicKVPool(MHATokenToKVPool):
         ps = self.page_size
         n_pages = -(-seq_len // ps)
         pages = np.asarray(page_ids)[:n_pages]
-        hot = n_pages * ps - self.read_split_np(pages, seq_len - 1, prompt) * ps  # at page end
-        if hot <= cap or self.daemon is None:
-            return hot - (n_pages * ps - seq_len)
+        hot = seq_len - self.read_split_np(pages, seq_len - 1, prompt) * ps
+        if hot + n_pages * ps - seq_len <= cap or self.daemon is None:  # at the page's end
+            return hot
         want = min(n_pages - cap // ps, self.compressed_pages(seq_len - 1, prompt)
                    if self.position_rule else len(pages))
-        before = self.daemon.counters.sync_seals_graph
-        self._seal_pending(pages.tolist(), want, counter="sync_seals_graph")
-        done = self.daemon.counters.sync_seals_graph - before
+        done = self._seal_pending(pages.tolist(), want)
         if done:
+            self.daemon.counters.sync_seals_graph += done
             logger.warning("MosaicKV daemon behind the decode graph: %d pages of a request "
                            "sealed on the scheduler thread (it read %d hot tokens, the graph "
                            "holds %d; counted in daemon.sync_seals_graph)", done, hot, cap)
@@ -896,7 +896,7 @@ class MosaicKVPool(MHATokenToKVPool):
         if self.position_rule:
             listed = pages.tolist()
             if self.daemon is not None:
-                self._seal_pending(listed, need)
+                self.daemon.counters.sync_seals_needed += self._seal_pending(listed, need)
             self._drop_kept_hot(listed[:need])
         if self.decode_sealing and not decode_step:
             self._finish_decode_seals(pages.tolist())
