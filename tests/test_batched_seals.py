@@ -11,6 +11,7 @@ import torch
 
 from conftest import repro
 from mosaickv_sglang.config import MosaicConfig
+from mosaickv_sglang.daemon.client import DaemonCounters
 from mosaickv_sglang.serving.pool import MosaicKVPool
 from pool_utils import assert_same_pages
 from pool_utils import write_random as write
@@ -90,6 +91,7 @@ def test_a_group_after_a_queued_block_start_gets_its_bases(seed):
 
     class Daemon:  # records what the pool submits; the pool takes it as a running daemon
         broken = False
+        counters = DaemonCounters()
 
         def submit(self, pages, gens, positions, first, bases, needs):
             jobs.append((list(pages), bases))
@@ -103,3 +105,5 @@ def test_a_group_after_a_queued_block_start_gets_its_bases(seed):
         pool.seal_request_pages(pages, 3 * PS, decode_step=True)
     assert sorted(pool.sealed) == pages[:2].tolist(), repro(seed)
     assert jobs and all(b is pool.sealed[int(pages[0])].bases for _, b in jobs), (jobs, repro(seed))
+    # nothing was with the daemon yet: no page of it was sealed on this thread
+    assert pool.daemon.counters.sync_seals_needed == 0, repro(seed)
