@@ -215,7 +215,7 @@ def running_server(model: Path, log: Path, *args: str, startup_s: float = 300,
                 pass
             if time.time() > deadline:
                 raise RuntimeError(f"server not healthy after {startup_s} s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
+            time.sleep(0.25)
         release()
         yield SimpleNamespace(url=url, log=log, proc=proc)
     finally:

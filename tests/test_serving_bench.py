@@ -298,3 +298,38 @@ def test_largest_batch_keeps_a_margin_of_an_estimated_capacity_only():
     assert serving_bench.largest_batch(240668, 32768, 128, estimated=False) == 7
     assert serving_bench.largest_batch(None, 32768, 128, estimated=True) is None
     assert serving_bench.largest_batch(653184, 32768, 128, True, margin=0.0) == 19
+
+
+def test_a_larger_batch_the_estimate_holds_after_the_largest_ran_is_tried_and_kept_if_it_fit():
+    """The H100 case (2026-12-06): 17 sized at 32K on the estimate less 10%, 621,824 tokens held
+    after it; 18 holds them less 2%: measured, and the largest batch only if none of its prompts
+    was evicted (prefilled again)."""
+    def row(batch, misses=0):
+        return {"context": 32768, "output": 16, "batch": batch, "prefix_misses": misses,
+                "is_largest_batch": True}
+
+    asked = []
+
+    def measure(misses):
+        def run(b):
+            asked.append(b)
+            return {**row(b, misses), "is_largest_batch": None}
+        return run
+
+    first = row(17)
+    grown = serving_bench.grow_largest("u", "mosaickv", first, 0.02, measure(0),
+                                       capacity=(621824, True))
+    assert asked == [18] and grown["batch"] == 18 and grown["grown_from"] == 17
+    assert grown["is_largest_batch"] and not first["is_largest_batch"]
+    # the larger batch lost prompts: it is reported, the first stays the largest
+    first = row(17)
+    grown = serving_bench.grow_largest("u", "mosaickv", first, 0.02, measure(3),
+                                       capacity=(621824, True))
+    assert grown["batch"] == 18 and not grown["is_largest_batch"] and first["is_largest_batch"]
+    # nothing larger fits, or the first batch lost prompts itself: nothing measured
+    asked.clear()
+    assert serving_bench.grow_largest("u", "m", row(17), 0.02, measure(0),
+                                      capacity=(600000, True)) is None
+    assert serving_bench.grow_largest("u", "m", row(17, misses=1), 0.02, measure(0),
+                                      capacity=(900000, True)) is None
+    assert asked == []
