@@ -3,7 +3,8 @@ import shutil
 from pathlib import Path
 
 from mosaickv_sglang.launch import (SMOLLM2, flush_cache, free_port, mosaickv_stats,  # noqa: F401
-                                    request, running_server, server_env, stop)
+                                    request, running_server, running_servers,
+                                    server_env, stop)
 
 # Lossless sealing (fp32 dense, no sink/selection) through the daemon: greedy ids must equal dense.
 LOSSLESS_DAEMON_CONFIG = {"k_candidates": ["dense:val=fp32"], "v_candidates": ["dense:val=fp32"],

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from server_utils import (SMOLLM2, flush_cache, make_tiny_llama, mosaickv_stats, request,
-                          running_server, same_greedy_or_tied)
+                          running_server, running_servers, same_greedy_or_tied)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(),
@@ -42,11 +42,11 @@ def pair(tmp_path_factory):
     model = make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), head_dim=64)
     logs = tmp_path_factory.mktemp("logs")
     common = ("--dtype", "float32", "--page-size", "128", "--chunked-prefill-size", "1024")
-    with running_server(model, logs / "default.log", "--kv-backend", "default",
-                        "--max-total-tokens", "32768", *common) as dense, \
-            running_server(model, logs / "mosaickv.log", "--kv-backend", "mosaickv",
-                           "--max-total-tokens", str(SLOTS),
-                           "--mosaickv-config", json.dumps(FLOOD), *common) as mosaic:
+    with running_servers((model, logs / "default.log", "--kv-backend", "default",
+                          "--max-total-tokens", "32768", *common),
+                         (model, logs / "mosaickv.log", "--kv-backend", "mosaickv",
+                          "--max-total-tokens", str(SLOTS),
+                          "--mosaickv-config", json.dumps(FLOOD), *common)) as (dense, mosaic):
         yield dense, mosaic
 
 

@@ -20,7 +20,8 @@ import psutil
 import pytest
 
 from server_utils import (LOSSLESS_DAEMON_CONFIG, SMOLLM2, flush_cache, make_tiny_llama,
-                          mosaickv_stats, request, running_server, same_greedy_or_tied)
+                          mosaickv_stats, request, running_servers,
+                          same_greedy_or_tied)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(),
@@ -34,9 +35,9 @@ def pair(tmp_path_factory):
     model = make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
     logs = tmp_path_factory.mktemp("logs")
     common = ("--dtype", "float32", "--max-total-tokens", "16384", "--page-size", "128")
-    with running_server(model, logs / "default.log", "--kv-backend", "default", *common) as dense, \
-            running_server(model, logs / "daemon.log", "--kv-backend", "mosaickv",
-                           "--mosaickv-config", json.dumps(CONFIG), *common) as mosaic:
+    with running_servers((model, logs / "default.log", "--kv-backend", "default", *common),
+                         (model, logs / "daemon.log", "--kv-backend", "mosaickv",
+                          "--mosaickv-config", json.dumps(CONFIG), *common)) as (dense, mosaic):
         yield dense, mosaic
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from server_utils import (SMOLLM2, flush_cache, make_tiny_llama, mosaickv_stats, request,
-                          running_server)
+                          running_server, running_servers)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(),
@@ -50,10 +50,10 @@ def tiny_pair(tmp_path_factory):
     model = make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
     logs = tmp_path_factory.mktemp("logs")
     common = ("--dtype", "float32", "--max-total-tokens", "4096")
-    with running_server(model, logs / "default.log", "--kv-backend", "default",
-                        "--page-size", "128", *common) as dense, \
-            running_server(model, logs / "mosaickv.log", "--kv-backend", "mosaickv",
-                           "--mosaickv-config", json.dumps(LOSSLESS), *common) as mosaic:
+    with running_servers((model, logs / "default.log", "--kv-backend", "default",
+                          "--page-size", "128", *common),
+                         (model, logs / "mosaickv.log", "--kv-backend", "mosaickv",
+                          "--mosaickv-config", json.dumps(LOSSLESS), *common)) as (dense, mosaic):
         yield dense, mosaic
 
 

@@ -2,10 +2,11 @@
 same greedy ids as the same server on the torch reference path: both read the same packed bytes,
 over a prompt spanning two basis blocks, with every page read and with page selection active."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server_utils import SMOLLM2, make_tiny_llama, mosaickv_stats, request, running_server
+from server_utils import SMOLLM2, make_tiny_llama, mosaickv_stats, request, running_servers
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").exists(),
@@ -59,19 +60,25 @@ def _assert_same_greedy_decode(ref: dict, got: dict, strict: bool) -> None:
 def test_triton_decode_path_matches_reference_path(tmp_path, budget):
     model = make_tiny_llama(tmp_path / "tiny64", head_dim=64)
     ids = list(range(1000, 1700))  # 700 tokens: 5 sealed pages over 3 basis blocks
-    outputs, stats = {}, {}
-    for kernel in ("reference", "triton"):
+    outputs, stats, kernels = {}, {}, ("reference", "triton")
+
+    def spec(kernel):
         cfg = json.dumps({**CONFIG, "decode_kernel": kernel, "decode_profile_every": 4,
                           "select": {**CONFIG["select"], "budget_tokens": budget}})
-        with running_server(model, tmp_path / f"{kernel}.log", "--kv-backend", "mosaickv",
-                            "--mosaickv-config", cfg, "--dtype", "bfloat16",
-                            "--max-total-tokens", "4096") as srv:
-            status, body = request(f"{srv.url}/generate", {
-                "input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
-                "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
-            assert status == 200
-            outputs[kernel] = body
-            stats[kernel] = mosaickv_stats(srv.url)
+        return (model, tmp_path / f"{kernel}.log", "--kv-backend", "mosaickv",
+                "--mosaickv-config", cfg, "--dtype", "bfloat16", "--max-total-tokens", "4096")
+
+    def generate(kernel_srv):  # both servers at once: their start-ups and decodes overlap
+        kernel, srv = kernel_srv
+        status, body = request(f"{srv.url}/generate", {
+            "input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
+        assert status == 200, body
+        outputs[kernel] = body
+        stats[kernel] = mosaickv_stats(srv.url)
+
+    with running_servers(*map(spec, kernels)) as servers, ThreadPoolExecutor(2) as pool:
+        list(pool.map(generate, zip(kernels, servers)))
     _assert_same_greedy_decode(outputs["reference"], outputs["triton"], strict=budget > len(ids))
     assert stats["triton"]["decode"]["kernel_request_steps"] >= 11
     assert stats["triton"]["decode"]["reference_decode_requests"] == 0

@@ -12,7 +12,7 @@ import pytest
 
 from mosaickv_sglang.daemon.swaplog import compare, parse
 from server_utils import (LOSSLESS_DAEMON_CONFIG, SMOLLM2, make_tiny_llama, mosaickv_stats,
-                          request, running_server)
+                          request, running_servers)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(),
@@ -27,8 +27,9 @@ def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     common = ("--dtype", "float32", "--max-total-tokens", "16384", "--kv-backend", "mosaickv",
               "--mosaickv-config", json.dumps(CONFIG))
-    with running_server(model, logs / "tp1.log", *common, startup_s=600) as tp1, \
-            running_server(model, logs / "tp2.log", "--tp", "2", *common, startup_s=600) as tp2:
+    with running_servers((model, logs / "tp1.log", *common),
+                         (model, logs / "tp2.log", "--tp", "2", *common),
+                         startup_s=600) as (tp1, tp2):
         yield tp1, tp2
 
 
