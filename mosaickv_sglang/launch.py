@@ -99,6 +99,7 @@ def _children(pid: int) -> list:
 
 
 def _running(procs: list) -> list:
+    """Those of `procs` still running (not exited, nor a zombie waiting for its parent)."""
     import psutil
     alive = []
     for p in procs:

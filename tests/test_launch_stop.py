@@ -98,3 +98,51 @@ time.sleep(120)
     assert out.splitlines() == ["before", "[bench] signal 15: stopped 1 server(s); see the JSON"]
     with pytest.raises(ProcessLookupError):
         os.killpg(server_pid, 0)
+
+
+# a stand-in server that is healthy at once: 200 to every GET on the port given (argv[1])
+HEALTHY = ("import http.server as h, sys\n"
+           "class H(h.BaseHTTPRequestHandler):\n"
+           "    def do_GET(self):\n"
+           "        self.send_response(200); self.end_headers()\n"
+           "h.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+
+
+def test_running_servers_stops_the_started_one_when_another_fails(tmp_path, monkeypatch):
+    """Two servers started at once: one gets healthy, the other exits; the error is raised and
+    the healthy one is stopped, its whole group, not left running."""
+    from pathlib import Path
+
+    codes = {"a.log": HEALTHY, "b.log": "raise SystemExit(3)"}
+    started = {}
+
+    def popen(cmd, **kw):
+        name = Path(kw["stdout"].name).name
+        port = cmd[cmd.index("--port") + 1]
+        started[name] = _POPEN([sys.executable, "-c", codes[name], port], **kw)
+        return started[name]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        with launch.running_servers((tmp_path, tmp_path / "a.log"), (tmp_path, tmp_path / "b.log"),
+                                    startup_s=30):
+            raise AssertionError("not both started: the body must not run")
+    assert set(started) == {"a.log", "b.log"}
+    assert started["a.log"].poll() is not None  # the healthy one was stopped
+    with pytest.raises(ProcessLookupError):
+        os.killpg(started["a.log"].pid, 0)
+
+
+def test_running_servers_yields_them_in_spec_order(tmp_path, monkeypatch):
+    procs = []
+
+    def popen(cmd, **kw):
+        procs.append(_POPEN([sys.executable, "-c", HEALTHY, cmd[cmd.index("--port") + 1]], **kw))
+        return procs[-1]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    with launch.running_servers(*[(tmp_path, tmp_path / f"{i}.log") for i in range(3)],
+                                startup_s=30) as servers:
+        assert [s.log.name for s in servers] == ["0.log", "1.log", "2.log"]
+        assert len({s.url for s in servers}) == 3
+    assert all(p.poll() is not None for p in procs)
