@@ -39,6 +39,22 @@ _ports_lock = threading.Lock()
 _live_servers: set[subprocess.Popen] = set()  # started by running_server, not yet stopped
 
 
+def _bindable(port: int) -> bool:
+    """Whether a server could bind `port` now. SO_REUSEADDR as uvicorn sets it: a port whose
+    last server was killed keeps its connections in TIME_WAIT for a minute, which refuses a plain
+    bind but not the server's; only a live listener refuses both."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+PORT_TRIES = 16  # ports tried in each span before the next one
+
+
 def free_port() -> int:
     """A free HTTP port for a server, PORT_SPAN apart from every other one this process gave.
 
@@ -47,21 +63,19 @@ def free_port() -> int:
     attention, port + 233 on: a kernel-chosen free port handed to servers that start together
     was taken by another server's internal port before its owner bound it (the 2-GPU machine:
     "address already in use", one server lost). Hence ports below the ephemeral range (32768+),
-    PORT_SPAN apart."""
+    PORT_SPAN apart, each span tried at PORT_TRIES places (another process may hold one)."""
     with _ports_lock:
         for base in range(PORT_BASE, 32768 - PORT_SPAN, PORT_SPAN):
-            port = base + os.getpid() % (PORT_SPAN // 2)  # distinct per process, same span
             if base in _ports_given:
                 continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _ports_given.add(base)
-            return port
-    raise RuntimeError(f"no free port left in {PORT_BASE}..32768 (step {PORT_SPAN}): "
-                       f"{len(_ports_given)} servers of this process hold one")
+            for k in range(PORT_TRIES):  # distinct per process, same span
+                port = base + (os.getpid() + 37 * k) % (PORT_SPAN // 2)
+                if _bindable(port):
+                    _ports_given.add(base)
+                    return port
+    raise RuntimeError(f"no free port left in {PORT_BASE}..32768 (step {PORT_SPAN}, "
+                       f"{PORT_TRIES} tries a span): {len(_ports_given)} servers of this process "
+                       "hold one, every other try was bound by a listener")
 
 
 def release_port(port: int) -> None:
