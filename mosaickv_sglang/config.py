@@ -42,6 +42,7 @@ DEFAULT_RESCUE_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 DECODE_KERNELS = ("auto", "triton", "reference")
 PREFILL_ATTENTIONS = ("auto", "flashinfer", "sdpa")
 PACK_KERNELS = ("auto", "triton", "torch")
+ARENAS = ("shared", "per_layer")
 CHOOSERS = ("auto", "cascade", "errors_first")
 FIT_SOLVERS = ("auto", "host", "device", "jacobi", "jacobi_tf32", "identity")
 READ_RULES = ("position", "chunk")
@@ -219,6 +220,11 @@ class MosaicConfig:
     # (`row_copy`: blocks, headers, metadata), one launch each, or torch slices. Same bytes
     # either way; stats() counts segments per path.
     pack_kernel: str = "auto"
+    # How the packed arena's bytes are shared: "shared" (every layer's blocks come from one
+    # range and one allocator, as many layers as an int32 header addresses), or "per_layer" (an
+    # equal range each). Layers compress unequally (the chooser picks per segment); with equal
+    # ranges the fullest layer refused pages while others had bytes free (docs/serving.md).
+    arena: str = "shared"
     # How the chooser finds each segment's cheapest candidate within budget: "cascade" encodes
     # the candidates cheapest first, each for the segments no cheaper one fitted (one host sync
     # per candidate tried); "errors_first" checks every candidate's error without encoding it
@@ -328,6 +334,7 @@ class MosaicConfig:
                              "position rule what a token reads must not change after it is "
                              "sealed)")
         for key, choices in (("decode_kernel", DECODE_KERNELS), ("pack_kernel", PACK_KERNELS),
+                             ("arena", ARENAS),
                              ("prefill_attention", PREFILL_ATTENTIONS),
                              ("chooser", CHOOSERS),
                              ("fit_solver", FIT_SOLVERS), ("daemon", DAEMON_MODES),

@@ -281,3 +281,46 @@ def test_each_new_decode_width_class_is_logged_once(caplog, seed):
     lines = [r.getMessage() for r in caplog.records if "adds decode width class" in r.getMessage()]
     assert len(lines) == len(store.width_classes) >= 2, (lines, repro(seed))
     assert len(set(lines)) == len(lines)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_layers_share_an_arena_as_far_as_an_int32_header_addresses(path, monkeypatch):
+    """`shared`: consecutive layers share one byte range and one allocator, as many as a base16
+    header reaches (here MAX_ARENA_BYTES is lowered so 5 layers make groups of 2, 2 and 1); each
+    layer's view is its group's range. Adopted pages land in every layer's block of the right
+    group (read back through the layer's view, by both write paths), and `page_fits` counts a
+    page as one block per layer of a group."""
+    from mosaickv_sglang.serving import segment_store as store_mod
+    from mosaickv_sglang.codec.arena import pack_page
+    from mosaickv_sglang.codec.seal import seal_group, worst_page_bytes
+    from mosaickv_sglang.codec.strategies import parse_strategy
+
+    cfg, dense, layers, n = MosaicConfig(), parse_strategy("dense"), 5, 3
+    per = 2 * n * worst_page_bytes(cfg, H, D, dense) // 16 * 16
+    monkeypatch.setattr(store_mod, "MAX_ARENA_BYTES", 2 * per + 16)
+    g = torch.Generator().manual_seed(0)
+    kv = (torch.randn(n, layers, 2, H, cfg.segment_tokens, D, generator=g)
+          * torch.logspace(0.5, -1, D)).bfloat16()
+    sealed = seal_group(lambda idx: (kv[idx, :, 0], kv[idx, :, 1]),
+                        [cfg.segment_tokens * i for i in range(n)], None, cfg,
+                        Candidates.from_config(cfg), dense)
+    store = SegmentStore(layers, n + 1, H, D, cfg.segment_tokens, cfg.page_tokens, "cpu",
+                         cfg.select.meta_channels, per, pack_kernel=path)
+    assert store.group_of.tolist() == [0, 0, 1, 1, 2] and store.group_layers.tolist() == [2, 2, 1]
+    assert store.data[1].data_ptr() == store.data[0].data_ptr() != store.data[2].data_ptr()
+    assert store.data[2].numel() == 2 * per and store.data[4].numel() == per
+    unit = store.allocators[0].unit
+    assert store.page_fits().tolist() == [2 * per // unit // 2, 2 * per // unit // 2,
+                                          per // unit]
+    aps = [pack_page(sp, cfg.page_tokens) for sp in sealed]
+    assert all(x is not None for x in store.adopt_pages(list(range(1, n + 1)), aps))
+    for page, ap in zip(range(1, n + 1), aps):
+        off = 0
+        for layer in range(layers):
+            base, size = store.blocks[(layer, page)]
+            assert base + size <= store.data[layer].numel()
+            assert torch.equal(store.data[layer][base:base + size], ap.blocks[off:off + size])
+            off += size
+    # the two layers of a group took their blocks from one range, side by side
+    b0, b1 = store.blocks[(0, 1)], store.blocks[(1, 1)]
+    assert b0[0] + b0[1] <= b1[0] or b1[0] + b1[1] <= b0[0]

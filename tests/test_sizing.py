@@ -101,12 +101,13 @@ def _write(pool, page, g):
                            torch.randn(PS, H, D, generator=g) * scale)
 
 
+@pytest.mark.parametrize("arena", ["shared", "per_layer"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_admitted_pages_always_fit_the_arena(seed):
+def test_admitted_pages_always_fit_the_arena(seed, arena):
     """Admit only what the gate allows (requests of 1-4 pages, the first a sink page), seal,
     free some: the arena never fills (no segment left unpacked) and the gate does stop
     admission before the slots run out."""
-    cfg = MosaicConfig(hot_tokens=0, sink_segments=1)
+    cfg = MosaicConfig(hot_tokens=0, sink_segments=1, arena=arena)
     pages = 40
     pb = PageBytes.of(cfg, H, D, 4)
     # memory for the slots at the smallest layout, with a hot buffer of 8 pages carved out of it
@@ -134,7 +135,51 @@ def test_admitted_pages_always_fit_the_arena(seed):
             pool.release_pages(req)
             free += req
         assert pool.store.arena_full == pool.store.over_capacity == 0, f"{repro(seed)} step {step}"
-        assert (pool.store.layer_live <= pool.store.capacity).all(), f"{repro(seed)} step {step}"
+        st = pool.store
+        assert (np.bincount(st.group_of, st.layer_live) <= st.group_layers * st.capacity).all(), \
+            f"{repro(seed)} step {step}"
     assert gated > 0, repro(seed)  # the bytes, not the slots, limited admission
     cap = pool.capacity()
     assert cap["tokens_that_fit"] < pages * PS and cap["byte_limited"] >= 1
+
+
+def _fill_until_gated(arena: str, seed: int):
+    """Pages whose layer 0 is low-rank (the cheapest layout) and layer 1 noise (a costly one),
+    one-page requests admitted while the gate allows: (pages sealed, the store)."""
+    cfg = MosaicConfig(hot_tokens=0, sink_segments=0, arena=arena)
+    pages = 40
+    pb = PageBytes.of(cfg, H, D, 4)
+    memory = int(pages * PS * slot_fraction(cfg, pb) * pb.dense / PS * LAYERS) + \
+        9 * pb.dense * LAYERS
+    pool = MosaicKVPool(pages * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
+                        mosaic_config=cfg, hot_tokens=8 * PS, memory_bytes=memory)
+    g = torch.Generator().manual_seed(seed)
+    sealed = 0
+    for page in range(1, pages + 1):
+        if pool.refresh_byte_gate((pages + 1 - page) * PS) >= (pages + 1 - page) * PS:
+            break
+        slots = torch.arange(page * PS, (page + 1) * PS)
+        low = [torch.randn(PS, H, 2, generator=g) @ torch.randn(2, D, generator=g)
+               for _ in range(2)]
+        for layer_id, (k, v) in enumerate([low, [torch.randn(PS, H, D, generator=g)
+                                                 for _ in range(2)]]):
+            pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots, k, v)
+        assert pool.seal_request_pages([page], PS) == 1
+        sealed += 1
+    return sealed, pool.store
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_shared_arena_takes_the_bytes_an_equal_share_per_layer_leaves_free(seed):
+    """Layers that compress unequally: with a range per layer the costly layer's range fills
+    and the gate stops admission while the cheap layer's range has bytes free; one range shared
+    by both layers admits more pages from the same bytes, and every admitted page still got its
+    blocks (nothing left outside the arena, no over-capacity)."""
+    shared, st = _fill_until_gated("shared", seed)
+    per_layer, pl = _fill_until_gated("per_layer", seed)
+    assert st._data.numel() == pl._data.numel()  # the same bytes
+    assert pl.layer_live[1] > pl.layer_live[0]  # the layers do compress unequally
+    assert shared > per_layer, repro(seed)
+    for store in (st, pl):
+        assert store.arena_full == store.over_capacity == 0 and not store.outside_bytes.any()
+    assert len(st.allocators) == 1 and len(pl.allocators) == LAYERS

@@ -329,7 +329,7 @@ class MosaicKVPool(MHATokenToKVPool):
                                   self.device, mosaic_config.select.meta_channels
                                   if mosaic_config.select.enabled else None,
                                   arena_per_layer, mosaic_config.pack_kernel,
-                                  self.page_bytes.worst)
+                                  self.page_bytes.worst, mosaic_config.arena == "shared")
         # daemon state: page generations, pages submitted (page -> job; None: deferred), pages
         # waiting for the bases their block's first page is getting (first -> (pos, page, gen))
         self.page_gen = [0] * (self.num_logical_pages + 1)
@@ -1392,10 +1392,13 @@ class MosaicKVPool(MHATokenToKVPool):
         packed = self.store.packed.sum(1).numpy()  # pages packed per layer
         per_page = live / np.maximum(packed, 1)  # measured bytes of a page, per layer
         expected = np.where(packed > 0, per_page, self.page_bytes.expected)
-        fits = int((self.store.capacity // expected).min()) * self.page_size
+        st = self.store  # per arena group: its bytes over a page's bytes in its layers
+        need = np.bincount(st.group_of, expected, len(st.group_layers))
+        fits = int((st.group_layers * st.capacity // need).min()) * self.page_size
         return {"slots": self.logical_size,
                 "hot_buffer_tokens": self.num_hot_pages * self.page_size,
                 "arena_bytes_per_layer": self.store.capacity,
+                "arena_layers_per_group": int(st.group_layers.max()),  # sharing one allocator
                 "page_bytes": {"best": self.page_bytes.best, "worst": self.page_bytes.worst,
                                "expected": self.page_bytes.expected,
                                "measured": float(per_page.max()) if packed.any() else None,

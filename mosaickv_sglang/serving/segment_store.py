@@ -86,21 +86,33 @@ def use_pack_kernel(choice: str, device) -> bool:
 class SegmentStore:
     def __init__(self, layers: int, pages: int, heads: int, head_dim: int, segment_tokens: int,
                  page_tokens: int, device, meta_channels: int | None, capacity_bytes: int,
-                 pack_kernel: str = "auto", page_block_bytes: int = ALIGN):
+                 pack_kernel: str = "auto", page_block_bytes: int = ALIGN, shared: bool = True):
         self.heads, self.head_dim, self.device = heads, head_dim, device
         self.pack_kernel = use_pack_kernel(pack_kernel, device)
         # segments whose blocks were written by the kernel / by torch copies; "no_rotated": the
         # kernel path's segments that came without rotated K/V (daemon results), copied by torch
         self.pack_counts = {"kernel": 0, "torch": 0, "no_rotated": 0}
         self.segment_tokens, self.page_tokens = segment_tokens, page_tokens
-        self.capacity = capacity_bytes // ALIGN * ALIGN  # bytes per layer
+        self.capacity = capacity_bytes // ALIGN * ALIGN  # bytes per layer (its share)
         self.arena_full = 0  # segments left unpacked because the arena had no room
         # Uninitialized: only installed blocks are ever read (and CPU pages stay uncommitted).
-        # One [layers, bytes] tensor, a view per layer: an install writes every layer's blocks
-        # of a layout in one copy.
-        self._data = torch.empty(layers, max(self.capacity, ALIGN), dtype=torch.uint8,
-                                 device=device)
-        self.data = list(self._data.unbind(0))
+        # One flat byte tensor; each group of consecutive layers shares a range of it and one
+        # allocator (`shared`: as many layers as a base16 header addresses, else one each), and
+        # a layer's `data` view is its group's range: its blocks' bases are offsets in it.
+        per = max(self.capacity, ALIGN)
+        span = max(1, min(layers, MAX_ARENA_BYTES // per)) if shared else 1
+        if per > MAX_ARENA_BYTES:
+            raise ValueError(f"SegmentStore: {per} arena bytes per layer exceed what an int32 "
+                             f"header in {ALIGN}-byte units addresses ({MAX_ARENA_BYTES})")
+        self.group_of = np.arange(layers) // span  # layer -> its arena group
+        firsts = list(range(0, layers, span))
+        self.group_layers = np.array([min(span, layers - f) for f in firsts], dtype=np.int64)
+        self.group_start = np.array(firsts, dtype=np.int64) * per  # byte offset in `_data`
+        self._data = torch.empty(layers * per, dtype=torch.uint8, device=device)
+        groups = [self._data.narrow(0, int(at), int(n) * per)
+                  for at, n in zip(self.group_start, self.group_layers)]
+        self.data = [groups[g] for g in self.group_of.tolist()]
+        self._layer_start = self.group_start[self.group_of]  # layer -> its view's offset
         # Headers and page metadata: per layer a view of one tensor per table, so an adopted
         # page (`adopt`: all layers at once) is one write per table.
         self._headers = torch.zeros(layers, pages + 1, HEADER_WIDTH, dtype=torch.int32,
@@ -120,9 +132,9 @@ class SegmentStore:
         self._packed_np = self.packed.numpy()  # the same memory: a page's flags in ~1 us, not ~15
         self.unreadable: set[int] = set()  # stored pages with a layer the kernel cannot read
         self.blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, page) -> (base, size)
-        # per layer: its blocks (`fits` counted in blocks of the largest a page may take)
-        self.allocators = [BlockAllocator(self.capacity, page_block_bytes)
-                           for _ in range(layers)]
+        # per group: its blocks (`fits` counted in blocks of the largest a page's layer takes)
+        self.allocators = [BlockAllocator(int(n) * self.capacity, page_block_bytes)
+                           for n in self.group_layers]
         self.live_bytes = 0
         self.layer_live = np.zeros(layers, dtype=np.int64)  # live block bytes per layer
         # segments kept in their own tensors (not packable, or no room): bytes per layer
@@ -158,14 +170,15 @@ class SegmentStore:
         ArenaPage the arena has no room for, as views of its own bytes) in one `install_pages`
         batch. Returns each page's per-layer Segments."""
         out = self._store_pages(pages, sealed)
-        if (self.layer_live + self.outside_bytes > self.capacity).any():
+        used = np.bincount(self.group_of, self.layer_live + self.outside_bytes,
+                           len(self.group_layers))
+        if (used > self.group_layers * self.capacity).any():
             # the planned memory exceeded (segments outside the arena): counted, logged once
             if not self.over_capacity:
                 logger.warning("MosaicKV: sealed pages take more bytes than the arena was planned"
-                               " with (%d + %d outside > %d in some layer): the byte gate let in "
+                               " with (%d bytes > %d in some arena group): the byte gate let in "
                                "more than fits; counted (segment_store.over_capacity)",
-                               int(self.layer_live.max()), int(self.outside_bytes.max()),
-                               self.capacity)
+                               int(used.max()), int(self.group_layers.min() * self.capacity))
             self.over_capacity += 1
         if pages:  # pages some layer of which the kernel cannot read (not packed: no room,
             # or a segment it does not read): such a page's requests decode by the reference
@@ -264,7 +277,7 @@ class SegmentStore:
             rows = np.nonzero(packs[:, layer])[0]
             if not len(rows):
                 continue
-            got = self.allocators[layer].alloc_many(size_of[gid[rows, layer]].tolist())
+            got = self.allocators[self.group_of[layer]].alloc_many(size_of[gid[rows, layer]].tolist())
             base[rows, layer] = [-1 if b is None else b for b in got]
         self.arena_full += int((packs & (base < 0)).sum())
         stored = base >= 0
@@ -339,14 +352,14 @@ class SegmentStore:
         at_layer = to_device_async(li, dev)
         at_page = to_device_async(pages, dev)
         self._headers[at_layer, at_page] = to_device_async(rows, dev)
-        width = self._data.shape[1]
         flat = self._data.view(-1, ALIGN)
         for g in np.unique(gids).tolist():
             grp = groups[g]
             sel = np.nonzero(gids == g)[0]
             batch, lay, m = blist[grp.batch], grp.layout, len(sel)
             r = ridx[sel]
-            units = block_units((li[sel] * width + bases[sel]) // ALIGN, grp.size, dev)
+            units = block_units((self._layer_start[li[sel]] + bases[sel]) // ALIGN, grp.size,
+                                dev)
             kernel = self.pack_kernel and batch.rotated is not None
             if self.pack_kernel and not kernel:
                 if not self.pack_counts["no_rotated"]:
@@ -398,7 +411,7 @@ class SegmentStore:
               v_rot: torch.Tensor, lay: BlockLayout) -> None:
         """The pack kernel writes segments (layer, page) of one layout, whatever their layers,
         in one launch pair: the layers' arenas as one byte range (`_data`), their header tables
-        as one (`_headers`), each segment offset by its layer's start. Header rows written
+        as one (`_headers`), each segment offset by its layer's view. Header rows written
         first; k_rot/v_rot float32 [n, H, T, D], row i for segment i."""
         dev = self.device
         rows = layers.astype(np.int64) * self._headers.shape[1] + pages
@@ -406,7 +419,7 @@ class SegmentStore:
                     to_device_async(rows.astype(np.int32), dev),
                     k_rot.contiguous(), v_rot.contiguous(), lay.k.widths(self.head_dim),
                     lay.v.widths(self.head_dim),
-                    to_device_async(layers.astype(np.int64) * self._data.shape[1], dev))
+                    to_device_async(self._layer_start[layers], dev))
 
     def install(self, layer: int, pages: list[int], segs: list[Segment]) -> list[bool]:
         """Copy one layer's segments (one per logical page) into the arena and re-point their
@@ -713,26 +726,31 @@ class SegmentStore:
 
     @property
     def top(self) -> list[int]:
-        """Each layer's bump pointer (bytes below it were handed out at some point)."""
-        return [a.top for a in self.allocators]
+        """Each layer's bump pointer, its group's (bytes of its view below it were handed out
+        at some point)."""
+        return [self.allocators[g].top for g in self.group_of.tolist()]
 
     def page_fits(self) -> "np.ndarray":
-        """Per layer, the pages of the largest layout its free bytes hold for sure, less what
-        the segments kept outside the arena take (the memory was planned for the arena)."""
+        """Per arena group, the pages (a block in each of its layers) at the largest layout
+        that its free bytes hold for sure, less what the segments kept outside the arena take
+        (the memory was planned for the arena): placing a block lowers `fits` by at most one,
+        so a group of n layers backs fits // n pages."""
         fits = np.array([a.fits() for a in self.allocators], dtype=np.int64)
-        return fits - -(-self.outside_bytes // self.allocators[0].unit)
+        outside = np.bincount(self.group_of, self.outside_bytes, len(self.allocators))
+        fits -= -(-outside.astype(np.int64) // self.allocators[0].unit)
+        return fits // self.group_layers
 
     def _free_block(self, layer: int, base: int, size: int) -> None:
-        self.allocators[layer].free(base, size)
+        self.allocators[self.group_of[layer]].free(base, size)
 
     def _alloc(self, layer: int, size: int) -> int | None:
-        return self.allocators[layer].alloc(size)
+        return self.allocators[self.group_of[layer]].alloc(size)
 
     # ---- accounting ---------------------------------------------------------------------
     def reserved_bytes(self) -> int:
         """Physical bytes this store allocated (arenas, header tables, layout plans)."""
         meta = sum(m.nbytes() for m in self.meta) if self.meta is not None else 0
-        return sum(t.numel() * t.element_size() for t in self.data + self.headers) + \
+        return self._data.numel() + sum(t.numel() * t.element_size() for t in self.headers) + \
             self.plans.numel() * self.plans.element_size() + meta
 
 
