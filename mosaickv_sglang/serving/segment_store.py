@@ -1,17 +1,22 @@
-"""Packed segment store: per layer one uint8 arena holding every sealed band segment, the bytes
-the Triton decode kernel reads in place.
+"""Packed segment store: one uint8 arena holding every sealed band segment of every layer, the
+bytes the Triton decode kernel reads in place.
 
 Installing a sealed page copies each layer's band codes and fp16 scales into an arena block laid
 out as `codec.arena.BlockLayout` says; the page's segments are then views of that block (made on
 read, `StoredSegments`, for pages sealed in batches and adopted daemon pages; re-pointed for
 segments given one by one): the bytes exist once, and the torch codec (CPU decode, prefill
-decompression, tests) reads the same memory as the kernel. The arenas are the rows of one
-[layers, bytes] tensor, so an install writes a layout's blocks of every layer in one copy. Headers sit in a per-layer table indexed by logical page, so a
-request's segment list is just its page ids. Blocks come from per-size free lists and a bump
-pointer (block sizes differ by layout); each layer's arena is the share of the packed-byte budget
-the pool was sized with at start-up (`capacity_bytes`). Segments the kernel cannot read (not
-`band` in the SVD basis, e.g. a dense fallback), or that find the arena full, stay in their own
-tensors and are flagged unpacked (counted); their requests decode on the reference path.
+decompression, tests) reads the same memory as the kernel. Headers sit in a per-layer table
+indexed by logical page, so a request's segment list is just its page ids.
+
+The arena is one flat tensor sized at start-up (`capacity_bytes` per layer, the pool's plan).
+Layers share it (`shared`, config `arena`): consecutive layers, as many as an int32 header in
+16-byte units addresses (all of them below 32 GiB), take their blocks from one range and one
+`BlockAllocator` (per-size free lists, a bump pointer, merging), and a layer's `data` view is
+its group's range. The chooser picks layouts per segment, so layers compress unequally; with an
+equal range per layer the fullest one refused pages while the others held free bytes (SmolLM2:
+124 vs 102 MB of 140, docs/serving.md). Segments the kernel cannot read (not `band` in the SVD
+basis, e.g. a dense fallback), or that find the arena full, stay in their own tensors and are
+flagged unpacked (counted); their requests decode on the reference path.
 
 A daemon result comes arena-ready (`codec.arena.ArenaPage`: the worker ran `write_blocks`), so
 `adopt` takes all its layers with one arena copy and one write per table, and its Segments are

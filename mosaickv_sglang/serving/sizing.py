@@ -8,7 +8,7 @@ buffer's share when `hot_buffer_fraction` is set), so logical slots are an upper
 packed arena's bytes, not the slot count, decide how many tokens fit. The memory then splits
 into the dense hot buffer (by default sized to what is in flight: one prefill chunk plus the
 last page of `hot_buffer_requests` running requests, `auto_hot_tokens`), the per-page tables,
-a reserve for the SVD bases, and the arena (per layer, the rest).
+a reserve for the SVD bases, and the arena (the rest, shared by the layers).
 
 Serving (`byte_deficit`): every sealed page takes the bytes its chosen layout needs and gives
 them back when freed. Between scheduler steps the pool turns its arena's free bytes into the
@@ -163,9 +163,9 @@ def plan_memory(cfg: MosaicConfig, pb: PageBytes, slots: int, layers: int, page_
 
 def byte_deficit(free_slots: int, unsealed_pages: int, page_fits: np.ndarray,
                  page_size: int) -> int:
-    """Free token slots the arena's bytes cannot back (>= 0): per layer, the pages of the
-    largest layout its free bytes hold for sure (`page_fits`, `BlockAllocator.fits`) less the
-    allocated pages not sealed yet (`unsealed_pages`, priced the same); the fullest layer
-    decides."""
+    """Free token slots the arena's bytes cannot back (>= 0): per arena group (the layers
+    sharing one allocator, `SegmentStore.page_fits`), the pages of the largest layout its free
+    bytes hold for sure less the allocated pages not sealed yet (`unsealed_pages`, priced the
+    same); the fullest group decides."""
     admit = (int(np.min(page_fits)) - unsealed_pages) * page_size
     return max(0, free_slots - max(admit, 0))
