@@ -52,7 +52,8 @@ def fill(pool: MosaicKVPool, caps: list, max_requests: int, log_every: int = 8) 
     ps = pool.page_size
     free = list(range(1, pool.logical_size // ps + 1))
     requests, sealed_tokens, t0 = 0, 0, time.perf_counter()
-    positions: dict[int, list[int]] = {}  # page position -> bytes of its pages (layer 0)
+    # page position -> its pages' arena blocks: (layer 0's bytes, mean bytes over the layers)
+    positions: dict[int, list[tuple[int, float]]] = {}
     while requests < max_requests:
         cap = caps[requests % len(caps)]
         n = cap.k[0].shape[1] // ps * ps
@@ -71,10 +72,12 @@ def fill(pool: MosaicKVPool, caps: list, max_requests: int, log_every: int = 8) 
                 pass
         sealed_tokens += n
         requests += 1
+        layers = range(pool.layer_num)
         for i, p in enumerate(pages):
-            block = pool.store.blocks.get((0, p))
-            if block is not None:
-                positions.setdefault(min(i, 2), []).append(block[1])
+            blocks = [pool.store.blocks.get((layer, p)) for layer in layers]
+            if None not in blocks:
+                positions.setdefault(min(i, 2), []).append(
+                    (blocks[0][1], sum(b[1] for b in blocks) / len(blocks)))
         if requests % log_every == 0:
             print(f"  {requests} requests, {sealed_tokens} tokens sealed, "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
@@ -106,8 +109,12 @@ def main(argv=None) -> int:
     got = fill(pool, caps, args.max_requests)
     st = pool.stats()
     dense_page = pool.page_bytes.dense
-    by_pos = {("sink" if k == 0 else "second" if k == 1 else "rest"):
-              sum(v) / len(v) / dense_page for k, v in sorted(got["positions"].items())}
+    names = {0: "sink", 1: "second", 2: "rest"}
+    # layers compress unequally: layer 0's blocks are the smallest in SmolLM2's fills
+    by_pos = {names[k]: sum(m for _, m in v) / len(v) / dense_page
+              for k, v in sorted(got["positions"].items())}
+    layer0 = {names[k]: sum(b for b, _ in v) / len(v) / dense_page
+              for k, v in sorted(got["positions"].items())}
     out = {
         "model": "SmolLM2-135M (real K/V, needle captures)", "device": "cpu (bytes only)",
         "date": time.strftime("%Y-%m-%d"), "config": args.config or "default",
@@ -119,14 +126,16 @@ def main(argv=None) -> int:
         "x_fp8": got["tokens"] / (2 * args.dense_tokens),
         "sealed_ratio": st["sealed_ratio"],
         "cold": {k: st["counters"][k] for k in ("cold_pages", "cold_kept", "cold_saved_bytes")},
-        "arena_block_fraction_by_position": by_pos,
+        "arena_block_fraction_by_position": by_pos,  # mean over layers
+        "arena_block_fraction_by_position_layer0": layer0,
         "strategies": st["counters"]["strategies"],
         "capacity": st["capacity"], "fill_s": got["fill_s"],
     }
     print(f"tokens that fit: {got['tokens']} = {out['x_dense']:.2f}x dense, "
           f"{out['x_fp8']:.2f}x FP8 (sealed pages {st['sealed_ratio']:.2f}x below bf16 incl. "
-          f"bases and metadata; arena block / dense page by position: "
-          + ", ".join(f"{k} {v:.3f}" for k, v in by_pos.items()) + ")", flush=True)
+          f"bases and metadata; arena block / dense page by position, mean over layers: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in by_pos.items()) + "; layer 0: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in layer0.items()) + ")", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, default=str))
