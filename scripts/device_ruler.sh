@@ -22,7 +22,8 @@
 # selection at 1/8 of the context: bound only, the second stage, Quest-like; position50 = the
 # default, its second stage and the traffic-independent config with it, on those 10 cells;
 # candidates50 = those and both with looser chooser budgets, candidate defaults at >= 3.5x;
-# compact50 = two compact presets at >= 4.5x beside the default and FP8)
+# compact50 = two compact presets at >= 4.5x beside the default and FP8;
+# cold50 = cold recompression, default and compact cold candidates, beside the default and FP8)
 # until LIMIT_S, the systems of a set served at once (--parallel), with SPLIT=N by N eval.ruler processes over task
 # groups (see ruler_run). Both sets share one samples file in /tmp/mosaickv_ruler (kept while
 # warm), copied to $OUT after every set; one carried as .device/ruler/samples.jsonl seeds a fresh
@@ -181,6 +182,10 @@ for set in ${RULER_SETS:-full ablate}; do
     # FP8 (resumed from the carried samples), on the competent cells
     compact50) args=(--systems dense mosaickv fp8 mosaickv_compact_c20 mosaickv_compact_c25
                      --parallel 5 --cells "${COMPETENT[@]}" --samples 50) ;;
+    # cold recompression's accuracy cost (the capacity issue): the default cold pair and the
+    # compact cold candidates beside the default and FP8 (resumed), on the competent cells
+    cold50) args=(--systems dense mosaickv fp8 mosaickv_cold mosaickv_cold_compact --parallel 5
+                  --cells "${COMPETENT[@]}" --samples 50) ;;
     # selection at 1/8 of the context (issue: 512 tokens at 4K, 1024 at 8K) on the competent
     # cells of that length: the bound alone, the second stage on the compressed K, Quest-like
     select8_4k) args=(--systems dense mosaickv mosaickv_sel512 mosaickv_sel512_rescore

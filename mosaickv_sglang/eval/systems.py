@@ -35,6 +35,9 @@ thing buys:
 * ``mosaickv_compact_c20`` / ``mosaickv_compact_c25``: compact candidates (the rotated tail
   dropped, more 2-bit channels) with the second stage and looser chooser budgets: candidate
   compact presets at >= 4.5x (codec level at 8K: 4.06x / 4.43x);
+* ``mosaickv_cold`` / ``mosaickv_cold_compact``: the default with ``cold.enabled`` (pages past
+  a request's last 2048 tokens re-encoded between steps), with the default cold candidates and
+  with the compact ones: the accuracy cost of the capacity those buy;
 * ``mosaickv_k4``: the default without its 2-bit K candidate (K at >= 4.5 bits/scalar): the
   rotated chooser sends more K segments to 2 bits than the raw-basis one (18% vs 2% on the CPU);
 * ``mosaickv_hi`` / ``mosaickv_lo`` / ``mosaickv_xlo``: fixed band layouts at ~5.5 / 3.5 / 2.9
@@ -63,6 +66,10 @@ COMPACT_K = ["band:b8=4,b4=20,b2=32,group=128", "band:b8=4,b4=28,b2=24,group=128
 COMPACT_V = ["band:b8=0,b4=16,b2=40,group=128", "band:b8=0,b4=32,b2=24,group=128",
              "band:b8=0,b4=48,b2=16,group=128", "band:b8=4,b4=60,b2=0,group=128"]
 COMPACT_BUDGETS = {"c20": (0.20, 0.30), "c25": (0.25, 0.35)}  # codec: 4.06x / 4.43x at 8K
+# cold candidates of the compact capacity fill (capacity_cpu_2026-12-07_shared_arena/): the two
+# cheapest compact bands, then the default cold band
+COLD_COMPACT_K = [*COMPACT_K[:2], "band:b8=4,b4=36,b2=24,group=128"]
+COLD_COMPACT_V = [*COMPACT_V[:2], "band:b8=0,b4=48,b2=16,group=128"]
 
 
 @dataclass(frozen=True)
@@ -214,6 +221,17 @@ def build_systems() -> dict[str, System]:
                 "v_error_budget": vb, "select": {"enabled": True, "rescore_factor": RESCORE_FACTOR,
                                                  "rescore_channels": RESCORE_CHANNELS}},
             family="budget"))
+    # cold recompression (the capacity issue): pages no running request has within its last
+    # 2048 tokens re-encoded between steps, with the default cold pair and with the compact cold
+    # candidates (CPU fills, shared arena: 3.42x / 3.49x dense); its accuracy cost
+    cold = {"enabled": True, "pages_per_step": 64}
+    systems.append(System("mosaickv_cold", "default with cold pages recompressed (default cold "
+                          "candidates)", config={"cold": cold}, family="budget"))
+    systems.append(System("mosaickv_cold_compact", "default with cold pages recompressed to the "
+                          "compact cold candidates", config={"cold": {
+                              **cold, "k_candidates": COLD_COMPACT_K,
+                              "v_candidates": COLD_COMPACT_V}},
+                          family="budget"))
     return {s.name: s for s in systems}
 
 
