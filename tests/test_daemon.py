@@ -800,3 +800,82 @@ def test_swap_log_lines_compare_equal_only_when_ranks_swapped_the_same(caplog):
     assert not ok and "differs" in report
     ok, report = compare(text.replace("rank=1", "rank=0"))
     assert not ok and "expected 2 ranks" in report
+
+
+# --------------------------------------------------------------------------- cold pages
+
+COLD = {"enabled": True, "k_error_budget": 0.5, "v_error_budget": 0.5, "pages_per_step": 16}
+
+
+def _shaped(pool, slots, seed):
+    """K/V the default candidates seal as bands (uneven channel scales), so cold candidates
+    have something to make smaller."""
+    g = torch.Generator().manual_seed(seed)
+    for layer_id in range(LAYERS):
+        k = torch.randn(len(slots), H, D, generator=g) * (1 + torch.arange(D) % 7)
+        v = torch.randn(len(slots), H, D, generator=g)
+        pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots, k, v)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_cold_pages_recompressed_by_the_workers_equal_the_inline_ones(pools, monkeypatch,
+                                                                      in_place):
+    """With the daemon running, `recompress_cold` sends the cold pages to the workers as one
+    cold job (the pages as the store holds them) instead of re-encoding them on the scheduler
+    thread; at a later boundary each result replaces its page. The store then holds exactly
+    what the inline path stores (segments, bytes, counters) and decode reads the same; a page
+    freed while its job is out is dropped, its slot and bytes given back."""
+    if not in_place:
+        monkeypatch.setattr(SegmentStore, "reads_host", lambda self, scratch: False)
+    a, b = pools("process", cold=COLD), pools("off", cold=COLD)
+    slots = torch.arange(PS, 7 * PS)  # pages 1..6 full: page 1 the sink
+    for p in (a, b):
+        _shaped(p, slots, seed=3)
+        p.seal_request(slots, len(slots))
+    settle(a)
+    same_pages(a, b)
+    sent = a.recompress_cold(set())
+    assert sent == 5 and len(a.daemon.open_jobs()) == 1 and a.daemon.open_jobs()[0].cold
+    assert a.counters.cold_pages == 0  # nothing replaced on this thread
+    assert b.recompress_cold(set()) == 5
+    a.release_pages([6])  # freed while its cold job is out: its result is dropped
+    b.release_pages([6])
+    settle(a)
+    same_pages(a, b)
+    # b re-encoded page 6 before its free, a dropped it: 4 of 5 replaced there
+    assert a.counters.cold_pages == 4 and b.counters.cold_pages == 5
+    assert a.counters.cold_saved_bytes > 0
+    assert a.sealed[2].segments[0].k.reason == "cold"
+    st = a.daemon.counters
+    assert st.cold_submitted_pages == 5 and st.discarded_pages == 1
+    assert st.sync_seals_fallback == st.adopted_pages - 6 == 0  # 6: the sealing jobs' pages
+    assert a.store.live_bytes == b.store.live_bytes == \
+        sum(n for _, n in a.store.blocks.values())
+    assert a.recompress_cold(set()) == 0 and not a.daemon.open_jobs()  # each page once
+    assert all(torch.equal(x, y) for x, y in zip(attend(a, slots[:5 * PS], 1),
+                                                 attend(b, slots[:5 * PS], 1)))
+    assert len(a.daemon.free_slots) == a.daemon.channel.spec.slots
+
+
+def test_a_cold_job_the_worker_fails_is_recompressed_here(pools, monkeypatch):
+    """A worker error on a cold job: its pages are re-encoded on the scheduler thread (the
+    inline path), not counted as sealing fallbacks."""
+    a, b = pools("process", cold=COLD), pools("off", cold=COLD)
+    slots = torch.arange(PS, 4 * PS)
+    for p in (a, b):
+        _shaped(p, slots, seed=4)
+        p.seal_request(slots, len(slots))
+    settle(a)
+    a.recompress_cold(set())
+    real = a.daemon._send
+
+    def bad_send(j):  # the worker gets an input it cannot read
+        if j.cold:
+            j.inputs = [(0, 1)] * len(j.pages)
+        real(j)
+    monkeypatch.setattr(a.daemon, "_send", bad_send)
+    b.recompress_cold(set())
+    settle(a)
+    same_pages(a, b)
+    assert a.daemon.counters.worker_errors == 1 and a.counters.cold_pages == 2
+    assert a.daemon.counters.sync_seals_fallback == 0

@@ -133,8 +133,8 @@ def step_boundary(pool, group=None) -> int:
                 client.counters.adopted_pages += n
                 installed += n
                 continue
-            for job in run:
-                client.counters.sync_seals_fallback += len(job.pages)
+            for job in run:  # (a cold job's pages are re-encoded here instead)
+                client.counters.sync_seals_fallback += 0 if job.cold else len(job.pages)
                 installed += pool._finish([job])
         budget.spent("install", time.perf_counter() - t, sum(len(j.pages) for j in batch))
     t = time.perf_counter()
@@ -142,7 +142,7 @@ def step_boundary(pool, group=None) -> int:
         while open_jobs := client.open_jobs():
             job = pool.next_to_seal(open_jobs)
             client.cancel(job)
-            client.counters.sync_seals_fallback += len(job.pages)
+            client.counters.sync_seals_fallback += 0 if job.cold else len(job.pages)
             installed += pool._finish([job])
     # The position rule: no relief here (pages in their requests' dense window stay hot whoever
     # seals them, docs/determinism.md; the window is sized at start-up, hot_buffer_requests, and

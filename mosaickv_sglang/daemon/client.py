@@ -48,7 +48,7 @@ from ..codec.arena import ArenaPage
 from ..codec.seal import BasisPair, SealedPage, page_kv
 from ..config import MosaicConfig
 from .budget import BoundaryBudget
-from .channel import Channel, ChannelSpec, load
+from .channel import Channel, ChannelSpec, dump, load
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,14 @@ class Job:
     cancelled: bool = False
     holds_slots: bool = False  # ready with results read in place: slots freed once installed
     agreed_at: int | None = None  # the boundary (DaemonClient.boundaries) it was first agreed ready
+    # a cold job (`submit_cold`): sealed pages to re-encode with the cold candidates, each as
+    # what goes into its slot (an ArenaPage, or a SealedPage); then where it lies there
+    payloads: list | None = None
+    inputs: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def cold(self) -> bool:
+        return self.payloads is not None
 
     @property
     def ready(self) -> bool:
@@ -111,6 +119,18 @@ class DaemonCounters:
     # segment the arena cannot hold, e.g. a dense fallback: unpickled and installed per tensor)
     arena_ready_pages: int = 0
     per_tensor_pages: int = 0
+    cold_submitted_pages: int = 0  # sealed pages sent to be re-encoded with the cold candidates
+    cold_kept_pages: int = 0  # of those, pages no cold candidate made smaller (the worker said)
+
+
+class _Kept:
+    """A cold job's result for a page no cold candidate made smaller."""
+
+    def __repr__(self) -> str:
+        return "KEPT"
+
+
+KEPT = _Kept()
 
 
 @dataclass
@@ -260,6 +280,19 @@ class DaemonClient:
         self.counters.submitted_pages += len(pages)
         return job
 
+    def submit_cold(self, pages: list[int], gens: list[int], positions: list[int],
+                    payloads: list) -> Job:
+        """Sealed pages to re-encode with the cold candidates (`codec/cold.py`) off the
+        scheduler thread: `payloads` are the pages as they are stored (ArenaPages without
+        bases: re-encoding stays in their SVD basis), written into slots at a boundary (pump);
+        the results come back arena-ready, or KEPT for a page nothing made smaller."""
+        job = Job(self._next_id, pages, gens, positions, -1, None, True, payloads=payloads)
+        self._next_id += 1
+        self.open[job.id] = job
+        self.waiting.append(job)
+        self.counters.cold_submitted_pages += len(pages)
+        return job
+
     def pump(self) -> None:
         """Copy waiting jobs into free slots (FIFO) while the boundary's budget allows, then send
         those whose copies are done."""
@@ -273,8 +306,15 @@ class DaemonClient:
             t = time.perf_counter()
             job = self.waiting.popleft()
             job.slots = [self.free_slots.popleft() for _ in job.pages]
-            fill_slots(self.channel, self.slot_copy, job.pages, job.slots, job.bases, job.written)
-            job.event = self.slot_copy.done()
+            if job.cold:  # the stored pages' bytes, pickled into the slots' K/V regions
+                job.inputs = [dump(p, self.channel.kv(slot).view(-1).view(torch.uint8))
+                              for p, slot in zip(job.payloads, job.slots)]
+                job.payloads = []  # in the slots now (a restart resends them from there)
+                job.event = None
+            else:
+                fill_slots(self.channel, self.slot_copy, job.pages, job.slots, job.bases,
+                           job.written)
+                job.event = self.slot_copy.done()
             self.copying.append(job)
             self.budget.spent("pump", time.perf_counter() - t, len(job.pages))
         while self.copying and _done(self.copying[0].event):
@@ -289,7 +329,9 @@ class DaemonClient:
         w = min(self.workers, key=lambda w: sum(len(self.inflight[j].pages)
                                                 for j in w.inflight if j in self.inflight))
         msg = {"id": job.id, "slots": job.slots, "positions": job.positions,
-               "fit": job.bases is None}
+               "fit": job.bases is None and not job.cold}
+        if job.cold:
+            msg["cold"] = job.inputs
         job.worker = w.index
         self.inflight[job.id] = job
         w.inflight.append(job.id)
@@ -390,6 +432,11 @@ class DaemonClient:
             job.error = msg["error"]
         elif job.cancelled:  # nobody wants it: do not copy it out
             job.results[msg["index"]] = False
+        elif msg.get("kept"):
+            job.results[msg["index"]] = KEPT
+            self.counters.cold_kept_pages += 1
+            self.counters.worker_pages += 1
+            self.counters.worker_seconds += msg["seconds"]
         else:
             i = msg["index"]
             where = (msg["offset"], msg["length"])
@@ -424,9 +471,11 @@ class DaemonClient:
         if self.in_place and not isinstance(page, ArenaPage):
             # stored per tensor as it is (rare: a dense fallback): onto the device now
             page = load(region, offset, length, refs, self.device)
+        elif job.cold:  # no bases travel: the pool keeps the page's own
+            pass
         elif self.in_place and job.bases is None:
             page.bases = page.bases.copy_to(self.device)  # kept by the pool: off the slot
-        if job.bases is None:
+        if job.bases is None and not job.cold:
             job.bases = page.bases  # fitted by the worker, sent with the first page
         if isinstance(page, ArenaPage):
             self.counters.arena_ready_pages += 1

@@ -9,6 +9,11 @@ region and sends back only offsets. A page the serving arena can hold goes out a
 bulk copies; any other page goes out as its SealedPage (the per-tensor path, counted there). It
 beats a heartbeat in shared memory between pages and exits when its parent scheduler is gone or
 the job pipe closes.
+
+A cold job (`cold.enabled`, `DaemonClient.submit_cold`) brings sealed pages instead, pickled
+into the slots' K/V regions as the store holds them; the worker re-encodes each with the cold
+candidates (`codec.cold.recompress_segment`, what the scheduler thread runs without a daemon)
+and sends it back arena-ready, or says "kept" when nothing got smaller.
 """
 from __future__ import annotations
 
@@ -22,11 +27,13 @@ from multiprocessing.connection import Connection
 import torch
 
 from ..codec.arena import pack_page
-from ..codec.layer import Candidates
-from ..codec.seal import BasisPair, fit_bases, fit_block_bases, seal_pages, write_transforms
+from ..codec.cold import cold_candidates, recompress_segment
+from ..codec.layer import Candidates, segment_bytes
+from ..codec.seal import (BasisPair, SealedPage, fit_bases, fit_block_bases, seal_pages,
+                          write_transforms)
 from ..codec.strategies import parse_strategy
 from ..config import MosaicConfig
-from .channel import Channel, ChannelSpec, dump
+from .channel import Channel, ChannelSpec, dump, load
 
 POLL_S = 0.5  # how often an idle worker beats and checks its parent
 
@@ -39,6 +46,7 @@ class Worker:
         self.cfg = MosaicConfig.from_dict(args["config"])
         self.cands = Candidates.from_config(self.cfg)
         self.dense = parse_strategy(args["dense"])
+        self.cold = cold_candidates(self.cfg) if self.cfg.cold.enabled else None
         self.jobs = Connection(args["fd_in"], writable=False)
         self.results = Connection(args["fd_out"], readable=False)
 
@@ -65,6 +73,8 @@ class Worker:
 
     def run(self, job: dict) -> None:
         """Seal the job's pages; one result message per page, as soon as it is done."""
+        if "cold" in job:
+            return self.run_cold(job)
         slots = job["slots"]
 
         t0 = time.perf_counter()
@@ -92,6 +102,34 @@ class Worker:
             self.results.send({"id": job["id"], "index": i, "offset": offset, "length": length,
                                "seconds": t1 - t0})
             t0 = t1
+            self.beat()
+
+
+    def run_cold(self, job: dict) -> None:
+        """Re-encode sealed pages with the cold candidates, as `MosaicKVPool._recompress_page`
+        does on the scheduler thread (the same `recompress_segment`): each page comes pickled in
+        its slot's K/V region; it goes back arena-ready (no bases: the pool keeps the page's),
+        or as "kept" when no layer's K or V got smaller."""
+        if self.cold is None:
+            raise RuntimeError("a cold job came, but this worker's config has cold.enabled off")
+        t0 = time.perf_counter()
+        for i, (slot, (offset, length)) in enumerate(zip(job["slots"], job["cold"])):
+            page = load(self.channel.kv(slot).view(-1).view(torch.uint8), offset, length)
+            segs = page.segments() if hasattr(page, "specs") else list(page.segments)
+            new = [recompress_segment(seg, self.cfg, *self.cold) for seg in segs]
+            msg = {"id": job["id"], "index": i}
+            if all(n is None for n in new):
+                msg["kept"] = True
+            else:
+                segs = [n if n is not None else seg for n, seg in zip(new, segs)]
+                fresh = SealedPage(page.position, segs, None,
+                                   sum(sum(segment_bytes(x).values()) for x in segs))
+                msg["offset"], msg["length"] = dump(
+                    pack_page(fresh, self.cfg.page_tokens) or fresh, self.channel.result(slot))
+            t1 = time.perf_counter()
+            msg["seconds"] = t1 - t0
+            t0 = t1
+            self.results.send(msg)
             self.beat()
 
 

@@ -35,7 +35,7 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from ..codec.arena import ArenaPage
+from ..codec.arena import ArenaPage, pack_page
 from ..codec.attention import PageReads
 from ..codec.basis import unrotate
 from ..codec.cold import cold_candidates, recompress_segment
@@ -1307,14 +1307,33 @@ class MosaicKVPool(MHATokenToKVPool):
         `warm` (the pages a running request has within its last `cold.after_tokens` tokens)
         and past the sink segments, oldest seal first, re-encoded with cheaper cold candidates
         (codec/cold.py) and stored again: blocks freed, the new, smaller ones written, headers
-        and page metadata rewritten, every byte re-counted. The same pages on every TP rank
-        (sealed sets and running requests agree; the layouts chosen are per rank, like
-        sealing's). Returns pages recompressed."""
+        and page metadata rewritten, every byte re-counted. With the daemon running they go to
+        its workers as one cold job (their results adopted at a later boundary, like sealed
+        pages: `_finish_cold`); else here. The same pages on every TP rank (sealed sets and
+        running requests agree; the layouts chosen are per rank, like sealing's). Returns pages
+        recompressed here or sent."""
         if self._cold_cands is None:
             return 0
-        done, scanned = 0, 0
+        chosen = self._cold_pages(warm)
+        if chosen and self.daemon is not None and not self.daemon.broken:
+            self.daemon.submit_cold(chosen, [self.page_gen[p] for p in chosen],
+                                    [self.sealed[p].position for p in chosen],
+                                    [self._cold_payload(p) for p in chosen])
+            return len(chosen)
+        return sum(self._recompress_page(page) for page in chosen)
+
+    def _cold_payload(self, page: int):
+        """A sealed page as a cold job carries it to a worker: arena-ready (its blocks as the
+        store holds them), without bases (re-encoding stays in the SVD basis)."""
+        sp = self.sealed[page]
+        flat = SealedPage(sp.position, list(sp.segments), None, sp.nbytes)
+        return pack_page(flat, self.cfg.page_tokens) or flat
+
+    def _cold_pages(self, warm: set[int]) -> list[int]:
+        """The pages `recompress_cold` takes now (marked done: taken once per seal)."""
+        chosen, scanned = [], 0
         limit = self.cfg.cold.pages_per_step
-        while self._cold_queue and done < limit and scanned < 4 * limit:
+        while self._cold_queue and len(chosen) < limit and scanned < 4 * limit:
             page, gen = self._cold_queue.popleft()
             scanned += 1
             if self.page_gen[page] != gen or page not in self.sealed or page in self.cold_done:
@@ -1325,8 +1344,8 @@ class MosaicKVPool(MHATokenToKVPool):
                 self._cold_queue.append((page, gen))  # not cold yet: later
                 continue
             self.cold_done.add(page)
-            done += self._recompress_page(page)
-        return done
+            chosen.append(page)
+        return chosen
 
     def _recompress_page(self, page: int) -> int:
         sp = self.sealed[page]
@@ -1352,6 +1371,40 @@ class MosaicKVPool(MHATokenToKVPool):
         self.counters.cold_pages += 1
         self.counters.cold_saved_bytes += before - fresh.nbytes
         return 1
+
+    def _adopt_cold(self, page: int, fresh) -> None:
+        """A worker's re-encoding of sealed `page` (an ArenaPage, or a SealedPage) in place of
+        what the store holds: the old blocks freed, the new ones written, every byte re-counted,
+        as `_recompress_page` does with its own."""
+        sp = self.sealed[page]
+        self._count_strategies(sp, -1)
+        self._account(sp, -1)
+        self.store.release(page)
+        stored = self.store.store_pages([page], [fresh])[0]
+        self.sealed[page] = SealedPage(sp.position, stored, sp.bases, fresh.nbytes)
+        self._count_strategies(fresh, +1)
+        self._account(self.sealed[page], +1)
+        self.version += 1
+        self.counters.cold_pages += 1
+        self.counters.cold_saved_bytes += sp.nbytes - fresh.nbytes
+
+    def _finish_cold(self, job, results: list | None) -> None:
+        """A cold job leaves the daemon: each page still sealed as it was sent (same
+        generation) takes its result (`_adopt_cold`; KEPT: counted); without results (a worker
+        error, a broken daemon) the pages are re-encoded here. Pages freed or reused since are
+        dropped (counted as discarded)."""
+        from ..daemon.client import KEPT
+
+        self.daemon.retire(job)
+        for i, (page, gen) in enumerate(zip(job.pages, job.gens)):
+            if self.page_gen[page] != gen or page not in self.sealed:
+                self.daemon.counters.discarded_pages += 1
+            elif results is None:
+                self._recompress_page(page)
+            elif results[i] is KEPT:
+                self.counters.cold_kept += 1
+            else:
+                self._adopt_cold(page, results[i])
 
     def refresh_byte_gate(self, free_slots: int, tp_group=None) -> int:
         """Between steps (the scheduler hook, after the daemon's adoption): the free token slots
@@ -1426,7 +1479,15 @@ class MosaicKVPool(MHATokenToKVPool):
                 keep_hot: bool | None = None) -> int:
         """Jobs leave the daemon: install their live pages in one batch (`results`: each job's
         daemon results, in job order; None: sealed here from the hot buffer), then submit the
-        pages that waited for their bases. Returns pages installed."""
+        pages that waited for their bases. Cold jobs (`recompress_cold`) go to `_finish_cold`.
+        Returns pages installed."""
+        if any(job.cold for job in jobs):
+            for k, job in enumerate(jobs):
+                if job.cold:
+                    self._finish_cold(job, None if results is None else results[k])
+            keep = [k for k, job in enumerate(jobs) if not job.cold]
+            jobs = [jobs[k] for k in keep]
+            results = None if results is None else [results[k] for k in keep]
         pages, sealed, taken = [], [], set()
         for k, job in enumerate(jobs):
             self.daemon.retire(job)
@@ -1498,7 +1559,7 @@ class MosaicKVPool(MHATokenToKVPool):
         are free (or nothing is pending). Counted and logged; returns pages sealed."""
         done = 0
         while len(self.free_hot_pages) < want_free:
-            jobs = self.daemon.open_jobs()
+            jobs = [j for j in self.daemon.open_jobs() if not j.cold]  # those free no hot page
             if not jobs:
                 break
             job = self.next_to_seal(jobs)
