@@ -151,13 +151,16 @@ def test_flood_beyond_the_arena_waits_for_bytes_and_loses_nothing(pair):
     assert emptied["hot_tokens_in_use"] == 0, emptied  # no hot page leaked
 
 
-def test_cold_pages_are_recompressed_between_steps(tmp_path):
+@pytest.mark.parametrize("daemon", ["off", "process"])
+def test_cold_pages_are_recompressed_between_steps(tmp_path, daemon):
     """`cold.enabled` on a server: finished and old pages are re-encoded at the step boundaries
-    (the scheduler hook reads the running requests' warm pages), bytes fall, every request
+    (the scheduler hook reads the running requests' warm pages), on the scheduler thread or by
+    the daemon's workers (cold jobs, adopted at later boundaries); bytes fall, every request
     answers, nothing is left after a flush."""
     model = make_tiny_llama(tmp_path / "tiny_llama", head_dim=64)
     cfg = {"hot_tokens": 0, "cold": {"enabled": True, "after_tokens": 256, "pages_per_step": 16,
-                                     "k_error_budget": 1.0, "v_error_budget": 1.0}}
+                                     "k_error_budget": 1.0, "v_error_budget": 1.0},
+           "daemon": daemon, "daemon_workers": 1}
     with running_server(model, tmp_path / "cold.log", "--kv-backend", "mosaickv",
                         "--dtype", "float32", "--page-size", "128", "--chunked-prefill-size",
                         "1024", "--max-total-tokens", "16384",
@@ -166,9 +169,17 @@ def test_cold_pages_are_recompressed_between_steps(tmp_path):
         for _ in range(3):
             body = _greedy(srv.url, _prompt(rng, 1100), 64)
             assert len(body["output_ids"]) == 64
-        stats = mosaickv_stats(srv.url)
-        counters = stats["counters"]
+        deadline = time.time() + 60  # the workers' results come in at idle boundaries
+        while True:
+            stats = mosaickv_stats(srv.url)
+            counters = stats["counters"]
+            if counters["cold_pages"] >= 8 or time.time() > deadline:
+                break
+            time.sleep(0.5)
         assert counters["cold_pages"] >= 8, counters  # the finished requests' pages
+        if daemon == "process":
+            assert stats["daemon"]["cold_submitted_pages"] >= counters["cold_pages"]
+            assert stats["daemon"]["worker_errors"] == stats["daemon"]["sync_seals_fallback"] == 0
         assert counters["cold_saved_bytes"] > 0
         assert any(k.startswith("k:band:b8=4,b4=36") for k in counters["strategies"]), counters
         kept = sum(n for kind, n in stats["bytes"].items() if kind != "hot_buffer_capacity")
