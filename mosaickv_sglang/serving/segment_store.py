@@ -282,7 +282,8 @@ class SegmentStore:
             rows = np.nonzero(packs[:, layer])[0]
             if not len(rows):
                 continue
-            got = self.allocators[self.group_of[layer]].alloc_many(size_of[gid[rows, layer]].tolist())
+            got = self.allocators[self.group_of[layer]].alloc_many(
+                size_of[gid[rows, layer]].tolist())
             base[rows, layer] = [-1 if b is None else b for b in got]
         self.arena_full += int((packs & (base < 0)).sum())
         stored = base >= 0
