@@ -101,20 +101,24 @@ def _write(pool, page, g):
                            torch.randn(PS, H, D, generator=g) * scale)
 
 
+def _gated_pool(cfg: MosaicConfig, pages: int) -> MosaicKVPool:
+    """`pages` slots of memory at the smallest layout, with a hot buffer of 8 pages carved out
+    of it: the bytes, not the slots, run out first."""
+    pb = PageBytes.of(cfg, H, D, 4)
+    memory = int(pages * PS * slot_fraction(cfg, pb) * pb.dense / PS * LAYERS) + \
+        9 * pb.dense * LAYERS
+    return MosaicKVPool(pages * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
+                        mosaic_config=cfg, hot_tokens=8 * PS, memory_bytes=memory)
+
+
 @pytest.mark.parametrize("arena", ["shared", "per_layer"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_admitted_pages_always_fit_the_arena(seed, arena):
     """Admit only what the gate allows (requests of 1-4 pages, the first a sink page), seal,
     free some: the arena never fills (no segment left unpacked) and the gate does stop
     admission before the slots run out."""
-    cfg = MosaicConfig(hot_tokens=0, sink_segments=1, arena=arena)
     pages = 40
-    pb = PageBytes.of(cfg, H, D, 4)
-    # memory for the slots at the smallest layout, with a hot buffer of 8 pages carved out of it
-    memory = int(pages * PS * slot_fraction(cfg, pb) * pb.dense / PS * LAYERS) + \
-        9 * pb.dense * LAYERS
-    pool = MosaicKVPool(pages * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
-                        mosaic_config=cfg, hot_tokens=8 * PS, memory_bytes=memory)
+    pool = _gated_pool(MosaicConfig(hot_tokens=0, sink_segments=1, arena=arena), pages)
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     free = list(range(1, pages + 1))
@@ -146,13 +150,8 @@ def test_admitted_pages_always_fit_the_arena(seed, arena):
 def _fill_until_gated(arena: str, seed: int):
     """Pages whose layer 0 is low-rank (the cheapest layout) and layer 1 noise (a costly one),
     one-page requests admitted while the gate allows: (pages sealed, the store)."""
-    cfg = MosaicConfig(hot_tokens=0, sink_segments=0, arena=arena)
     pages = 40
-    pb = PageBytes.of(cfg, H, D, 4)
-    memory = int(pages * PS * slot_fraction(cfg, pb) * pb.dense / PS * LAYERS) + \
-        9 * pb.dense * LAYERS
-    pool = MosaicKVPool(pages * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
-                        mosaic_config=cfg, hot_tokens=8 * PS, memory_bytes=memory)
+    pool = _gated_pool(MosaicConfig(hot_tokens=0, sink_segments=0, arena=arena), pages)
     g = torch.Generator().manual_seed(seed)
     sealed = 0
     for page in range(1, pages + 1):

@@ -1357,25 +1357,14 @@ class MosaicKVPool(MHATokenToKVPool):
         segs = [n if n is not None else seg for n, seg in zip(new, old)]
         for seg in segs:  # off the arena blocks that are about to be freed and rewritten
             own_storage(seg)
-        before = sp.nbytes
-        self._count_strategies(sp, -1)
-        self._account(sp, -1)
-        self.store.release(page)
-        fresh = SealedPage(sp.position, segs, sp.bases,
-                           sum(sum(segment_bytes(x).values()) for x in segs))
-        stored = self.store.store_pages([page], [fresh])[0]
-        self.sealed[page] = SealedPage(sp.position, stored, sp.bases, fresh.nbytes)
-        self._count_strategies(fresh, +1)
-        self._account(self.sealed[page], +1)
-        self.version += 1
-        self.counters.cold_pages += 1
-        self.counters.cold_saved_bytes += before - fresh.nbytes
+        self._adopt_cold(page, SealedPage(sp.position, segs, sp.bases,
+                                          sum(sum(segment_bytes(x).values()) for x in segs)))
         return 1
 
     def _adopt_cold(self, page: int, fresh) -> None:
-        """A worker's re-encoding of sealed `page` (an ArenaPage, or a SealedPage) in place of
-        what the store holds: the old blocks freed, the new ones written, every byte re-counted,
-        as `_recompress_page` does with its own."""
+        """A re-encoding of sealed `page` (here: a SealedPage; from a worker: an ArenaPage, or a
+        SealedPage) in place of what the store holds: the old blocks freed, the new ones
+        written, every byte re-counted."""
         sp = self.sealed[page]
         self._count_strategies(sp, -1)
         self._account(sp, -1)
