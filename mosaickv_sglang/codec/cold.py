@@ -14,8 +14,9 @@ from dataclasses import replace
 import torch
 
 from ..config import MosaicConfig
-from .layer import Choice, Segment, relative_error
+from .layer import Choice, Segment, relative_error, segment_bytes
 from .pages import build_page_meta
+from .seal import BasisPair, SealedPage
 from .strategies import Encoded, Strategy, parse_strategy
 
 
@@ -55,6 +56,19 @@ def recompress_segment(seg: Segment, cfg: MosaicConfig, k_cands: list[Strategy],
     # re-encode the unchanged kind from its reconstruction, not byte for byte the same)
     return replace(seg, k=k[0] if k else seg.k, v=v[0] if v else seg.v, pages=pages,
                    header=seg.header.clone(), rotated=None)
+
+
+def recompress_page(position: int, segments, bases: BasisPair | None, cfg: MosaicConfig,
+                    k_cands: list[Strategy], v_cands: list[Strategy]) -> SealedPage | None:
+    """A sealed page with each layer's segment through `recompress_segment` (the layers no cold
+    candidate improves kept as they were), its bytes re-counted; None when no layer changed.
+    What the scheduler thread runs without a daemon and a worker runs for a cold job."""
+    segs = list(segments)
+    new = [recompress_segment(seg, cfg, k_cands, v_cands) for seg in segs]
+    if all(n is None for n in new):
+        return None
+    segs = [n if n is not None else seg for n, seg in zip(new, segs)]
+    return SealedPage(position, segs, bases, sum(sum(segment_bytes(x).values()) for x in segs))
 
 
 def cold_candidates(cfg: MosaicConfig) -> tuple[list[Strategy], list[Strategy]]:

@@ -12,7 +12,7 @@ the job pipe closes.
 
 A cold job (`cold.enabled`, `DaemonClient.submit_cold`) brings sealed pages instead, pickled
 into the slots' K/V regions as the store holds them; the worker re-encodes each with the cold
-candidates (`codec.cold.recompress_segment`, what the scheduler thread runs without a daemon)
+candidates (`codec.cold.recompress_page`, what the scheduler thread runs without a daemon)
 and sends it back arena-ready, or says "kept" when nothing got smaller.
 """
 from __future__ import annotations
@@ -27,10 +27,9 @@ from multiprocessing.connection import Connection
 import torch
 
 from ..codec.arena import pack_page
-from ..codec.cold import cold_candidates, recompress_segment
-from ..codec.layer import Candidates, segment_bytes
-from ..codec.seal import (BasisPair, SealedPage, fit_bases, fit_block_bases, seal_pages,
-                          write_transforms)
+from ..codec.cold import cold_candidates, recompress_page
+from ..codec.layer import Candidates
+from ..codec.seal import BasisPair, fit_bases, fit_block_bases, seal_pages, write_transforms
 from ..codec.strategies import parse_strategy
 from ..config import MosaicConfig
 from .channel import Channel, ChannelSpec, dump, load
@@ -107,7 +106,7 @@ class Worker:
 
     def run_cold(self, job: dict) -> None:
         """Re-encode sealed pages with the cold candidates, as `MosaicKVPool._recompress_page`
-        does on the scheduler thread (the same `recompress_segment`): each page comes pickled in
+        does on the scheduler thread (the same `recompress_page`): each page comes pickled in
         its slot's K/V region; it goes back arena-ready (no bases: the pool keeps the page's),
         or as "kept" when no layer's K or V got smaller."""
         if self.cold is None:
@@ -115,15 +114,12 @@ class Worker:
         t0 = time.perf_counter()
         for i, (slot, (offset, length)) in enumerate(zip(job["slots"], job["cold"])):
             page = load(self.channel.kv(slot).view(-1).view(torch.uint8), offset, length)
-            segs = page.segments() if hasattr(page, "specs") else list(page.segments)
-            new = [recompress_segment(seg, self.cfg, *self.cold) for seg in segs]
+            segs = page.segments() if hasattr(page, "specs") else page.segments
+            fresh = recompress_page(page.position, segs, None, self.cfg, *self.cold)
             msg = {"id": job["id"], "index": i}
-            if all(n is None for n in new):
+            if fresh is None:
                 msg["kept"] = True
             else:
-                segs = [n if n is not None else seg for n, seg in zip(new, segs)]
-                fresh = SealedPage(page.position, segs, None,
-                                   sum(sum(segment_bytes(x).values()) for x in segs))
                 msg["offset"], msg["length"] = dump(
                     pack_page(fresh, self.cfg.page_tokens) or fresh, self.channel.result(slot))
             t1 = time.perf_counter()

@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 from ..codec.arena import ArenaPage, pack_page
 from ..codec.attention import PageReads
 from ..codec.basis import unrotate
-from ..codec.cold import cold_candidates, recompress_segment
+from ..codec.cold import cold_candidates, recompress_page
 from ..codec.layer import Candidates, CompressedLayer, own_storage, segment_bytes
 from ..codec.pages import build_page_meta
 from ..codec.seal import (BasisPair, PageSegments, SealedPage, WriteTransformCache, fit_bases,
@@ -1349,16 +1349,13 @@ class MosaicKVPool(MHATokenToKVPool):
 
     def _recompress_page(self, page: int) -> int:
         sp = self.sealed[page]
-        old = list(sp.segments)
-        new = [recompress_segment(seg, self.cfg, *self._cold_cands) for seg in old]
-        if all(n is None for n in new):
+        fresh = recompress_page(sp.position, sp.segments, sp.bases, self.cfg, *self._cold_cands)
+        if fresh is None:
             self.counters.cold_kept += 1
             return 0
-        segs = [n if n is not None else seg for n, seg in zip(new, old)]
-        for seg in segs:  # off the arena blocks that are about to be freed and rewritten
+        for seg in fresh.segments:  # off the arena blocks about to be freed and rewritten
             own_storage(seg)
-        self._adopt_cold(page, SealedPage(sp.position, segs, sp.bases,
-                                          sum(sum(segment_bytes(x).values()) for x in segs)))
+        self._adopt_cold(page, fresh)
         return 1
 
     def _adopt_cold(self, page: int, fresh) -> None:
