@@ -87,13 +87,10 @@ class Job:
     holds_slots: bool = False  # ready with results read in place: slots freed once installed
     agreed_at: int | None = None  # the boundary (DaemonClient.boundaries) it was first agreed ready
     # a cold job (`submit_cold`): sealed pages to re-encode with the cold candidates, each as
-    # what goes into its slot (an ArenaPage, or a SealedPage); then where it lies there
+    # what goes into its slot (an ArenaPage, or a SealedPage) until pumped; then where it lies
+    cold: bool = False
     payloads: list | None = None
     inputs: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def cold(self) -> bool:
-        return self.payloads is not None
 
     @property
     def ready(self) -> bool:
@@ -286,7 +283,8 @@ class DaemonClient:
         scheduler thread: `payloads` are the pages as they are stored (ArenaPages without
         bases: re-encoding stays in their SVD basis), written into slots at a boundary (pump);
         the results come back arena-ready, or KEPT for a page nothing made smaller."""
-        job = Job(self._next_id, pages, gens, positions, -1, None, True, payloads=payloads)
+        job = Job(self._next_id, pages, gens, positions, -1, None, True, cold=True,
+                  payloads=payloads)
         self._next_id += 1
         self.open[job.id] = job
         self.waiting.append(job)
@@ -309,7 +307,7 @@ class DaemonClient:
             if job.cold:  # the stored pages' bytes, pickled into the slots' K/V regions
                 job.inputs = [dump(p, self.channel.kv(slot).view(-1).view(torch.uint8))
                               for p, slot in zip(job.payloads, job.slots)]
-                job.payloads = []  # in the slots now (a restart resends them from there)
+                job.payloads = None  # in the slots now (a restart resends them from there)
                 job.event = None
             else:
                 fill_slots(self.channel, self.slot_copy, job.pages, job.slots, job.bases,
