@@ -1432,7 +1432,7 @@ class MosaicKVPool(MHATokenToKVPool):
         per_page = live / np.maximum(packed, 1)  # measured bytes of a page, per layer
         expected = np.where(packed > 0, per_page, self.page_bytes.expected)
         st = self.store  # per arena group: its bytes over a page's bytes in its layers
-        need = np.bincount(st.group_of, expected, len(st.group_layers))
+        need = st.by_group(expected)
         fits = int((st.group_layers * st.capacity // need).min()) * self.page_size
         return {"slots": self.logical_size,
                 "hot_buffer_tokens": self.num_hot_pages * self.page_size,

@@ -175,8 +175,7 @@ class SegmentStore:
         ArenaPage the arena has no room for, as views of its own bytes) in one `install_pages`
         batch. Returns each page's per-layer Segments."""
         out = self._store_pages(pages, sealed)
-        used = np.bincount(self.group_of, self.layer_live + self.outside_bytes,
-                           len(self.group_layers))
+        used = self.by_group(self.layer_live + self.outside_bytes)
         if (used > self.group_layers * self.capacity).any():
             # the planned memory exceeded (segments outside the arena): counted, logged once
             if not self.over_capacity:
@@ -742,9 +741,13 @@ class SegmentStore:
         (the memory was planned for the arena): placing a block lowers `fits` by at most one,
         so a group of n layers backs fits // n pages."""
         fits = np.array([a.fits() for a in self.allocators], dtype=np.int64)
-        outside = np.bincount(self.group_of, self.outside_bytes, len(self.allocators))
+        outside = self.by_group(self.outside_bytes)
         fits -= -(-outside.astype(np.int64) // self.allocators[0].unit)
         return fits // self.group_layers
+
+    def by_group(self, per_layer: np.ndarray) -> np.ndarray:
+        """A per-layer quantity summed over each arena group's layers (float64)."""
+        return np.bincount(self.group_of, per_layer, len(self.group_layers))
 
     def _free_block(self, layer: int, base: int, size: int) -> None:
         self.allocators[self.group_of[layer]].free(base, size)
