@@ -188,10 +188,11 @@ for set in ${RULER_SETS:-full ablate}; do
     cold50) args=(--systems dense mosaickv fp8 mosaickv_cold mosaickv_cold_compact --parallel 5
                   --cells "${COMPETENT[@]}" --samples 50) ;;
     # the candidates of all three decisions at once (default, compact preset, cold), one server
-    # each (7 x 0.12 of the GPU), beside the current default and FP8 (resumed)
-    decide50) args=(--systems dense mosaickv fp8 mosaickv_rescore_b12 mosaickv_position_rescore_b12
-                    mosaickv_compact_c20 mosaickv_compact_c25 mosaickv_cold mosaickv_cold_compact
-                    --parallel 9 --cells "${COMPETENT[@]}" --samples 50) ;;
+    # each (8 at MEM_FRACTION=0.10), beside the current default and FP8 (resumed)
+    decide50) args=(--systems dense mosaickv fp8 mosaickv_position_rescore mosaickv_rescore_b12
+                    mosaickv_position_rescore_b12 mosaickv_compact_c20 mosaickv_compact_c25
+                    mosaickv_cold mosaickv_cold_compact --parallel 10 --cells "${COMPETENT[@]}"
+                    --samples 50) ;;
     # selection at 1/8 of the context (issue: 512 tokens at 4K, 1024 at 8K) on the competent
     # cells of that length: the bound alone, the second stage on the compressed K, Quest-like
     select8_4k) args=(--systems dense mosaickv mosaickv_sel512 mosaickv_sel512_rescore
