@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mosaickv_sglang.bench.capture import capture  # noqa: E402
 from mosaickv_sglang.config import MosaicConfig  # noqa: E402
 from mosaickv_sglang.serving.pool import MosaicKVPool  # noqa: E402
-from mosaickv_sglang.serving.sizing import PageBytes, auto_hot_tokens, slot_fraction  # noqa: E402
+from mosaickv_sglang.serving.sizing import (PageBytes, auto_hot_tokens, slot_fraction,  # noqa: E402
+                                            window_tokens)
 
 
 def build_pool(cfg: MosaicConfig, dense_tokens: int, layers: int, heads: int, head_dim: int,
@@ -43,7 +44,7 @@ def build_pool(cfg: MosaicConfig, dense_tokens: int, layers: int, heads: int, he
     dense_token = layers * pb.dense // ps
     memory = dense_tokens * dense_token
     slots = int(memory // (slot_fraction(cfg, pb) * dense_token)) // ps * ps
-    hot = min(auto_hot_tokens(cfg, ps, chunk, context, 0), slots // ps * ps)
+    hot = min(auto_hot_tokens(cfg, ps, chunk, context, window_tokens(cfg)), slots // ps * ps)
     return MosaicKVPool(slots, ps, torch.bfloat16, heads, head_dim, layers, "cpu", False,
                         mosaic_config=cfg, hot_tokens=hot, memory_bytes=memory)
 

@@ -28,15 +28,14 @@ def _build_token_to_kv_pool(original, self, *, sizes, **kwargs):
     from sglang.srt.runtime_context import get_parallel
 
     from ..serving.pool import MosaicKVPool, hot_buffer_requests
-    from ..serving.sizing import PageBytes, auto_hot_tokens, hot_buffer_bytes, slot_memory
+    from ..serving.sizing import (PageBytes, auto_hot_tokens, hot_buffer_bytes, slot_memory,
+                                  window_tokens)
 
     heads = self.model_config.get_num_kv_heads(get_parallel().attn_tp_size)
     head_dim, page = self.model_config.head_dim, self.pool_page_size
     slots, layers = sizes.max_total_num_tokens, self.layer_info.num_effective_layers
     pb = PageBytes.of(cfg, heads, head_dim, self.kv_cache_dtype.itemsize)
-    # the position rule's window keeps pages hot (the chunk rule's pages leave when sealed)
-    window = cfg.hot_tokens + (cfg.daemon_lag_tokens if cfg.daemon == "process" else 0) \
-        if cfg.read_rule == "position" else 0
+    window = window_tokens(cfg)  # the read rule's dense window keeps pages hot (either rule)
     if cfg.hot_buffer_fraction > 0:
         hot = MosaicKVPool.hot_pages_for(slots, page, cfg.hot_buffer_fraction) * page
     else:  # what is in flight, never more than every slot

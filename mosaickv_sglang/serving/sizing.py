@@ -93,6 +93,17 @@ def slot_fraction(cfg: MosaicConfig, pb: PageBytes) -> float:
     return cfg.hot_buffer_fraction + (pb.best + pb.table + pb.bases) / pb.dense
 
 
+def window_tokens(cfg: MosaicConfig) -> int:
+    """The read rule's dense window as start-up sizing must see it (the pool's `dense_window`):
+    `hot_tokens`, plus `daemon_lag_tokens` under the position rule with the daemon. Under
+    either rule a page ending less than the window before a request's next token stays hot
+    beside its last page (`compressed_pages`): up to ceil(window / page) more pages per
+    request. (Sizing the chunk rule with no window let 65 running RULER requests, each holding
+    two pages, exhaust a 16384-token buffer on an H100, 2026-12-07.)"""
+    lag = cfg.daemon_lag_tokens if cfg.daemon == "process" and cfg.read_rule == "position" else 0
+    return cfg.hot_tokens + lag
+
+
 def auto_hot_tokens(cfg: MosaicConfig, page_size: int, chunked_prefill_size: int | None,
                     context_len: int, window_tokens: int) -> int:
     """The hot buffer that holds what is in flight: one prefill chunk's pages (a chunk is at
