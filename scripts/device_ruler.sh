@@ -60,11 +60,12 @@ for line in list(lzma.open(prompts, "rt"))[1:]:
     p = json.loads(line)
     want[(p["task"], p["length"], p["index"])] = fingerprint([p["input"], p["outputs"],
                                                              p["max_new_tokens"]])
-rows = [line for line in lzma.open(seed, "rt") if (r := json.loads(line)).get("kind") == "sample"
-        and r["system"] in ("dense", "fp8")
-        and want.get((r["task"], r["length"], r["index"])) == r["prompt_hash"]]
+# (and their servers' stats records: without one a resumed system starts a server to record it)
+rows = [line for line in lzma.open(seed, "rt") if (r := json.loads(line)).get("system") in
+        ("dense", "fp8") and (r.get("kind") == "stats" or r.get("kind") == "sample"
+        and want.get((r["task"], r["length"], r["index"])) == r["prompt_hash"])]
 open(out, "w").writelines(rows)
-print(f"{len(rows)} dense/FP8 rows of {len(want)} prompts -> {out}")
+print(f"{len(rows)} dense/FP8 rows (stats records included) of {len(want)} prompts -> {out}")
 PY
   fi
   ls -l $PARTS
