@@ -105,7 +105,8 @@ def request_reads(pool, page_ids: torch.Tensor, seq_len: int, prompt: int | None
     position order) and its prompt length (`prompt`, None: unknown or not needed): (n, the
     first n pages read compressed by the read rule, their runs of pages sharing a basis block
     (numpy arrays), each run's BasisPair, the hot pages of the rest). A sealed set that is not
-    a prefix is repaired first (`pool.seal_prefix_now`)."""
+    a prefix is repaired first (`pool.seal_prefix_now`), and so are runs that are not the
+    position blocks (`pool.rebase_blocks`: the decode graph's rows are those blocks)."""
     pages = page_ids.numpy()
     # the host hot-page map, read in place as numpy (~10x cheaper than torch indexing here);
     # a view, so it sees the repair's updates below
@@ -113,7 +114,17 @@ def request_reads(pool, page_ids: torch.Tensor, seq_len: int, prompt: int | None
     n, runs, run_bases = _sealed_runs(pool, pages, seq_len, prompt)
     if (hot_of[pages[n:]] < 0).any() and pool.seal_prefix_now(pages.tolist()):  # not a prefix
         n, runs, run_bases = _sealed_runs(pool, pages, seq_len, prompt)
+    if not position_blocks(pool, n, runs) and pool.rebase_blocks(pages, n):
+        n, runs, run_bases = _sealed_runs(pool, pages, seq_len, prompt)
     return n, runs, run_bases, torch.from_numpy(hot_of[pages[n:]])
+
+
+def position_blocks(pool, n: int, runs: list) -> bool:
+    """Whether a request's runs of its `n` compressed pages sharing a basis (`_sealed_runs`) are
+    its position blocks (`basis_block_tokens` each, the last one shorter or whole): what sealing
+    makes, and the decode graph's rows."""
+    block = pool.cfg.basis_block_tokens // pool.page_size
+    return len(runs) == -(-n // block) and all(len(r) == block for r in runs[:-1])
 
 
 def readable(pool, pages: torch.Tensor) -> bool:

@@ -118,6 +118,12 @@ class PoolCounters:
     # inline (seal_prefix_now), and the pages that took
     prefix_repairs: int = 0
     prefix_repair_pages: int = 0
+    # reads that found a request's basis block holding pages of two blocks' bases (the same
+    # swap, ending inside a block) and moved them to the block's bases (`rebase_blocks`): pages
+    # re-pointed (equal bases, bytes unchanged) and pages re-sealed under the block's bases
+    basis_rebases: int = 0
+    basis_aliased_pages: int = 0
+    basis_resealed_pages: int = 0
     # pages sealed inside a prefill forward, layer by layer, because later tokens of the same
     # chunk read them compressed (the read rule, docs/determinism.md)
     chunk_sealed_pages: int = 0
@@ -471,13 +477,15 @@ class MosaicKVPool(MHATokenToKVPool):
         """(sealed logical pages in position order, hot K, hot V, hot start) for one request's
         slots [T] in position order, as its token at T - 1 reads them (`prompt`: its prompt
         length, `compressed_pages`). Sealed pages are a prefix of the request's pages (made one
-        first by `seal_prefix_now` where SGLang's prefix swap broke it)."""
+        first by `seal_prefix_now` where SGLang's prefix swap broke it, and their basis blocks
+        one basis each by `rebase_blocks`, as the kernel paths read them)."""
         ps = self.page_size
         pages = (slots[::ps] // ps).tolist()
         n_sealed = self._sealed_prefix(pages)
         if any(p in self.sealed for p in pages[n_sealed:]):
             self.seal_prefix_now(pages)
         n_sealed = self.read_split(pages, slots.numel() - 1, prompt)
+        self.rebase_blocks(pages, n_sealed)
         local = layer_id - self.start_layer
         hot_slots = slots[n_sealed * ps:]
         phys = self.physical_loc(hot_slots) if hot_slots.numel() else hot_slots
@@ -526,6 +534,96 @@ class MosaicKVPool(MHATokenToKVPool):
                        "were swapped for the radix tree's copies): %d pages before them sealed "
                        "on the scheduler thread (counted as prefix_repairs)", done)
         return done
+
+    def rebase_blocks(self, pages, n: int) -> int:
+        """Make the first `n` of one request's `pages` (position order, all sealed) one basis
+        per position block again: every page on the bases of its block's first page, as sealing
+        gives a request's own pages and the decode graph's rows (position blocks, one bases
+        address each) need. They stop being that when SGLang swaps a running request's own
+        prefix pages for the radix tree's copies (`cache_unfinished_req`: two requests with a
+        common prefix prefilled in one batch) and the common prefix ends inside a block: the
+        block then holds the tree's pages, on their block's bases, followed by the request's
+        own, on the bases it fitted on its own (now freed) first page; a later request matching
+        that tree path holds the same block. A page on other bases is re-pointed at the block's
+        when they hold the same values (same tokens fitted alike: its bytes unchanged), else
+        re-sealed under them from its decoded K/V (the codec's seal, so its bytes change: a
+        second encoding). In place: every request holding the page holds the same first page
+        before it (one tree path), so it is fixed for all of them. A function of the page table
+        (the same pages on every TP rank). Counted (`basis_rebases`, `basis_aliased_pages`,
+        `basis_resealed_pages`) and logged. Returns pages changed."""
+        if n <= 0:
+            return 0
+        block = self.cfg.basis_block_tokens // self.page_size
+        read = np.asarray(pages[:n], dtype=np.int64)
+        keys = self.page_basis[read]
+        bad = np.flatnonzero(keys != keys[np.arange(n) // block * block])
+        if not bad.size:
+            return 0
+        if not self.page_sealed[read].all():
+            raise RuntimeError("MosaicKV: rebase_blocks on pages that are not all sealed")
+        alias, reseal, same = [], [], {}
+        for j in bad.tolist():
+            page, first = int(read[j]), int(read[j // block * block])
+            old, target = self.sealed[page].bases, self.sealed[first].bases
+            key = (id(old), id(target))
+            if key not in same:
+                same[key] = torch.equal(old.stacked(), target.stacked())
+            (alias if same[key] else reseal).append((page, target))
+        for page, target in alias:
+            sp = self.sealed[page]
+            self._account(sp, -1)
+            self._put_sealed(page, SealedPage(sp.position, sp.segments, target, sp.nbytes))
+        if reseal:
+            self._reseal(reseal)
+        self.version += 1
+        self.counters.basis_rebases += 1
+        self.counters.basis_aliased_pages += len(alias)
+        self.counters.basis_resealed_pages += len(reseal)
+        logger.warning("MosaicKV: a request's basis block held pages of two blocks' bases (SGLang "
+                       "swapped its own prefix pages for the radix tree's, up to a page inside the "
+                       "block): %d pages moved to the block's bases (%d re-sealed), counted as "
+                       "basis_rebases", len(bad), len(reseal))
+        return len(bad)
+
+    def _reseal(self, todo: list[tuple[int, BasisPair]]) -> None:
+        """Sealed pages re-sealed under other bases ((page, bases) each): decoded (every layer,
+        in the cache dtype, as a hot page holds it), sealed again by the codec at their own
+        positions, and stored in place of their old segments (`rebase_blocks`)."""
+        pages = [p for p, _ in todo]
+        olds = [self.sealed[p] for p in pages]
+        kv = [[_decoded(sp.segments[local], sp.bases.k[local], sp.bases.v[local])
+               for local in range(self.layer_num)] for sp in olds]
+        k, v = (torch.stack([torch.stack([layer[x] for layer in page]) for page in kv])
+                .to(self.dtype) for x in (0, 1))  # [P, L, H, S, D]
+        with self._worker_threads():
+            fresh = seal_pages(k, v, [sp.position for sp in olds], [b for _, b in todo],
+                               self.cfg, self.cands, self.dense,
+                               keep_rotated=self.store.pack_kernel)
+        for page, sp in zip(pages, olds):
+            self._count_strategies(sp, -1)
+            self._account(sp, -1)
+            self.store.release(page)
+        for sp in fresh:
+            self._count_strategies(sp, +1)
+            for _, _, reason in sp.kinds():
+                self.counters.over_budget += reason == "over-budget"
+                self.counters.rescued += reason == "rescued"
+        for page, sp, segs in zip(pages, fresh, self.store.store_pages(pages, fresh)):
+            self._put_sealed(page, SealedPage(sp.position, segs, sp.bases, sp.nbytes))
+            if page in self.cold_done:  # its new encoding is not cold: found again
+                self.cold_done.discard(page)
+                self._cold_queue.append((page, self.page_gen[page]))
+
+    def _put_sealed(self, page: int, sp: SealedPage) -> None:
+        """`sp` as sealed `page`'s entry in place of the one it had (whose bytes the caller took
+        out of the account): the page table's bases key and address, and its bytes counted."""
+        self.sealed[page] = sp
+        self.page_basis[page] = id(sp.bases)
+        if sp.bases.whole is not None:
+            self.page_basis_addr[page] = sp.bases.whole.data_ptr()
+        else:
+            self.basis_addr_ok = False
+        self._account(sp, +1)
 
     def layer_view(self, layer_id: int, slots: torch.Tensor,
                    prompt: int | None = None) -> CompressedLayer:
