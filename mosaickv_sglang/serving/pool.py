@@ -222,13 +222,15 @@ def cap_running_requests(fit: int, derived: int, requested: int | None, page_siz
     if requested is not None and requested > fit:
         raise ValueError(
             f"MosaicKV: --max-running-requests {requested} does not fit the hot buffer, which "
-            f"holds one prefill chunk plus the last page of {fit - 1} other running requests "
+            f"holds one prefill chunk plus the last page (and the read rule's dense window) of "
+            f"{fit - 1} other running requests "
             f"({page_size}-token pages): lower --max-running-requests to <= {fit}, lower "
             f"--chunked-prefill-size by {(requested - fit) * page_size} tokens, or raise "
             f"hot_buffer_fraction (now {hot_buffer_fraction}) in --mosaickv-config")
     logger.warning("MosaicKV: max running requests lowered from %d to %d: the hot buffer holds "
-                   "one prefill chunk plus the last page of each other running request (raise "
-                   "hot_buffer_fraction or lower --chunked-prefill-size for more)", derived, fit)
+                   "one prefill chunk plus the last page (and the read rule's dense window) of "
+                   "each other running request (raise hot_buffer_fraction or lower "
+                   "--chunked-prefill-size for more)", derived, fit)
     return fit
 
 
