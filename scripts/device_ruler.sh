@@ -24,7 +24,7 @@
 # candidates50 = those and both with looser chooser budgets, candidate defaults at >= 3.5x;
 # compact50 = two compact presets at >= 4.5x beside the default and FP8;
 # cold50 = cold recompression, default and compact cold candidates, beside the default and FP8;
-# decide50 = candidates50's b12 pair, compact50's presets and cold recompression in one parallel run)
+# decide50 = candidates50's b12 pair and compact50's c20 preset in one parallel run)
 # until LIMIT_S, the systems of a set served at once (--parallel), with SPLIT=N by N eval.ruler processes over task
 # groups (see ruler_run). Both sets share one samples file in /tmp/mosaickv_ruler (kept while
 # warm), copied to $OUT after every set; one carried as .device/ruler/samples.jsonl seeds a fresh
@@ -189,11 +189,10 @@ for set in ${RULER_SETS:-full ablate}; do
     cold50) args=(--systems dense mosaickv fp8 mosaickv_cold mosaickv_cold_compact --parallel 5
                   --cells "${COMPETENT[@]}" --samples 50) ;;
     # the candidates of all three decisions at once (default, compact preset, cold), one server
-    # each (5 x 0.12 of the GPU), beside dense and FP8 (resumed; the default's 2.10-point loss is
+    # each, beside dense and FP8 (resumed; the default's 2.10-point loss is
     # the 2026-11-30 run's)
     decide50) args=(--systems dense fp8 mosaickv_rescore_b12 mosaickv_position_rescore_b12
-                    mosaickv_compact_c20 mosaickv_compact_c25 mosaickv_cold --parallel 7
-                    --cells "${COMPETENT[@]}" --samples 50) ;;
+                    mosaickv_compact_c20 --parallel 5 --cells "${COMPETENT[@]}" --samples 50) ;;
     # selection at 1/8 of the context (issue: 512 tokens at 4K, 1024 at 8K) on the competent
     # cells of that length: the bound alone, the second stage on the compressed K, Quest-like
     select8_4k) args=(--systems dense mosaickv mosaickv_sel512 mosaickv_sel512_rescore
