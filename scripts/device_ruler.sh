@@ -24,7 +24,8 @@
 # candidates50 = those and both with looser chooser budgets, candidate defaults at >= 3.5x;
 # compact50 = two compact presets at >= 4.5x beside the default and FP8;
 # cold50 = cold recompression, default and compact cold candidates, beside the default and FP8;
-# decide50 = candidates50's b12 pair and compact50's c20 preset in one parallel run)
+# decide50 = candidates50's b12 pair and compact50's c20 preset in one parallel run;
+# decide_hard50 = those on the four cells where the default lost most)
 # until LIMIT_S, the systems of a set served at once (--parallel), with SPLIT=N by N eval.ruler processes over task
 # groups (see ruler_run). Both sets share one samples file in /tmp/mosaickv_ruler (kept while
 # warm), copied to $OUT after every set; one carried as .device/ruler/samples.jsonl seeds a fresh
@@ -193,6 +194,11 @@ for set in ${RULER_SETS:-full ablate}; do
     # the 2026-11-30 run's)
     decide50) args=(--systems dense fp8 mosaickv_rescore_b12 mosaickv_position_rescore_b12
                     mosaickv_compact_c20 --parallel 5 --cells "${COMPETENT[@]}" --samples 50) ;;
+    # the same candidates on the four cells where the default lost most (2026-11-30: 12.0, 11.0,
+    # 6.0, 2.0 points), when a call has too little time for all ten
+    decide_hard50) args=(--systems dense fp8 mosaickv_rescore_b12 mosaickv_position_rescore_b12
+                         mosaickv_compact_c20 --parallel 5 --cells niah_single_2@8192
+                         niah_multivalue@2048 niah_single_3@4096 niah_single_1@8192 --samples 50) ;;
     # selection at 1/8 of the context (issue: 512 tokens at 4K, 1024 at 8K) on the competent
     # cells of that length: the bound alone, the second stage on the compressed K, Quest-like
     select8_4k) args=(--systems dense mosaickv mosaickv_sel512 mosaickv_sel512_rescore
