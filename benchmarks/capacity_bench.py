@@ -67,6 +67,10 @@ def fill(pool: MosaicKVPool, caps: list, max_requests: int, log_every: int = 8) 
             k = cap.k[layer][:, :n].transpose(0, 1).contiguous()  # [T, H, D]
             v = cap.v[layer][:, :n].transpose(0, 1).contiguous()
             pool.set_kv_buffer(SimpleNamespace(layer_id=layer), slots, k, v)
+        # as a server seals: after the prefill forward what the next token reads compressed
+        # (under the position rule every page; the server does it inside the forward), then at
+        # the request's end the rest (seal_finished)
+        pool.seal_request(slots, n)
         pool.seal_finished(slots)
         if pool.cfg.cold.enabled:  # the request finished: its pages are cold at the next steps
             while pool.recompress_cold(set()):
