@@ -102,12 +102,15 @@ def test_sizing_the_chunk_rule_without_its_window_exhausts_the_buffer():
 
 
 def test_the_window_start_up_sees_is_the_pools():
+    """`window_tokens` is the window the pool reads by (`dense_window`): hot_tokens under either
+    rule, plus the daemon's lag under the position rule only."""
     position = {"read_rule": "position", "basis_fit": "first_page"}
-    for cfg in (MosaicConfig(), MosaicConfig(**position, hot_tokens=0),
-                MosaicConfig(**position, hot_tokens=64, daemon="process"),
-                MosaicConfig(hot_tokens=32, daemon="process")):
-        pool = MosaicKVPool(8 * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
-                            mosaic_config=cfg.__class__(**{**cfg.__dict__, "daemon": "off"}))
-        lag = cfg.daemon_lag_tokens if cfg.daemon == "process" and cfg.read_rule == "position" \
-            else 0
-        assert window_tokens(cfg) == pool.dense_window + lag
+    lag = MosaicConfig().daemon_lag_tokens
+    for cfg, want in ((MosaicConfig(), 64), (MosaicConfig(**position, hot_tokens=0), 0),
+                      (MosaicConfig(**position, hot_tokens=64, daemon="process"), 64 + lag),
+                      (MosaicConfig(hot_tokens=32, daemon="process"), 32)):
+        assert window_tokens(cfg) == want
+        if cfg.daemon == "off":  # (a pool with the daemon would start its workers)
+            pool = MosaicKVPool(8 * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
+                                mosaic_config=cfg)
+            assert pool.dense_window == want

@@ -42,8 +42,8 @@ from mosaickv_kernels.page_select import page_bounds, select_page_list
 from mosaickv_kernels.request_decode import DecodeTables, RequestDecode
 
 from ..codec.attention import PageReads
-from .packed_decode import (host_batch, host_prompts, host_seq_lens, hot_slots, readable,
-                            request_reads, rescore_plan)
+from .packed_decode import (host_batch, host_prompts, host_seq_lens, hot_slots, position_blocks,
+                            readable, request_reads, rescore_plan)
 from .pool import upload_changed_span
 
 logger = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ class GraphDecode:
                                    f"--mosaickv-config")
             # rows are position blocks: runs of a shared basis must be the block-sized chunks
             sizes = [len(run) for run in runs]
-            if sizes != [min(block, n - j) for j in range(0, n, block)]:
+            if not position_blocks(pool, n, runs):
                 raise RuntimeError("MosaicKV: a request's sealed pages are not in position "
                                    "blocks (the decode graph's row layout)")
             counts[i * w:i * w + len(runs)] = sizes

@@ -49,7 +49,7 @@ from ..codec.timing import StepProfiler
 from ..config import MosaicConfig, check_fits, fit_rescue
 from ..daemon.swaplog import SwapLog
 from .segment_store import SegmentStore
-from .sizing import PageBytes, byte_deficit, in_flight_pages, plan_memory
+from .sizing import PageBytes, byte_deficit, in_flight_pages, plan_memory, window_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -359,9 +359,7 @@ class MosaicKVPool(MHATokenToKVPool):
         # the read rule (docs/determinism.md): "position" or "chunk"; its window
         # (compressed_pages): hot_tokens, plus the daemon's slack under the position rule
         self.position_rule = mosaic_config.read_rule == "position"
-        self.dense_window = mosaic_config.hot_tokens + (
-            mosaic_config.daemon_lag_tokens if self.daemon is not None and self.position_rule
-            else 0)
+        self.dense_window = window_tokens(mosaic_config)
         # the window covers pages holding generated tokens only: each request's prompt length
         # (req_pool_idx -> tokens, `set_prompt_len`), looked up where it can change a read
         self.prompt_split = self.position_rule and self.dense_window > 0
@@ -605,11 +603,7 @@ class MosaicKVPool(MHATokenToKVPool):
             self._count_strategies(sp, -1)
             self._account(sp, -1)
             self.store.release(page)
-        for sp in fresh:
-            self._count_strategies(sp, +1)
-            for _, _, reason in sp.kinds():
-                self.counters.over_budget += reason == "over-budget"
-                self.counters.rescued += reason == "rescued"
+        self._count_sealed(fresh)
         for page, sp, segs in zip(pages, fresh, self.store.store_pages(pages, fresh)):
             self._put_sealed(page, SealedPage(sp.position, segs, sp.bases, sp.nbytes))
             if page in self.cold_done:  # its new encoding is not cold: found again
@@ -617,11 +611,12 @@ class MosaicKVPool(MHATokenToKVPool):
                 self._cold_queue.append((page, self.page_gen[page]))
 
     def _put_sealed(self, page: int, sp: SealedPage) -> None:
-        """`sp` as sealed `page`'s entry in place of the one it had (whose bytes the caller took
-        out of the account): the page table's bases key and address, and its bytes counted."""
+        """`sp` as sealed `page`'s entry, new (`_install`) or in place of the one it had (whose
+        bytes the caller took out of the account): the page table's sealed flag, bases key and
+        address, and its bytes counted."""
         self.sealed[page] = sp
-        self.page_basis[page] = id(sp.bases)
-        if sp.bases.whole is not None:
+        self.page_sealed[page], self.page_basis[page] = True, id(sp.bases)
+        if sp.bases is not None and sp.bases.whole is not None:
             self.page_basis_addr[page] = sp.bases.whole.data_ptr()
         else:
             self.basis_addr_ok = False
@@ -1332,24 +1327,14 @@ class MosaicKVPool(MHATokenToKVPool):
                 raise RuntimeError(f"MosaicKV: page {page} sealed twice")
         if len(set(pages)) != len(pages):
             raise RuntimeError(f"MosaicKV: pages {pages} installed twice in one batch")
-        for sp in sealed:
-            self._count_strategies(sp, +1)
-            for _, _, reason in sp.kinds():
-                self.counters.over_budget += reason == "over-budget"
-                self.counters.rescued += reason == "rescued"
+        self._count_sealed(sealed)
         sealed = [SealedPage(sp.position, segs, sp.bases, sp.nbytes)
                   for sp, segs in zip(sealed, self.store.store_pages(pages, sealed))]
         block = self.cfg.basis_block_tokens // self.page_size
         for page, sp in zip(pages, sealed):
             if (sp.position // self.page_size) % block == block - 1:  # the block is complete
                 self.write_cache.drop(sp.bases)
-            self.sealed[page] = sp
-            self.page_sealed[page], self.page_basis[page] = True, id(sp.bases)
-            if sp.bases is not None and sp.bases.whole is not None:
-                self.page_basis_addr[page] = sp.bases.whole.data_ptr()
-            else:
-                self.basis_addr_ok = False
-            self._account(sp, +1)
+            self._put_sealed(page, sp)
             if keep_hot:  # read dense until the read rule says otherwise (_drop_kept_hot)
                 self.kept_hot.add(page)
             else:
@@ -1361,6 +1346,15 @@ class MosaicKVPool(MHATokenToKVPool):
             _bump(self.counters.sealed_by_position, sp.position // self.page_size)
             if self.swaps is not None:
                 self.swaps.add(page, self.page_gen[page])
+
+    def _count_sealed(self, sealed: list) -> None:
+        """Freshly sealed pages into the strategy counters and the chooser's over-budget and
+        rescued counts."""
+        for sp in sealed:
+            self._count_strategies(sp, +1)
+            for _, _, reason in sp.kinds():
+                self.counters.over_budget += reason == "over-budget"
+                self.counters.rescued += reason == "rescued"
 
     def _count_strategies(self, sp, sign: int) -> None:
         """The strategy counters (`counters.strategies`): a stored page's per-layer K and V
