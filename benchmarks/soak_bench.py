@@ -190,7 +190,10 @@ def main() -> None:
                     help="offer at least this multiple of the tokens the server holds")
     ap.add_argument("--capacity", type=int, default=None,
                     help="tokens the server holds (default: from /get_server_info)")
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="token ids are drawn below this (default: --model's vocab_size, else 32000)")
+    ap.add_argument("--model", default=None,
+                    help="the served model's directory: its config.json's vocab_size bounds the ids")
     ap.add_argument("--output", type=int, default=32, help="new tokens per finished request")
     ap.add_argument("--short", default="64,1024", help="short prompt lengths: MIN,MAX")
     ap.add_argument("--long", default="8192,16384,32768,65536,131072",
@@ -225,6 +228,13 @@ def main() -> None:
             raise SystemExit(f"{args.url}: the server's context length is unknown; pass "
                              "--max-prompt")
         args.max_prompt = info["context_length"] - max(args.output, args.abort_output) - 8
+    if args.model:
+        model_vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
+        if args.vocab is not None and args.vocab > model_vocab:
+            raise SystemExit(f"--vocab {args.vocab} exceeds {args.model}'s vocab_size "
+                             f"{model_vocab}: ids past it crash the server's embedding")
+        args.vocab = args.vocab or model_vocab
+    args.vocab = args.vocab or 32000
     lo, hi = (int(x) for x in args.short.split(","))
     jobs, offered = make_workload(
         random.Random(args.seed), capacity, requests=args.requests, offer=args.offer,

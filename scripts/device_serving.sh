@@ -130,7 +130,7 @@ benchmarks/agent_bench.py --url {url} --systems {system} --model /tmp/llama8b --
 # killed once (with daemon: process), then every finished one alone; SOAK_ARGS adds flags.
 [ "${SOAK:-0}" = 1 ] && args+=(--after-bench "timeout ${SOAK_LIMIT_S:-300} python3 \
 benchmarks/soak_bench.py --url {url} --system {system} --requests ${SOAK_REQUESTS:-500} \
---offer ${SOAK_OFFER:-2} --vocab 128256 --limit-s $(( ${SOAK_LIMIT_S:-300} - 20 )) ${SOAK_ARGS:-} \
+--offer ${SOAK_OFFER:-2} --model /tmp/llama8b --limit-s $(( ${SOAK_LIMIT_S:-300} - 20 )) ${SOAK_ARGS:-} \
 --json $OUT/soak_{system}.json")
 [ -n "${MOSAICKV_CONFIG:-}" ] && args+=(--mosaickv-config "$MOSAICKV_CONFIG")
 for a in ${CUDA_GRAPH_ARGS:---cuda-graph-max-bs 8} ${EXTRA_ARGS:-}; do args+=("--server-arg=$a"); done
