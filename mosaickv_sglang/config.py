@@ -57,18 +57,21 @@ class SelectionConfig:
     sink_tokens: int = 64
     recent_tokens: int = 256
     meta_channels: int = 8  # channels with per-page min/max (the rest: one norm bound)
-    # 0: pages chosen by their metadata bound. k > 0: the bound keeps k x the budget's pages as
-    # candidates, which are re-ranked by their best score on the compressed K itself (the torch
-    # reference decode only: the kernels refuse it; docs/evaluation.md)
-    rescore_factor: int = 0
+    # 0: pages chosen by their metadata bound. k > 0 (default 4): the bound keeps k x the
+    # budget's pages as candidates, which are re-ranked by their best score on the compressed K
+    # itself (the kernels' second stage, `page_rescore`; docs/evaluation.md). With the position
+    # rule's first-page bases it took the 8K cells from 24 points lost to none (RULER, H100,
+    # 2026-12-07: benchmarks/results/ruler_h100_2026-12-07_decide/)
+    rescore_factor: int = 4
     # what the second stage scores a candidate page by: false = every channel of its compressed
     # K (reads the candidates' whole K); true = only its metadata channels' codes, exactly, plus
     # the page's rest-norm bound for the other channels (reads m channels of the candidates' K)
     rescore_meta_only: bool = False
     # > 0: the second stage scores a candidate page by the exact score on the leading this many
     # channels of its compressed K in the SVD basis (where K's energy is), nothing for the rest:
-    # how much of K a second stage must read (an experiment; 0 = every channel)
-    rescore_channels: int = 0
+    # how much of K a second stage must read (default 32, the codec probe's best; 0 = every
+    # channel)
+    rescore_channels: int = 32
 
     def validate(self, page_tokens: int) -> None:
         for key in ("budget_tokens", "sink_tokens", "recent_tokens", "meta_channels",
@@ -131,7 +134,8 @@ class MosaicConfig:
     # The dense window: a decode token reads dense every page ending less than this many tokens
     # before it (docs/determinism.md); under read_rule "position" the window covers pages
     # holding generated tokens only (prompt pages are read compressed by every later token).
-    hot_tokens: int = 64
+    # 0 (default, with the position rule): what RULER measured; the chunk rule used 64.
+    hot_tokens: int = 0
     # Serving: the dense hot buffer. 0 (default): sized to what is in flight, one prefill chunk
     # plus the last page of `hot_buffer_requests` other running requests, carved out of the KV
     # memory; > 0: this fraction of the logical token slots, as its own share of every slot.
@@ -145,8 +149,11 @@ class MosaicConfig:
     # Segments that no K/V/sink candidate fits try these (same budget) before going dense; chosen
     # ones are counted as "rescued" (reason), the rest as over-budget.
     rescue_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_RESCUE_CANDIDATES))
-    k_error_budget: float = 0.08  # max relative reconstruction error per segment
-    v_error_budget: float = 0.12
+    # Max relative reconstruction error per segment. 0.12 / 0.20 (were 0.08 / 0.12): with the
+    # second stage the looser budgets bought 3.69x vs 3.46x physical at no measured RULER cost
+    # (1.85 points vs 2.10; benchmarks/results/ruler_h100_2026-12-07_decide/).
+    k_error_budget: float = 0.12
+    v_error_budget: float = 0.20
     select: SelectionConfig = field(default_factory=SelectionConfig)
     cold: ColdConfig = field(default_factory=ColdConfig)
     # "off": pages are compressed on the scheduler thread when the read rule first reads them
@@ -253,11 +260,13 @@ class MosaicConfig:
     # sealed inside the forward): outputs independent of other traffic.
     # "chunk": a prefill chunk reads the pages sealed before it compressed and itself dense,
     # decode as "position": what a prompt token reads depends on where its chunk began.
-    read_rule: str = "chunk"
+    # Default "position" (with basis_fit "first_page", hot_tokens 0): traffic independent at the
+    # old chunk-rule default's RULER (docs/determinism.md).
+    read_rule: str = "position"
     # Which pages a basis block's bases are fitted on: "first_page" (a sealed page is then a
     # function of its own K/V and its block's first page) or "group" (the pages sealed with the
-    # block's first one: depends on chunking and timing).
-    basis_fit: str = "group"
+    # block's first one: depends on chunking and timing). Default "first_page".
+    basis_fit: str = "first_page"
     # basis_fit "group", daemon off: a group of pages holding fewer than this many tokens (and
     # less than the whole block) that opens a basis block of a request whose previous block is sealed (a decode page starting a
     # block every basis_block_tokens, a prompt's short tail block) takes the previous block's
@@ -331,8 +340,8 @@ class MosaicConfig:
         self.cold.validate(self.page_tokens)
         if self.cold.enabled and self.read_rule != "chunk":
             raise ValueError("mosaickv config: cold.enabled needs read_rule 'chunk' (under the "
-                             "position rule what a token reads must not change after it is "
-                             "sealed)")
+                             "position rule, the default, what a token reads must not change "
+                             "after it is sealed): add \"preset\": \"chunk_rule\"")
         for key, choices in (("decode_kernel", DECODE_KERNELS), ("pack_kernel", PACK_KERNELS),
                              ("arena", ARENAS),
                              ("prefill_attention", PREFILL_ATTENTIONS),
@@ -481,6 +490,10 @@ PRESETS: dict[str, dict] = {
     # what a greedy request reads is a function of its own tokens, positions and prompt length,
     # not of other traffic, with the daemon off or on (docs/determinism.md; 12 of 12 in CI)
     "traffic_independent": {"read_rule": "position", "basis_fit": "first_page", "hot_tokens": 0},
+    # the read rule of the default before 2026-12-07: prefill chunks read themselves dense, bases
+    # fitted on the pages sealed together, a 64-token window. Traffic dependent; what
+    # cold.enabled and decode_seal_layers need
+    "chunk_rule": {"read_rule": "chunk", "basis_fit": "group", "hot_tokens": 64},
 }
 
 

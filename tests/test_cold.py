@@ -14,10 +14,11 @@ from mosaickv_sglang.serving.pool import MosaicKVPool
 
 PS, H, D, LAYERS = 128, 2, 64, 2
 COLD = {"enabled": True, "k_error_budget": 0.5, "v_error_budget": 0.5, "pages_per_step": 3}
+CHUNK_RULE = {"read_rule": "chunk", "basis_fit": "group"}  # what cold recompression needs
 
 
 def make_pool(**cold) -> MosaicKVPool:
-    cfg = MosaicConfig(hot_tokens=0, cold={**COLD, **cold})
+    cfg = MosaicConfig(hot_tokens=0, cold={**COLD, **cold}, **CHUNK_RULE)
     return MosaicKVPool(24 * PS, PS, torch.bfloat16, H, D, LAYERS, "cpu", False,
                         mosaic_config=cfg)
 
@@ -89,7 +90,7 @@ def test_a_zero_budget_keeps_every_page_and_counts_it():
 
 
 def test_cold_layouts_are_in_the_graphs_frozen_pairs_and_config_is_checked():
-    cfg = MosaicConfig(cold={"enabled": True})
+    cfg = MosaicConfig(cold={"enabled": True}, **CHUNK_RULE)
     pairs = band_pairs(cfg)
     assert (cfg.cold.k_candidates[0], cfg.cold.v_candidates[0]) in pairs
     assert (cfg.cold.k_candidates[0], cfg.v_candidates[0]) in pairs  # one kind recompressed
@@ -97,6 +98,10 @@ def test_cold_layouts_are_in_the_graphs_frozen_pairs_and_config_is_checked():
         MosaicConfig(cold={"k_candidates": ["dense"]})
     with pytest.raises(ValueError, match="read_rule 'chunk'"):
         MosaicConfig(cold={"enabled": True}, read_rule="position", basis_fit="first_page")
+    # the default is the position rule: the error names the preset that enables cold
+    with pytest.raises(ValueError, match='"preset": "chunk_rule"'):
+        MosaicConfig.from_dict({"cold": {"enabled": True}})
+    assert MosaicConfig.from_dict({"preset": "chunk_rule", "cold": {"enabled": True}}).cold.enabled
 
 
 def test_warm_pages_are_each_running_requests_last_tokens():

@@ -9,7 +9,7 @@ import pytest
 
 from mosaickv_sglang.eval import report
 from mosaickv_sglang.eval.ruler_gen import Prompt
-from mosaickv_sglang.eval.runner import ResultStore, run_prompts
+from mosaickv_sglang.eval.runner import ResultStore, fingerprint, run_prompts
 from mosaickv_sglang.eval.systems import SYSTEMS
 
 
@@ -311,3 +311,21 @@ def test_a_server_stopped_early_counts_by_its_last_checkpoint(tmp_path, monkeypa
     assert entry["ratio"] == pytest.approx(100 * 4000 / (1000 * 50 + 3000 * 25))
     assert entry["ratio_source"].endswith("2 servers that ran it; 1 stopped early: their last "
                                           "stats checkpoint)")
+
+
+def test_fingerprint_follows_the_resolved_config(monkeypatch):
+    """A changed default (same server arguments, another config) must not resume old samples;
+    SGLang's own systems keep their fingerprint (the dense/FP8 seed rows still resume)."""
+    from mosaickv_sglang.config import MosaicConfig
+    from mosaickv_sglang.eval import systems as systems_mod
+    from mosaickv_sglang.eval.ruler import system_fingerprint
+
+    default = SYSTEMS["mosaickv"]
+    before = system_fingerprint(default, ["--x"], [], "model")
+    monkeypatch.setattr(systems_mod.System, "mosaic_config",
+                        lambda self: MosaicConfig.from_dict({"read_rule": "chunk",
+                                                             "basis_fit": "group"}))
+    assert system_fingerprint(default, ["--x"], [], "model") != before
+    dense = SYSTEMS["dense"]
+    assert system_fingerprint(dense, ["--x"], ["--a"], "model") == \
+        fingerprint([dense.server_args(), ["--x"], "model", ["--a"]])

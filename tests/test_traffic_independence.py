@@ -6,10 +6,10 @@ behind a small pool (4096 tokens, 512-token prefill chunks): 12 concurrent greed
 tokens each) offer ~15K tokens to the 4096-token pool, so chunking, batching, queueing and
 retraction all depend on the neighbours. Then every prompt is sent again alone after
 `/flush_cache`. Each loaded output must equal its alone output, as with `--kv-backend default`
-(the control), under read_rule "position" (or the config in MOSAICKV_TI_CONFIG, JSON, e.g. '{}'
-for the default, which does not pass: docs/determinism.md), bit for bit in what it reads (the
-position rule, the chunking-invariant prefill attention and the CPU platform's batch-invariant
-linear layers):
+(the control), under the default config (read_rule "position"; or the config in
+MOSAICKV_TI_CONFIG, JSON, e.g. '{"preset": "chunk_rule"}' for the chunk rule, which does not pass:
+docs/determinism.md), bit for bit in what it reads (the position rule, the chunking-invariant
+prefill attention and the CPU platform's batch-invariant linear layers):
 
 * `daemon: off`: every request;
 * `daemon: process` (192 new tokens, so that every request fills pages of generated tokens,
@@ -39,9 +39,9 @@ N_REQ, NEW_TOKENS, SHARED = 12, 24, 1024
 # get) at least 64 tokens before it ends
 DAEMON_NEW_TOKENS = 192
 SHARED_PREFIX = [i for i in range(N_REQ) if i % 4 == 1]  # the requests behind the shared prefix
-# the configuration whose outputs do not depend on other traffic (docs/determinism.md); the
-# default (read_rule "chunk") gave 4 of 12 here
-POSITION_RULE = {"preset": "traffic_independent"}  # the position rule, first-page bases, W 0
+# the configuration whose outputs do not depend on other traffic (docs/determinism.md): the
+# default (the position rule, first-page bases, W 0); the chunk rule gave 4 of 12 here
+DEFAULT = {}
 COMMON = ("--dtype", "float32", "--max-total-tokens", "4096", "--chunked-prefill-size", "512")
 
 
@@ -93,9 +93,9 @@ def _check(loaded, alone, label: str, which: list[int] | None = None) -> None:
 # the same with page selection active on these short prompts (a 512-token budget: about half of
 # the pages read) and its second stage (candidates rescored on their compressed K): what the
 # position rule needs for its accuracy (docs/determinism.md), still a function of the request
-SELECTING = {**POSITION_RULE, "select": {"budget_tokens": 512, "recent_tokens": 128,
-                                         "sink_tokens": 64, "rescore_factor": 2,
-                                         "rescore_channels": 32}}
+SELECTING = {**DEFAULT, "select": {"budget_tokens": 512, "recent_tokens": 128,
+                                   "sink_tokens": 64, "rescore_factor": 2,
+                                   "rescore_channels": 32}}
 
 
 def test_loaded_equals_alone_with_selection_and_second_stage(tmp_path):
@@ -120,8 +120,8 @@ def test_loaded_equals_alone(tmp_path, kv_backend, daemon):
     if kv_backend == "default":
         args += ["--page-size", "128"]
     else:
-        # MOSAICKV_TI_CONFIG (JSON) replaces the position rule, to measure another config
-        config = json.loads(os.environ.get("MOSAICKV_TI_CONFIG") or json.dumps(POSITION_RULE))
+        # MOSAICKV_TI_CONFIG (JSON) replaces the default, to measure another config
+        config = json.loads(os.environ.get("MOSAICKV_TI_CONFIG") or json.dumps(DEFAULT))
         args += ["--mosaickv-config", json.dumps({**config, "daemon": daemon})]
     new_tokens = DAEMON_NEW_TOKENS if daemon == "process" else NEW_TOKENS
     with running_server(model, tmp_path / "server.log", *args) as server:

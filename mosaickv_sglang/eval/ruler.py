@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 from ..assets.smollm2 import CHECKSUMS
@@ -237,6 +238,15 @@ def parse_args(argv=None):
     return args
 
 
+def system_fingerprint(system, extra: list[str], baseline_args: list[str], model_id: str) -> str:
+    """What a sample of `system` was computed by: its server arguments, the shared ones, the
+    model, its baseline arguments when given, and a MosaicKV system's resolved config."""
+    return fingerprint([system.server_args(), extra, model_id] +
+                       ([baseline_args] if baseline_args else []) +
+                       ([asdict(system.mosaic_config())] if system.kv_backend == "mosaickv"
+                        else []))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     prompts, questions, source = load_prompts(args)
@@ -247,10 +257,11 @@ def main(argv=None) -> int:
     baseline_args = {s.name: args.dense_server_arg if s.kv_backend == "default" else []
                      for s in chosen}
     own_args = {s.name: s.server_args() + extra + baseline_args[s.name] for s in chosen}
-    # (the baseline arguments join the fingerprint only when given: older results still resume)
-    fps = {s.name: fingerprint([s.server_args(), extra, model_identity(args.model)] +
-                               ([baseline_args[s.name]] if baseline_args[s.name] else []))
-           for s in chosen}
+    # (the baseline arguments join the fingerprint only when given: older results still resume;
+    # a MosaicKV system's resolved config always joins it, so a changed default never resumes
+    # samples of the config before it)
+    model_id = model_identity(args.model)
+    fps = {s.name: system_fingerprint(s, extra, baseline_args[s.name], model_id) for s in chosen}
     print(f"[ruler] {len(prompts)} prompts ({len({(p.task, p.length) for p in prompts})} "
           f"task-lengths) x {len(chosen)} systems; samples -> {results}", flush=True)
     for system in chosen:

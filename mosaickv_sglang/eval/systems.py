@@ -6,7 +6,10 @@ thing buys:
 * ``dense``: ``--kv-backend default`` (the reference every loss is measured against);
 * ``fp8``: SGLang's own FP8 KV cache (``--kv-cache-dtype fp8_e4m3``), 2x below bf16 by construction;
 * ``mosaickv``: the default config (rotated banded quantization chosen per segment, page selection
-  with a 4096-token budget);
+  with a 4096-token budget and its second stage, the position read rule; since 2026-12-07 the
+  same config as ``mosaickv_position_rescore_b12``). Systems measured against the default before
+  it (``mosaickv_chunk_rule``: chunk read rule, group bases, budgets 0.08 / 0.12, no second
+  stage) set its keys (``FORMER_DEFAULT``), so their names keep meaning what was measured;
 * ``no_rotation``: the default with identity bases (``fit_solver: identity``): no SVD rotation,
   bands on raw channels in index order (what rot=0 candidates store), same budgets, read by the
   packed kernel (rot=0 candidates are not: the reference path made that ablation ~100x slower on
@@ -24,18 +27,21 @@ thing buys:
   bound's 4x candidates re-ranked on 32 leading channels of their compressed K (the kernels'
   second stage), and a Quest-like baseline (near-lossless 8-bit values on raw channels, every
   channel's min/max per 32-token page: kernel-readable, unlike bf16 values);
-* ``mosaickv_rescore`` / ``mosaickv_position_rescore``: the default budget with the second stage,
-  under the default config and under the traffic-independent one (``read_rule: position``,
+* ``mosaickv_rescore`` / ``mosaickv_position_rescore``: the former default's budgets with the
+  second stage, under its chunk rule and under the traffic-independent one (``read_rule: position``,
   ``basis_fit: first_page``, ``hot_tokens: 0``): the position rule's RULER loss is page
   selection's, and at codec level the second stage puts it below the default's error
   (docs/determinism.md);
 * ``mosaickv_rescore_b12`` / ``mosaickv_position_rescore_b12``: the same with looser chooser
   budgets (k 0.12, v 0.20): at codec level the second stage buys ~10% more compression at the
-  default's attention error (a candidate default at >= 3.5x, docs/codec.md);
+  former default's attention error; on RULER (H100, 2026-12-07) both lost 1.85 points at 3.81x /
+  3.69x, and the second became the default;
 * ``mosaickv_compact_c20`` / ``mosaickv_compact_c25``: compact candidates (the rotated tail
-  dropped, more 2-bit channels) with the second stage and looser chooser budgets: candidate
-  compact presets at >= 4.5x (codec level at 8K: 4.06x / 4.43x);
-* ``mosaickv_cold`` / ``mosaickv_cold_compact``: the default with ``cold.enabled`` (pages past
+  dropped, more 2-bit channels) with the second stage and looser chooser budgets, chunk read
+  rule: candidate compact presets at >= 4.5x (codec level at 8K: 4.06x / 4.43x; c20 on RULER,
+  H100, 2026-12-07: 6.95 points at 4.63x);
+* ``mosaickv_cold`` / ``mosaickv_cold_compact``: the former default (cold needs the chunk rule)
+  with ``cold.enabled`` (pages past
   a request's last 2048 tokens re-encoded between steps), with the default cold candidates and
   with the compact ones: the accuracy cost of the capacity those buy;
 * ``mosaickv_k4``: the default without its 2-bit K candidate (K at >= 4.5 bits/scalar): the
@@ -59,6 +65,15 @@ SMOLLM2_HEAD_DIM = 64
 EIGHTH_BUDGETS = (512, 1024)  # 1/8 of 4K and of 8K
 RESCORE_FACTOR, RESCORE_CHANNELS = 4, 32  # the codec probe's best (docs/codec.md)
 LOOSE_BUDGETS = (0.12, 0.20)  # chooser k/v error budgets a candidate default spends on bytes
+# The default before 2026-12-07 (chunk read rule, group bases, 64-token window, budgets 0.08 /
+# 0.12, no second stage): the systems measured against it keep their meaning through these keys
+CHUNK_RULE = {"read_rule": "chunk", "basis_fit": "group", "hot_tokens": 64}
+FORMER_DEFAULT = {**CHUNK_RULE, "k_error_budget": 0.08, "v_error_budget": 0.12,
+                  "select": {"enabled": True, "rescore_factor": 0, "rescore_channels": 0}}
+POSITION_RULE = {"read_rule": "position", "basis_fit": "first_page", "hot_tokens": 0}
+SECOND_STAGE = {"enabled": True, "rescore_factor": RESCORE_FACTOR,
+                "rescore_channels": RESCORE_CHANNELS}
+NO_SECOND_STAGE = {"rescore_factor": 0, "rescore_channels": 0}
 # compact candidates (codec probe, benchmarks/results/compact_cpu_2026-12-06/): bands dropping the
 # rotated tail and more 2-bit channels before the default's, cheapest first
 COMPACT_K = ["band:b8=4,b4=20,b2=32,group=128", "band:b8=4,b4=28,b2=24,group=128",
@@ -155,11 +170,13 @@ def build_systems() -> dict[str, System]:
                  f"32-token page", config={**_fixed(NEAR_LOSSLESS, NEAR_LOSSLESS),
                                           "fit_solver": "identity",
                                           "select": {"enabled": True, "budget_tokens": b,
-                                                     "meta_channels": SMOLLM2_HEAD_DIM}},
+                                                     "meta_channels": SMOLLM2_HEAD_DIM,
+                                                     **NO_SECOND_STAGE}},
                  family="baseline")
           for b in EIGHTH_BUDGETS),
-        System("mosaickv_sel512", "default with a 512-token selection budget",
-               config={"select": {"enabled": True, "budget_tokens": 512}}, family="budget"),
+        System("mosaickv_sel512", "default with a 512-token selection budget, the bound alone",
+               config={"select": {"enabled": True, "budget_tokens": 512, **NO_SECOND_STAGE}},
+               family="budget"),
         System("mosaickv_k4", "default without the 2-bit K candidate (K >= 4.5 bits/scalar)",
                config={"k_candidates": [c for c in d.k_candidates if ",b2=0," in c]},
                family="budget"),
@@ -172,43 +189,39 @@ def build_systems() -> dict[str, System]:
         System("mosaickv_xlo", "fixed band b8=4,b4=8,b2=52 (2.9 bits/scalar)",
                config=_fixed("band:b8=4,b4=8,b2=52,group=128", "band:b8=4,b4=8,b2=52,group=128"),
                family="budget"),
-        # the read rule's parts (docs/determinism.md), each against the rule before it
-        System("mosaickv_chunk_rule", "the rule before the position read rule: a prefill chunk "
-               "reads itself dense, bases fitted on the block's first sealed group, a 64-token "
-               "hot window", config={"read_rule": "chunk", "basis_fit": "group", "hot_tokens": 64},
+        # the read rule's parts (docs/determinism.md), each against the rule before it, at the
+        # former default's budgets; every key set: the defaults moved under these ablations
+        # (they would then measure another config than they say)
+        System("mosaickv_chunk_rule", "the default before 2026-12-07: a prefill chunk reads "
+               "itself dense, bases fitted on the block's first sealed group, a 64-token hot "
+               "window, budgets k 0.08 / v 0.12, no second stage", config=FORMER_DEFAULT,
                family="ablation"),
         System("mosaickv_chunk_first_page", "chunk read rule, 64-token hot window, bases fitted "
-               "on the block's first page", config={"read_rule": "chunk", "basis_fit": "first_page",
-                                                    "hot_tokens": 64},
+               "on the block's first page", config={**FORMER_DEFAULT, "basis_fit": "first_page"},
                family="ablation"),
-        # every key set: the defaults moved under these ablations once (they then measured the
-        # default config, not what they say)
         System("mosaickv_chunk_hot0", "chunk read rule, bases fitted on the block's first page, "
-               "no hot window", config={"read_rule": "chunk", "basis_fit": "first_page",
+               "no hot window", config={**FORMER_DEFAULT, "basis_fit": "first_page",
                                         "hot_tokens": 0}, family="ablation"),
         # the second stage at the default budget, and with it the traffic-independent config
-        System("mosaickv_rescore", f"default with the second stage: {RESCORE_FACTOR}x candidates "
-               f"re-ranked on {RESCORE_CHANNELS} leading channels of their compressed K",
-               config={"select": {"enabled": True, "rescore_factor": RESCORE_FACTOR,
-                                  "rescore_channels": RESCORE_CHANNELS}}, family="ablation"),
-        System("mosaickv_position_rescore", "the traffic-independent config (position read rule, "
-               "bases fitted on the block's first page, no hot window) with the second stage",
-               config={"read_rule": "position", "basis_fit": "first_page", "hot_tokens": 0,
-                       "select": {"enabled": True, "rescore_factor": RESCORE_FACTOR,
-                                  "rescore_channels": RESCORE_CHANNELS}}, family="ablation"),
+        System("mosaickv_rescore", f"the former default with the second stage: {RESCORE_FACTOR}x "
+               f"candidates re-ranked on {RESCORE_CHANNELS} leading channels of their compressed K",
+               config={**FORMER_DEFAULT, "select": SECOND_STAGE}, family="ablation"),
+        System("mosaickv_position_rescore", "the former default's budgets under the "
+               "traffic-independent config (position read rule, bases fitted on the block's "
+               "first page, no hot window) with the second stage",
+               config={**FORMER_DEFAULT, **POSITION_RULE, "select": SECOND_STAGE},
+               family="ablation"),
         # a candidate default: the second stage's accuracy spent on bytes (looser chooser
         # budgets); codec level, 8K: 3.49x vs 3.17x at the default's error (docs/codec.md)
-        System("mosaickv_rescore_b12", "the second stage with chooser budgets k 0.12 / v 0.20 "
-               f"(default 0.08 / 0.12): cheaper layouts", config={
-                   "k_error_budget": LOOSE_BUDGETS[0], "v_error_budget": LOOSE_BUDGETS[1],
-                   "select": {"enabled": True, "rescore_factor": RESCORE_FACTOR,
-                              "rescore_channels": RESCORE_CHANNELS}}, family="budget"),
+        System("mosaickv_rescore_b12", "the chunk read rule with the second stage and chooser "
+               f"budgets k 0.12 / v 0.20 (former default 0.08 / 0.12): cheaper layouts", config={
+                   **CHUNK_RULE, "k_error_budget": LOOSE_BUDGETS[0],
+                   "v_error_budget": LOOSE_BUDGETS[1], "select": SECOND_STAGE}, family="budget"),
+        # the default since 2026-12-07, every key set (RULER, H100: 1.85 points at 3.69x)
         System("mosaickv_position_rescore_b12", "the traffic-independent config with the second "
-               "stage and chooser budgets k 0.12 / v 0.20", config={
-                   "read_rule": "position", "basis_fit": "first_page", "hot_tokens": 0,
-                   "k_error_budget": LOOSE_BUDGETS[0], "v_error_budget": LOOSE_BUDGETS[1],
-                   "select": {"enabled": True, "rescore_factor": RESCORE_FACTOR,
-                              "rescore_channels": RESCORE_CHANNELS}}, family="budget"),
+               "stage and chooser budgets k 0.12 / v 0.20 (the default since 2026-12-07)", config={
+                   **POSITION_RULE, "k_error_budget": LOOSE_BUDGETS[0],
+                   "v_error_budget": LOOSE_BUDGETS[1], "select": SECOND_STAGE}, family="budget"),
     ]
     # compact presets at >= 4.5x (the accuracy issue): the compact candidates with the second
     # stage, chooser budgets k/v 0.20/0.30 and 0.25/0.35 (codec, 8K: 4.06x at attention error
@@ -216,10 +229,9 @@ def build_systems() -> dict[str, System]:
     for tag, (kb, vb) in COMPACT_BUDGETS.items():
         systems.append(System(
             f"mosaickv_compact_{tag}", f"compact candidates (tail channels dropped, more 2-bit), "
-            f"the second stage, chooser budgets k {kb} / v {vb}", config={
-                "k_candidates": COMPACT_K, "v_candidates": COMPACT_V, "k_error_budget": kb,
-                "v_error_budget": vb, "select": {"enabled": True, "rescore_factor": RESCORE_FACTOR,
-                                                 "rescore_channels": RESCORE_CHANNELS}},
+            f"the second stage, chooser budgets k {kb} / v {vb}, chunk read rule", config={
+                **CHUNK_RULE, "k_candidates": COMPACT_K, "v_candidates": COMPACT_V,
+                "k_error_budget": kb, "v_error_budget": vb, "select": SECOND_STAGE},
             family="budget"))
     # cold recompression (the capacity issue): pages no running request has within its last
     # 2048 tokens re-encoded between steps, with the default cold pair and with the compact cold
@@ -228,12 +240,15 @@ def build_systems() -> dict[str, System]:
     # with the default 8 per step, 64 concurrent short answers would mostly finish before their
     # pages were recompressed, and the run would price less than it claims
     cold = {"enabled": True, "pages_per_step": 1 << 16}
-    systems.append(System("mosaickv_cold", "default with cold pages recompressed (default cold "
-                          "candidates)", config={"cold": cold}, family="budget"))
-    systems.append(System("mosaickv_cold_compact", "default with cold pages recompressed to the "
-                          "compact cold candidates", config={"cold": {
-                              **cold, "k_candidates": COLD_COMPACT_K,
-                              "v_candidates": COLD_COMPACT_V}},
+    # (cold recompression needs the chunk rule: the former default's keys)
+    systems.append(System("mosaickv_cold", "the former default with cold pages recompressed "
+                          "(default cold candidates)", config={**FORMER_DEFAULT, "cold": cold},
+                          family="budget"))
+    systems.append(System("mosaickv_cold_compact", "the former default with cold pages "
+                          "recompressed to the compact cold candidates", config={
+                              **FORMER_DEFAULT, "cold": {
+                                  **cold, "k_candidates": COLD_COMPACT_K,
+                                  "v_candidates": COLD_COMPACT_V}},
                           family="budget"))
     return {s.name: s for s in systems}
 
