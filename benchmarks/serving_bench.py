@@ -82,7 +82,12 @@ MOSAICKV_SYSTEMS = {"mosaickv": {}, "mosaickv_eager": {"decode_cuda_graph": "off
                     "mosaickv_full": {"decode_cuda_graph": "full"},
                     "mosaickv_daemon": {"daemon": "process"},
                     "mosaickv_flashinfer_prefill": {"prefill_attention": "flashinfer"},
-                    "mosaickv_sdpa_prefill": {"prefill_attention": "sdpa"}}
+                    "mosaickv_sdpa_prefill": {"prefill_attention": "sdpa"},
+                    # the default before 2026-12-07 (the chunk read rule, budgets 0.08 / 0.12, no
+                    # second stage): what every speed number before that date measured
+                    "mosaickv_former": {"preset": "chunk_rule", "k_error_budget": 0.08,
+                                        "v_error_budget": 0.12,
+                                        "select": {"rescore_factor": 0, "rescore_channels": 0}}}
 # The same dense/FP8 caches with FlashInfer's attention instead of --dense-backend, so both of
 # SGLang's GPU backends can be served side by side in one run.
 SYSTEMS.update({f"{name}_flashinfer": [*SYSTEMS[name], "--attention-backend", "flashinfer"]

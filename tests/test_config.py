@@ -280,15 +280,19 @@ def test_decode_seal_layers_defaults_to_all_at_once():
 def test_a_preset_is_a_starting_point_the_other_keys_override():
     from mosaickv_sglang.config import PRESETS
 
-    cfg = MosaicConfig.parse('{"preset": "traffic_independent"}')
-    for key, value in PRESETS["traffic_independent"].items():
+    cfg = MosaicConfig.parse('{"preset": "chunk_rule"}')
+    for key, value in PRESETS["chunk_rule"].items():
         assert getattr(cfg, key) == value, key
-    assert cfg.read_rule == "position" and MosaicConfig().read_rule == "chunk"
+    assert cfg.read_rule == "chunk" and MosaicConfig().read_rule == "position"
+    # the default is the traffic-independent read rule
+    for key, value in PRESETS["traffic_independent"].items():
+        assert getattr(MosaicConfig(), key) == value, key
     # the user's keys win; a nested one merges key by key over the preset's (and the defaults)
-    cfg = MosaicConfig.parse('{"preset": "traffic_independent", "hot_tokens": 64, '
-                             '"select": {"rescore_factor": 4}}')
-    assert cfg.hot_tokens == 64 and cfg.read_rule == "position"
-    assert cfg.select.rescore_factor == 4
+    cfg = MosaicConfig.parse('{"preset": "chunk_rule", "hot_tokens": 0, '
+                             '"select": {"rescore_factor": 2}}')
+    assert cfg.hot_tokens == 0 and cfg.read_rule == "chunk"
+    assert cfg.select.rescore_factor == 2
+    assert cfg.select.rescore_channels == MosaicConfig().select.rescore_channels
     assert cfg.select.budget_tokens == MosaicConfig().select.budget_tokens
     with pytest.raises(ValueError, match="unknown preset 'nope'; known: .*traffic_independent"):
         MosaicConfig.parse('{"preset": "nope"}')

@@ -40,11 +40,13 @@ def one_thread():
 def make_pool(daemon="process", pages=24, **cfg) -> MosaicKVPool:
     # basis_inherit_below_tokens 0: the daemon fits every block it opens (inheriting the
     # previous block's bases applies with the daemon off), so the inline pools these tests
-    # compare its pages with must fit too
+    # compare its pages with must fit too. The chunk read rule (the default when these were
+    # written: pages read hot until adopted) unless a test sets read_rule
     config = MosaicConfig(hot_tokens=0, basis_block_tokens=BLOCK, daemon=daemon,
                           daemon_queue_segments=8,
                           **{"hot_buffer_fraction": 1.0, "daemon_workers": 1,
-                             "basis_inherit_below_tokens": 0, **cfg})
+                             "basis_inherit_below_tokens": 0, "read_rule": "chunk",
+                             "basis_fit": "group", **cfg})
     pool = MosaicKVPool(pages * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
                         mosaic_config=config)
     return pool
