@@ -155,22 +155,33 @@ def _captured(graph, bs: int, device: str, why: str):
 # compressed from step 3 on: one device-planned step fewer
 # rescore: selection's second stage (page_rescore), 16 candidates re-ranked on 32 channels of
 # their K for the 8-page budget, request-major in the graph and per arena row in the eager step
+# rule: the chunk read rule (its bases fitted on the pages sealed together), or the position
+# rule with no window (the default's): there too a page is read compressed from the step after
+# its last token, so the same steps are planned on the device (`device_plannable`)
+NO_RESCORE = {"rescore_factor": 0, "rescore_channels": 0}
+RESCORE = {"rescore_factor": 2, "rescore_channels": 32}
+CHUNK = {"read_rule": "chunk", "basis_fit": "group"}
+POSITION = {"read_rule": "position", "basis_fit": "first_page"}
+
+
 @pytest.mark.parametrize("device", [DEVICE])
-@pytest.mark.parametrize("seal_layers,device_planned,rescore", [
-    (0, DEVICE_PLANNED, {}), (1, DEVICE_PLANNED - 1, {}),
-    (0, DEVICE_PLANNED, {"rescore_factor": 2, "rescore_channels": 32})])
+@pytest.mark.parametrize("seal_layers,device_planned,rescore,rule", [
+    (0, DEVICE_PLANNED, NO_RESCORE, CHUNK), (1, DEVICE_PLANNED - 1, NO_RESCORE, CHUNK),
+    (0, DEVICE_PLANNED, RESCORE, CHUNK), (0, DEVICE_PLANNED, RESCORE, POSITION)],
+    ids=["chunk", "chunk-slices", "chunk-rescore", "position-rescore"])
 def test_full_graph_replay_matches_the_eager_step(device, seal_layers, device_planned, rescore,
-                                                  seed):
+                                                  rule, seed):
     lengths, bs = (250, 700, 127), 4  # captured size 4: one padded row
     eager, pool_e = _backend("off", seed, lengths, device, decode_seal_layers=seal_layers,
-                             select=rescore)
+                             select=rescore, **rule)
     # on the CPU the decode profile on, sampling no step by number (every 1000th): the graph's
     # steps with host work are timed all the same (`forced`), and those only (on CUDA off: its
     # syncs would meet the device-planned steps' no-sync check below)
     graph, pool_g = _backend("full", seed, lengths, device, separate_hot_table=True,
                              decode_seal_layers=seal_layers, select=rescore,
-                             decode_profile_every=1000 if device == "cpu" else 0)
-    assert graph.graph.rescore == eager.packed.rescore == ((2, 32) if rescore else None)
+                             decode_profile_every=1000 if device == "cpu" else 0, **rule)
+    assert graph.graph.rescore == eager.packed.rescore == (
+        (2, 32) if rescore["rescore_factor"] else None)
     assert graph.graph.width == 4  # 1024-token context, 256-token blocks
     # fp32 queries (the kernels take them; the output then is fp32 too). Both paths' products
     # split q (or p) in two bf16 halves (~2^-17 relative per product) but round different
@@ -347,11 +358,12 @@ def test_buckets_share_the_kernels_workspace(seed):
 def test_host_work_is_skipped_only_where_nothing_is_due():
     """`can_skip_host`: a step skips its host work only if the page table is unchanged since the
     last host step and no request writes the first token of a page (it needs a hot page) or
-    reaches a sealing boundary (the chunk rule seals a page once hot_tokens past it)."""
+    reaches a sealing boundary (the chunk rule seals a page once hot_tokens past it); under the
+    position rule only without a dense window (no daemon, no kept-hot page)."""
     from mosaickv_sglang.serving.graph_decode import GraphDecode
 
     pool = SimpleNamespace(position_rule=False, basis_addr_ok=True, version=7, page_size=128,
-                           dense_window=64, decode_sealing={})
+                           dense_window=64, decode_sealing={}, daemon=None, kept_hot=set())
     gd = GraphDecode.__new__(GraphDecode)
     gd.pool, gd._table, gd._host_version = pool, object(), 7
 
@@ -369,8 +381,15 @@ def test_host_work_is_skipped_only_where_nothing_is_due():
     pool.version = 8  # something sealed, freed or mapped since the last host step
     assert not skip(300, 1000)
     gd._host_version, pool.position_rule = 8, True
-    assert not skip(300, 1000)  # the position rule: host only
-    pool.position_rule, pool.basis_addr_ok = False, False
+    assert not skip(300, 1000)  # the position rule with a window: host only
+    pool.dense_window = 0  # W = 0: a page is read compressed from the step after its last token
+    assert skip(300, 1000)
+    assert not skip(300, 129)  # position 128: page 0 is full, sealed now
+    pool.kept_hot = {3}  # a sealed page still read dense: the host decides
+    assert not skip(300, 1000)
+    pool.kept_hot, pool.daemon = set(), object()  # the daemon's lag is a window
+    assert not skip(300, 1000)
+    pool.daemon, pool.position_rule, pool.basis_addr_ok = None, False, False
     assert not skip(300, 1000)  # a page's bases without one tensor: host only
 
 
@@ -382,7 +401,7 @@ def test_daemon_pages_past_the_graph_hot_table_are_sealed_before_the_step(seed):
     needs to stay within the table until its next page (counted: sync_seals_graph) and no more;
     the replay then equals the eager step of a twin pool brought to the same state."""
     lengths, bs, cap = (700,), 2, 2 * PS
-    extra = dict(daemon="process", daemon_workers=1, graph_hot_tokens=cap)
+    extra = dict(daemon="process", daemon_workers=1, graph_hot_tokens=cap, **CHUNK)
     graph, pool_g = _backend("full", seed, (), DEVICE, **extra)  # captured before the prefill
     eager, pool_e = _backend("off", seed, lengths, DEVICE, **extra)
     try:

@@ -49,6 +49,17 @@ from .pool import upload_changed_span
 logger = logging.getLogger(__name__)
 
 
+def device_plannable(pool) -> bool:
+    """Whether the pages a decode token reads compressed are exactly its request's sealed
+    prefix, so the device can build a step's tables from the page table alone: the chunk read
+    rule (it reads whatever is sealed), or the position rule with no dense window (W = 0: no
+    daemon lag, `hot_tokens` 0), where a page is sealed at the step its last token is written
+    and read compressed from the next one, and no sealed page keeps a hot copy (`kept_hot`).
+    The position rule's default (docs/determinism.md) is so."""
+    return not pool.position_rule or (pool.dense_window == 0 and pool.daemon is None
+                                      and not pool.kept_hot)
+
+
 @dataclass
 class _Bucket:
     """The static tables and the kernels' plan of one captured batch size. The tables are views
@@ -286,9 +297,9 @@ class GraphDecode:
         rule seals a page once `hot_tokens` behind it) at this step, and no page is sealing in
         slices (`decode_seal_layers`: the host seals its next layers; installing it bumps
         `pool.version`, so the step after the last slice rebuilds the tables too). From the
-        host's lengths alone: no device read. Chunk read rule only."""
+        host's lengths alone: no device read. Where `device_plannable` holds."""
         pool = self.pool
-        if pool.position_rule or not pool.basis_addr_ok or self._table is None or \
+        if not device_plannable(pool) or not pool.basis_addr_ok or self._table is None or \
                 self._host_version != pool.version or pool.decode_sealing:
             return False
         ps, window = pool.page_size, pool.dense_window
@@ -370,10 +381,12 @@ class GraphDecode:
         Python loop over requests or pages: what the decode graph can record), from the batch's
         `req_pool_indices` and `seq_lens` (device, bucket-sized; the first `rows` real) and the
         pool's page table on the device (`table`). Returns new tensors named as the bucket's
-        fields; the parts `prepare` writes are equal (tests/test_graph_decode.py). Chunk read
-        rule only (the position rule's early-sealed reads are decided on the host)."""
-        if self.pool.position_rule:
-            raise NotImplementedError("device_tables: the chunk read rule only")
+        fields; the parts `prepare` writes are equal (tests/test_graph_decode.py). Where
+        `device_plannable` holds (a window's early-sealed and kept-hot reads are decided on the
+        host)."""
+        if not device_plannable(self.pool):
+            raise NotImplementedError("device_tables: the chunk read rule, or the position rule "
+                                      "without a dense window")
         dev, ps, w, block = req_to_token.device, self.pool.page_size, self.width, \
             self.block_pages
         bs, cap, most = bk.bs, self.hot_cap, w * self.block_pages  # pages a request may have
