@@ -262,3 +262,45 @@ def test_arena_bytes_are_the_live_pages_and_their_bases(seed, cold):
     finally:
         pool.daemon.close()
 
+
+def test_bases_past_their_reserve_are_what_the_over_budget_warning_names(seed, caplog):
+    """What took the H100 soak's packed bytes past the start-up budget with no dense fallback:
+    short requests each hold a whole bases pair for a page or two, while the sizing reserves
+    one pair per basis_block_tokens of sealed tokens. Every byte is a live page's or a live
+    bases' (recounted), the pages' own bytes stay within the arena's share (nothing outside
+    it), and the warning and `capacity()["bases"]` say that the bases are over their reserve
+    (the warning said "dense fallbacks")."""
+    from mosaickv_sglang.serving.sizing import PageBytes, slot_fraction
+
+    cfg = MosaicConfig(basis_block_tokens=BLOCK * PS, daemon="off", **CHUNK_RULE)
+    pages = 64
+    pb = PageBytes.of(cfg, H, D, 4)
+    memory = int(pages * slot_fraction(cfg, pb) * pb.dense * LAYERS) + 9 * pb.dense * LAYERS
+    pool = MosaicKVPool(pages * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
+                        mosaic_config=cfg, hot_tokens=8 * PS, memory_bytes=memory)
+    g = torch.Generator().manual_seed(seed)
+    caplog.set_level("WARNING", logger="mosaickv_sglang.serving.pool")
+    page = 0
+    while pool.arena_bytes <= pool.arena_budget_bytes:  # one-page requests, finished, cached
+        page += 1
+        assert page < pages, (pool.arena_bytes, pool.arena_budget_bytes, repro(seed))
+        slots = torch.arange(page * PS, (page + 1) * PS)
+        for layer in range(LAYERS):
+            pool.set_kv_buffer(SimpleNamespace(layer_id=layer), slots,
+                               torch.randn(PS, H, D, generator=g) * (1 + torch.arange(D) % 7),
+                               torch.randn(PS, H, D, generator=g))
+        pool.seal_finished(slots)
+        check(pool, set(range(1, page + 1)), (page, repro(seed)))
+    warned = [r.getMessage() for r in caplog.records if "start-up sizing" in r.getMessage()]
+    assert len(warned) == 1 and pool.counters.arena_over_budget == 1, warned
+    assert f"the {page} distinct bases" in warned[0] and "dense fallbacks" not in warned[0], \
+        warned[0]
+    bases = pool.capacity()["bases"]
+    assert bases["bytes"] == pool.bases_bytes == pool.arena_bytes - sum(
+        sp.nbytes for sp in pool.sealed.values())
+    assert bases["count"] == len(pool.sealed) == page, (bases, repro(seed))
+    assert bases["bytes"] > bases["reserve_bytes"] == pool.memory_plan.bases_bytes, bases
+    assert pool.arena_bytes - bases["bytes"] <= pool.arena_budget_bytes - bases["reserve_bytes"]
+    assert pool.capacity()["outside_bytes"] == 0 and pool.counters.over_budget == 0
+    pool.release_pages(list(range(1, page + 1)))
+    assert pool.arena_bytes == pool.bases_bytes == 0 and not pool._basis_refs

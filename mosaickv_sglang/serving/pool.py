@@ -299,14 +299,22 @@ class MosaicKVPool(MHATokenToKVPool):
         # what the plan gives sealed pages (`arena_bytes` counts blocks, bases, headers, page
         # metadata): the arenas + the bases reserve + the per-page tables
         pb, pages = self.page_bytes, self.num_logical_pages
-        self.arena_budget_bytes = arena_per_layer * self.layer_num + (
-            self.memory_plan.bases_bytes + self.memory_plan.table_bytes if self.memory_plan
-            else int(pages * (pb.bases + pb.table) * self.layer_num))
+        # The bases' part of it: one bases pair per basis_block_tokens of sealed tokens. A pair
+        # costs the same whatever its block holds, so a short request, or a prompt's partial last
+        # block, holds a whole pair for a few pages: under short-request traffic the bases go
+        # past this reserve while the arena still backs the pages (they are not in the arena,
+        # and not in the byte gate). `bases_bytes`: the distinct bases the sealed pages use now.
+        self.bases_reserve_bytes = self.memory_plan.bases_bytes if self.memory_plan else \
+            int(pages * pb.bases * self.layer_num)
+        self.arena_budget_bytes = arena_per_layer * self.layer_num + self.bases_reserve_bytes + (
+            self.memory_plan.table_bytes if self.memory_plan
+            else int(pages * pb.table * self.layer_num))
         # The byte gate: free slots the arena cannot back, refreshed between steps
         # (`refresh_byte_gate`) and subtracted from the allocator's available_size.
         self.byte_deficit = 0
         self._gate_version = -1
         self.arena_bytes = 0
+        self.bases_bytes = 0
         self._basis_refs: dict[int, int] = {}
         self.cands = Candidates.from_config(mosaic_config)
         # R^-1 of the blocks still taking pages, kept between seals (dropped with a block's
@@ -1542,6 +1550,10 @@ class MosaicKVPool(MHATokenToKVPool):
                 "byte_deficit": self.byte_deficit,
                 # segments kept in their own tensors (not packable), charged to the arena
                 "outside_bytes": int(self.store.outside_bytes.sum()),
+                # the distinct bases of the sealed pages (outside the arena, inside arena_bytes)
+                # vs the start-up reserve for them
+                "bases": {"count": len(self._basis_refs), "bytes": self.bases_bytes,
+                          "reserve_bytes": self.bases_reserve_bytes},
                 "over_capacity": self.store.over_capacity,
                 "byte_limited": self.counters.byte_limited,
                 "plan": None if self.memory_plan is None else self.memory_plan.__dict__}
@@ -1698,6 +1710,7 @@ class MosaicKVPool(MHATokenToKVPool):
         self.page_basis_addr[:] = 0
         self.store.clear()
         self.arena_bytes = 0
+        self.bases_bytes = 0
         self._basis_refs.clear()
         self.hot_page_of.fill_(-1)
         self.hot_page_of[0] = 0  # the padding page (see __init__)
@@ -1710,6 +1723,7 @@ class MosaicKVPool(MHATokenToKVPool):
         refs = self._basis_refs.get(key, 0) + sign
         if (sign > 0 and refs == 1) or (sign < 0 and refs == 0):
             self.arena_bytes += sign * page.bases.nbytes()
+            self.bases_bytes += sign * page.bases.nbytes()
         if refs:
             self._basis_refs[key] = refs
         else:
@@ -1717,10 +1731,33 @@ class MosaicKVPool(MHATokenToKVPool):
         self.arena_bytes += sign * page.nbytes
         if sign > 0 and self.arena_bytes > self.arena_budget_bytes:
             if not self.counters.arena_over_budget:
-                logger.warning("MosaicKV: packed pages use %d bytes, above the %d bytes start-up "
-                               "sizing assumed (dense fallbacks); counted in stats",
-                               self.arena_bytes, self.arena_budget_bytes)
+                self._warn_over_budget()
             self.counters.arena_over_budget += 1
+
+    def _warn_over_budget(self) -> None:
+        """The first seal that leaves `arena_bytes` above `arena_budget_bytes`: which part is
+        over its share, the pages' own bytes (the arena and the tables: only segments kept
+        outside the arena, dense fallbacks, can pass them) or their bases (the reserve assumes
+        one pair per basis_block_tokens of sealed tokens)."""
+        pages = self.arena_bytes - self.bases_bytes
+        page_share = self.arena_budget_bytes - self.bases_reserve_bytes
+        n = len(self._basis_refs)
+        if self.bases_bytes > self.bases_reserve_bytes:
+            why = (f"the {n} distinct bases the {len(self.sealed)} sealed pages use "
+                   f"({len(self.sealed) / max(n, 1):.1f} pages each) take {self.bases_bytes} "
+                   f"bytes, above the {self.bases_reserve_bytes} reserved for them (one pair per "
+                   f"{self.cfg.basis_block_tokens} sealed tokens: short requests and partial "
+                   "basis blocks hold a whole pair for a few pages; bases are outside the arena "
+                   "and the byte gate)")
+        else:
+            why = "the bases are within their reserve"
+        if pages > page_share:
+            why += (f"; the pages' own bytes {pages} are above the arena and tables' "
+                    f"{page_share} (segments kept outside the arena, e.g. dense fallbacks: "
+                    f"{int(self.store.outside_bytes.sum())} bytes)")
+        logger.warning("MosaicKV: packed pages and their bases use %d bytes, above the %d bytes "
+                       "start-up sizing assumed: %s; counted in stats (arena_over_budget, "
+                       "capacity.bases)", self.arena_bytes, self.arena_budget_bytes, why)
 
     def _hot_capacity_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_buffer + self.v_buffer)
