@@ -6,6 +6,11 @@ no server; see mosaickv_sglang/bench/fidelity.py for the metrics).
 
 Prints one row per variant: physical ratio, attention error vs exact dense attention, attention
 mass recall of the top-64 tokens, and the share of pages a decode step reads.
+
+Every variant is the default config with selection's first stage alone (the page bound: the
+default's second stage, rescore_factor 4 on 32 channels since 2026-12-07, off), but for those
+naming a second stage: `rescore_factor=f` (every channel of K), `meta_only`, `channels=r`
+(`--rescore 4 --rescore-channels 32`: the default's selection).
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ METRICS = ("physical_ratio", "attn_rel_err", "mass_recall", "pages_read", "pages
 def variants(meta_channels: list[int], budgets: list[int], rescore: list[int] = (),
              rescore_channels: list[int] = ()) -> list[tuple[str, MosaicConfig]]:
     d = MosaicConfig()
+    # the first stage alone; the second stage's variants below set their keys
+    d = replace(d, select=replace(d.select, rescore_factor=0, rescore_channels=0,
+                                  rescore_meta_only=False))
     out = [("no selection", replace(d, select=SelectionConfig(enabled=False)))]
     out += [(f"meta_channels={m}" + (" (default)" if m == d.select.meta_channels else ""),
              replace(d, select=replace(d.select, meta_channels=m))) for m in meta_channels]

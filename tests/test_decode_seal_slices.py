@@ -3,7 +3,8 @@ layers per step and installed after their last layer, under the chunk rule witho
 Checked on a float32 CPU pool: the same bytes as sealing each page at once (bases, strategies,
 decoded K/V), the block's bases fitted before its later pages start, nothing left in flight or
 leaked when requests go away, hot-buffer pressure and finished requests finishing the pages in
-flight, and the default (0) sealing at once as before."""
+flight, and the default (0) sealing at once as before. The pools set the chunk rule's keys
+(preset `chunk_rule`): the default read rule is "position" since 2026-12-07."""
 
 import pytest
 import torch
@@ -18,7 +19,10 @@ PS, H, D, LAYERS, HOT = 128, 2, 64, 4, 64
 
 
 def make_pool(hot_pages: int | None = None, **cfg) -> MosaicKVPool:
-    config = MosaicConfig(hot_tokens=HOT, **cfg)
+    """A pool under the chunk rule (the `chunk_rule` preset: decode_seal_layers is its feature;
+    the default read rule is "position" since 2026-12-07), unless `cfg` says otherwise."""
+    config = MosaicConfig(**{"read_rule": "chunk", "basis_fit": "group", "hot_tokens": HOT,
+                             **cfg})
     return MosaicKVPool(24 * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
                         mosaic_config=config,
                         hot_tokens=None if hot_pages is None else hot_pages * PS)

@@ -103,12 +103,16 @@ def test_sizing_the_chunk_rule_without_its_window_exhausts_the_buffer():
 
 def test_the_window_start_up_sees_is_the_pools():
     """`window_tokens` is the window the pool reads by (`dense_window`): hot_tokens under either
-    rule, plus the daemon's lag under the position rule only."""
+    rule, plus the daemon's lag under the position rule only. The default (the position rule,
+    hot_tokens 0 since 2026-12-07) has no window; the `chunk_rule` preset's is 64."""
     position = {"read_rule": "position", "basis_fit": "first_page"}
+    chunk = {"read_rule": "chunk", "basis_fit": "group"}
     lag = MosaicConfig().daemon_lag_tokens
-    for cfg, want in ((MosaicConfig(), 64), (MosaicConfig(**position, hot_tokens=0), 0),
+    for cfg, want in ((MosaicConfig(), 0),
+                      (MosaicConfig.from_dict({"preset": "chunk_rule"}), 64),
+                      (MosaicConfig(**position, hot_tokens=0), 0),
                       (MosaicConfig(**position, hot_tokens=64, daemon="process"), 64 + lag),
-                      (MosaicConfig(hot_tokens=32, daemon="process"), 32)):
+                      (MosaicConfig(**chunk, hot_tokens=32, daemon="process"), 32)):
         assert window_tokens(cfg) == want
         if cfg.daemon == "off":  # (a pool with the daemon would start its workers)
             pool = MosaicKVPool(8 * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,

@@ -4,7 +4,9 @@ block's bases instead of a fit on those few pages. Checked on a float32 CPU pool
 shares the previous block's tensors but is its own object (a request's rows are its blocks),
 its bytes are counted once and given back when the last page using them goes, larger groups
 and `0` still fit, the decode paths read such a request as one row per block, and the codec's
-`compress_layer` gives a short tail block the previous block's bases the same way."""
+`compress_layer` gives a short tail block the previous block's bases the same way. A basis_fit
+"group" feature: the configs here set the chunk rule's keys (preset `chunk_rule`), the default
+being the position rule with first-page bases since 2026-12-07."""
 
 import pytest
 import torch
@@ -17,10 +19,11 @@ from mosaickv_sglang.serving.pool import MosaicKVPool
 from pool_utils import write_random as write
 
 PS, H, D, LAYERS, HOT = 128, 2, 64, 2, 64
+CHUNK_RULE = {"read_rule": "chunk", "basis_fit": "group"}  # what basis inheritance needs
 
 
 def make_pool(**cfg) -> MosaicKVPool:
-    config = MosaicConfig(**{"hot_tokens": HOT, "basis_block_tokens": 2 * PS,
+    config = MosaicConfig(**{**CHUNK_RULE, "hot_tokens": HOT, "basis_block_tokens": 2 * PS,
                              "basis_inherit_below_tokens": 2048, **cfg})
     return MosaicKVPool(24 * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
                         mosaic_config=config)
@@ -112,11 +115,13 @@ def test_the_codecs_short_tail_block_reuses_the_previous_bases(seed):
     t = 2 * 256 + 128 + HOT  # two whole 256-token blocks, a 128-token tail block, the hot tail
     k = torch.randn(H, t, D, generator=gen) * (1 + torch.arange(D) % 5)
     v = torch.randn(H, t, D, generator=gen)
-    shared = compress_layer(k, v, MosaicConfig(hot_tokens=HOT, basis_block_tokens=256,
+    shared = compress_layer(k, v, MosaicConfig(**CHUNK_RULE, hot_tokens=HOT,
+                                               basis_block_tokens=256,
                                                basis_inherit_below_tokens=2048))
     assert len(shared.k_bases) == 2, repro(seed)
     assert {s.basis for s in shared.segments if s.start >= 512} == {1}
-    own = compress_layer(k, v, MosaicConfig(hot_tokens=HOT, basis_block_tokens=256,
+    own = compress_layer(k, v, MosaicConfig(**CHUNK_RULE, hot_tokens=HOT,
+                                            basis_block_tokens=256,
                                             basis_inherit_below_tokens=0))
     assert len(own.k_bases) == 3 and not torch.equal(own.k_bases[2], own.k_bases[1])
     assert {s.basis for s in own.segments if s.start >= 512} == {2}

@@ -214,7 +214,8 @@ def test_selection_reads_the_page_with_the_planted_key(meta_channels, seed):
     nq = 2
     q = (3 * u.repeat_interleave(g, 0)[None] + 0.3 * torch.randn(nq, h * g, d))
     sel = SelectionConfig(enabled=True, budget_tokens=3 * pt, sink_tokens=pt, recent_tokens=pt,
-                          meta_channels=meta_channels)
+                          meta_channels=meta_channels, rescore_factor=0,
+                          rescore_channels=0)  # the bound alone (the default rescores)
     cfg = lossless_cfg(seg, pt, hot, sel)
     layer = compress_layer(k, v, cfg)
     pos = hot_positions(nq, layer.hot_start, t)
@@ -249,7 +250,8 @@ def test_rescoring_keeps_the_best_scored_candidates(seed):
     nq, sm = 2, 0.05
     q = torch.randn(nq, h * g, d)
     sel = SelectionConfig(enabled=True, budget_tokens=5 * pt, sink_tokens=pt, recent_tokens=pt,
-                          meta_channels=0, rescore_factor=100)
+                          meta_channels=0, rescore_factor=100,
+                          rescore_channels=0)  # every channel (the default reads 32)
     layer = compress_layer(k, v, lossless_cfg(seg, pt, hot, sel))
     pos = hot_positions(nq, layer.hot_start, t)
     out, info = decode_attention(q, layer, pos, sel, pt, sm_scale=sm)
@@ -286,7 +288,7 @@ def test_rescoring_on_the_metadata_channels_bounds_the_scores(seed):
     for m in (8, d):
         sel = SelectionConfig(enabled=True, budget_tokens=5 * pt, sink_tokens=pt,
                               recent_tokens=pt, meta_channels=m, rescore_factor=100,
-                              rescore_meta_only=True)
+                              rescore_meta_only=True, rescore_channels=0)
         cfg = MosaicConfig(segment_tokens=seg, page_tokens=pt, hot_tokens=hot,
                            k_candidates=["band:b8=16,b4=32,b2=16,group=16"],
                            v_candidates=["band:b8=16,b4=32,b2=16,group=16"],
@@ -329,7 +331,8 @@ def test_rescoring_on_the_leading_channels_is_their_exact_partial_score(seed):
         k_error_budget=1.0, v_error_budget=1.0, select=sel)
     base = dict(enabled=True, budget_tokens=5 * pt, sink_tokens=pt, recent_tokens=pt,
                 meta_channels=8, rescore_factor=100)
-    layer = compress_layer(k, v, cfg_of(SelectionConfig(**base)))
+    every = SelectionConfig(**base, rescore_channels=0)  # the full-K second stage (default: 32)
+    layer = compress_layer(k, v, cfg_of(every))
     pos = hot_positions(nq, layer.hot_start, t)
     qh = (q.float() * sm).reshape(nq, h, g, d).permute(1, 0, 2, 3).reshape(h, -1, d)
     for s_ in layer.segments:
@@ -342,7 +345,7 @@ def test_rescoring_on_the_leading_channels_is_their_exact_partial_score(seed):
         assert not torch.allclose(part, full, atol=1e-3), repro(seed)  # a partial score
     _, whole = decode_attention(q, layer, pos, SelectionConfig(**base, rescore_channels=d), pt,
                                 sm_scale=sm)
-    _, full_info = decode_attention(q, layer, pos, SelectionConfig(**base), pt, sm_scale=sm)
+    _, full_info = decode_attention(q, layer, pos, every, pt, sm_scale=sm)
     assert torch.equal(whole.page_keep, full_info.page_keep), repro(seed)
     with pytest.raises(ValueError, match="rescore_channels"):
         SelectionConfig(**base, rescore_channels=8, rescore_meta_only=True).validate(pt)
@@ -632,8 +635,12 @@ def test_identity_bases_are_bands_on_raw_channels(seed):
     spec = "band:b8=4,b4=44,b2=16,group=32"
     common = dict(segment_tokens=seg, page_tokens=pt, basis_block_tokens=seg, hot_tokens=hot,
                   sink_segments=0, k_error_budget=math.inf, v_error_budget=math.inf,
+                  # the bound alone: the default's second stage scores the leading 32
+                  # channels of rotated K (identity bases: raw channels) but every channel of a
+                  # rot=0 band, by design, so the two would read different pages
                   select=SelectionConfig(enabled=True, budget_tokens=max(pt, seg // 2),
-                                         sink_tokens=0, recent_tokens=pt))
+                                         sink_tokens=0, recent_tokens=pt, rescore_factor=0,
+                                         rescore_channels=0))
     ident = compress_layer(k, v, MosaicConfig(k_candidates=[spec], v_candidates=[spec],
                                               fit_solver="identity", **common))
     raw = compress_layer(k, v, MosaicConfig(k_candidates=[spec + ",rot=0"],

@@ -45,8 +45,11 @@ def reference(pool, q, slots, layer):
 
 
 # the second selection stage (page_rescore): 16 candidates for the 8-page budget, scored on
-# 32 leading channels of their compressed K, or on every channel
-RESCORE = [{}, {"rescore_factor": 2, "rescore_channels": 32}, {"rescore_factor": 2}]
+# 32 leading channels of their compressed K, or on every channel; {}: the bound alone. Each
+# case states both keys (the default, since 2026-12-07, is factor 4 on 32 channels)
+NO_RESCORE = {"rescore_factor": 0, "rescore_channels": 0}
+RESCORE = [{}, {"rescore_factor": 2, "rescore_channels": 32},
+           {"rescore_factor": 2, "rescore_channels": 0}]
 
 
 @pytest.mark.parametrize("lengths,rescore", [((700, 90, 300), {}), ((129,), {}),
@@ -54,7 +57,7 @@ RESCORE = [{}, {"rescore_factor": 2, "rescore_channels": 32}, {"rescore_factor":
 def test_packed_decode_matches_reference(lengths, rescore, seed):
     gen = torch.Generator().manual_seed(seed)
     pool = make_pool(select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64,
-                             **rescore})
+                             **NO_RESCORE, **rescore})
     req_to_token = torch.zeros(len(lengths), 1024, dtype=torch.long, device=DEVICE)
     slots, page = [], 1
     for rid, n in enumerate(lengths):

@@ -149,7 +149,10 @@ def test_wrapper_select_matches_reference_pipeline(seed):
     from mosaickv_sglang.config import MosaicConfig, SelectionConfig
     torch.manual_seed(seed)
     h, g, d = 2, 2, 64
-    sel = SelectionConfig(budget_tokens=128, sink_tokens=32, recent_tokens=32, meta_channels=8)
+    # wrapper.select is the first stage (the metadata bound) alone: the reference's second stage
+    # off (the default rescores since 2026-12-07)
+    sel = SelectionConfig(budget_tokens=128, sink_tokens=32, recent_tokens=32, meta_channels=8,
+                          rescore_factor=0, rescore_channels=0)
     cfg = MosaicConfig(sink_candidates=["band:b8=64,b4=0,b2=0,group=32"], k_error_budget=10.0,
                        v_error_budget=10.0, sink_error_budget=10.0, select=sel)
     q = torch.randn(2, h * g, d) * 2

@@ -178,7 +178,10 @@ def test_sealing_a_group_equals_one_segment_at_a_time(seed, select):
     gen = torch.Generator().manual_seed(seed)
     kbuf, vbuf = _hot_buffer(gen)
     # no rescue candidate: the heavy-tailed pages must fall back to dense (the unpacked store path)
-    cfg = MosaicConfig(k_error_budget=0.05, select={"enabled": select}, rescue_candidates=[])
+    # basis_fit "group" (the chunk rule's: a block's bases fitted on all the pages sealed
+    # together), the one-by-one reference below fitting each layer on every page
+    cfg = MosaicConfig(k_error_budget=0.05, select={"enabled": select}, rescue_candidates=[],
+                       read_rule="chunk", basis_fit="group")
     cands, dense = Candidates.from_config(cfg), DENSE
     positions = [S * p for p in range(P)]  # page 0 is the sink page
     pages = [p + 1 for p in range(P)]  # logical page ids (0: SGLang's padding page)
@@ -195,7 +198,7 @@ def test_sealing_a_group_equals_one_segment_at_a_time(seed, select):
     sb = store()
     for layer in range(L):
         kv = [_read_one(kbuf, vbuf, p, layer) for p in range(P)]
-        kb = fit_basis(torch.cat([a for a, _ in kv], 1))  # basis_fit "group" (the default)
+        kb = fit_basis(torch.cat([a for a, _ in kv], 1))  # basis_fit "group"
         vb = fit_basis(torch.cat([b for _, b in kv], 1))
         assert torch.equal(batched[0].bases.k[layer], kb), repro(seed)
         assert torch.equal(batched[0].bases.v[layer], vb), repro(seed)
@@ -397,7 +400,9 @@ def test_fit_groups_equals_each_group_fitted_alone(seed, basis_fit, solver):
     and 1 pages."""
     from mosaickv_sglang.codec.seal import fit_block_bases, fit_groups
 
-    cfg, layers = MosaicConfig(basis_fit=basis_fit, fit_solver=solver), 3
+    # "group" fits go with the chunk rule (the position rule, the default, needs "first_page")
+    rule = "chunk" if basis_fit == "group" else "position"
+    cfg, layers = MosaicConfig(read_rule=rule, basis_fit=basis_fit, fit_solver=solver), 3
     gen = torch.Generator().manual_seed(seed)
     groups = [(torch.randn(p, layers, H, S, D, generator=gen) * (1 + torch.arange(D) % 5),
                torch.randn(p, layers, H, S, D, generator=gen)) for p in (1, 1, 2, 1)]

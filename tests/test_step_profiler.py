@@ -1,4 +1,6 @@
 """StepProfiler: phase averages over sampled steps and the slowest steps with their phases."""
+import pytest
+
 from mosaickv_sglang.codec.timing import StepProfiler
 
 
@@ -44,9 +46,13 @@ def test_off_and_unsampled_steps_cost_no_clock_reads():
     assert every3.report()["ms_per_step"] == {"plan": 500.0}
 
 
-def _prefill(profile_every: int):
+CHUNK_RULE = {"read_rule": "chunk", "basis_fit": "group"}
+POSITION_RULE = {"read_rule": "position", "basis_fit": "first_page"}  # the default
+
+
+def _prefill(profile_every: int, rule: dict = POSITION_RULE):
     """One 300-token prompt through MosaicKV's backend (2 layers, reference decode path), as
-    SGLang's extend forward calls it; returns the pool."""
+    SGLang's extend forward calls it, under read rule `rule`; returns the pool."""
     from types import SimpleNamespace
 
     import torch
@@ -57,7 +63,7 @@ def _prefill(profile_every: int):
 
     ps, h, hq, d, layers, n = 128, 2, 4, 64, 2, 300
     cfg = MosaicConfig(hot_tokens=0, decode_kernel="reference",
-                       decode_profile_every=profile_every)
+                       decode_profile_every=profile_every, **rule)
     pool = MosaicKVPool(16 * ps, ps, torch.bfloat16, h, d, layers, "cpu", False,
                         mosaic_config=cfg)
     req_to_token = torch.zeros(2, 1024, dtype=torch.int32)
@@ -79,14 +85,24 @@ def _prefill(profile_every: int):
     return pool
 
 
-def test_prefill_steps_are_profiled_by_phase_when_profiling_is_on():
-    pool = _prefill(profile_every=4)  # any N > 0 times every prefill step
+@pytest.mark.parametrize("rule", ["chunk", "position"])
+def test_prefill_steps_are_profiled_by_phase_when_profiling_is_on(rule):
+    """Under the chunk rule the two full pages are sealed after the forward ("seal"); under the
+    position rule (the default since 2026-12-07) inside it, layer by layer ("chunk_seal",
+    planned at the first layer, installed after the last), "seal" timing the rest."""
+    cfg = CHUNK_RULE if rule == "chunk" else POSITION_RULE
+    pool = _prefill(profile_every=4, rule=cfg)  # any N > 0 times every prefill step
     assert len(pool.sealed) == 2  # the two full pages sealed at the last layer
     prof = pool.stats()["prefill"]["profile"]
     assert prof["sampled_steps"] == 1 and prof["steps"] == 1
-    assert set(prof["ms_per_step"]) == {"read_prefix", "attention", "between_layers", "seal"}
-    assert prof["slowest"][0]["phases"]["seal"] > 0  # sealing two pages takes time on a CPU
-    off = _prefill(profile_every=0).stats()["prefill"]["profile"]
+    phases = {"read_prefix", "attention", "between_layers", "seal"}
+    sealing = "seal"
+    if rule == "position":
+        phases |= {"plan_chunk_seal", "chunk_seal", "chunk_install"}
+        sealing = "chunk_seal"
+    assert set(prof["ms_per_step"]) == phases
+    assert prof["slowest"][0]["phases"][sealing] > 0  # sealing two pages takes time on a CPU
+    off = _prefill(profile_every=0, rule=cfg).stats()["prefill"]["profile"]
     assert off["sampled_steps"] == 0 and off["ms_per_step"] == {}
 
 

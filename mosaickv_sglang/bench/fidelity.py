@@ -158,10 +158,13 @@ def matched(family_spec: str, target_ratio: float, cap: Capture, probe_layer: in
 
 def quest_config(select: SelectionConfig, head_dim: int) -> MosaicConfig:
     """Quest as a config: dense values, every channel's min/max per 16-token page (raw K),
-    `select`'s budget, the same dense recent window as every baseline."""
+    `select`'s budget, the same dense recent window as every baseline. Quest's bound alone:
+    no second stage, whatever `select` has (the default rescores since 2026-12-07)."""
     return MosaicConfig(k_candidates=["dense"], v_candidates=["dense"], hot_tokens=BASELINE_HOT,
                         sink_segments=0, page_tokens=16,
-                        select=replace(select, enabled=True, meta_channels=head_dim))
+                        select=replace(select, enabled=True, meta_channels=head_dim,
+                                       rescore_factor=0, rescore_channels=0,
+                                       rescore_meta_only=False))
 
 
 def methods_for(cap: Capture, default_ratio: float, default_cfg: MosaicConfig) -> list[Method]:
