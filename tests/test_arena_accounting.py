@@ -304,3 +304,40 @@ def test_bases_past_their_reserve_are_what_the_over_budget_warning_names(seed, c
     assert pool.capacity()["outside_bytes"] == 0 and pool.counters.over_budget == 0
     pool.release_pages(list(range(1, page + 1)))
     assert pool.arena_bytes == pool.bases_bytes == 0 and not pool._basis_refs
+
+
+def test_the_byte_gate_takes_bases_past_their_reserve_from_the_arena(seed):
+    """Bases past their reserve are memory the start-up plan gave the arena: the byte gate backs
+    fewer free slots by them (before, nothing limited them: 4.3 GB past the plan in the H100
+    soak of 2026-12-07, an OOM at a high --mem-fraction-static)."""
+    from mosaickv_sglang.serving.sizing import PageBytes, byte_deficit, slot_fraction
+
+    cfg = MosaicConfig(basis_block_tokens=BLOCK * PS, daemon="off", **CHUNK_RULE)
+    pages = 64
+    pb = PageBytes.of(cfg, H, D, 4)
+    memory = int(pages * slot_fraction(cfg, pb) * pb.dense * LAYERS) + 9 * pb.dense * LAYERS
+    pool = MosaicKVPool(pages * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
+                        mosaic_config=cfg, hot_tokens=8 * PS, memory_bytes=memory)
+    g = torch.Generator().manual_seed(seed)
+    page = 0
+    while pool.bases_over_reserve() < 4 * pool.store.allocators[0].unit * LAYERS:
+        page += 1  # one-page requests, finished, cached: a whole bases pair each
+        assert page < pages - 4, (pool.bases_bytes, pool.bases_reserve_bytes, repro(seed))
+        slots = torch.arange(page * PS, (page + 1) * PS)
+        for layer in range(LAYERS):
+            pool.set_kv_buffer(SimpleNamespace(layer_id=layer), slots,
+                               torch.randn(PS, H, D, generator=g), torch.randn(PS, H, D, generator=g))
+        pool.seal_finished(slots)
+    free = pool.logical_size - (page + 1) * PS
+    excess = pool.bases_over_reserve()
+    assert excess == pool.bases_bytes - pool.bases_reserve_bytes > 0
+    unsealed = 1  # the padding page's slot: allocated, never sealed
+    gated = pool.refresh_byte_gate(free)
+    assert gated == byte_deficit(free, unsealed, pool.store.page_fits(excess), PS), repro(seed)
+    # the arena alone would back more: the excess costs at least the pages its bytes hold
+    assert gated > byte_deficit(free, unsealed, pool.store.page_fits(), PS), (gated, repro(seed))
+    pool.release_pages(list(range(1, page + 1)))
+    assert pool.bases_over_reserve() == 0
+    # (the same free slots: the released pages' slots count as allocated and unsealed)
+    assert pool.refresh_byte_gate(free) == byte_deficit(free, page + 1, pool.store.page_fits(),
+                                                        PS)

@@ -149,21 +149,26 @@ def test_admitted_pages_always_fit_the_arena(seed, arena):
 
 def _fill_until_gated(arena: str, seed: int):
     """Pages whose layer 0 is low-rank (the cheapest layout) and layer 1 noise (a costly one),
-    one-page requests admitted while the gate allows: (pages sealed, the store)."""
+    one request growing a page at a time while the gate allows: (pages sealed, the store).
+    (One request, so its pages share a block's bases: one-page requests would each hold a whole
+    pair, and the bases past their reserve, which the gate also charges, would stop both
+    arenas alike.)"""
     pages = 40
     pool = _gated_pool(MosaicConfig(hot_tokens=0, sink_segments=0, arena=arena), pages)
     g = torch.Generator().manual_seed(seed)
+    # layer 0's K and V in one rank-2 subspace for the whole request (a block's bases, fitted
+    # on its first page, then hold every later page's)
+    proj = [torch.randn(2, D, generator=g) for _ in range(2)]
     sealed = 0
     for page in range(1, pages + 1):
         if pool.refresh_byte_gate((pages + 1 - page) * PS) >= (pages + 1 - page) * PS:
             break
         slots = torch.arange(page * PS, (page + 1) * PS)
-        low = [torch.randn(PS, H, 2, generator=g) @ torch.randn(2, D, generator=g)
-               for _ in range(2)]
+        low = [torch.randn(PS, H, 2, generator=g) @ p for p in proj]
         for layer_id, (k, v) in enumerate([low, [torch.randn(PS, H, D, generator=g)
                                                  for _ in range(2)]]):
             pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots, k, v)
-        assert pool.seal_request_pages([page], PS) == 1
+        assert pool.seal_request_pages(list(range(1, page + 1)), page * PS + 1) == 1
         sealed += 1
     return sealed, pool.store
 

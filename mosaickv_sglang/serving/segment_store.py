@@ -735,13 +735,17 @@ class SegmentStore:
         at some point)."""
         return [self.allocators[g].top for g in self.group_of.tolist()]
 
-    def page_fits(self) -> "np.ndarray":
+    def page_fits(self, extra_outside: int = 0) -> "np.ndarray":
         """Per arena group, the pages (a block in each of its layers) at the largest layout
         that its free bytes hold for sure, less what the segments kept outside the arena take
-        (the memory was planned for the arena): placing a block lowers `fits` by at most one,
-        so a group of n layers backs fits // n pages."""
+        (the memory was planned for the arena) and `extra_outside` bytes taken from the plan
+        elsewhere (the pool's bases past their reserve), shared by the groups as their layers:
+        placing a block lowers `fits` by at most one, so a group of n layers backs fits // n
+        pages."""
         fits = np.array([a.fits() for a in self.allocators], dtype=np.int64)
         outside = self.by_group(self.outside_bytes)
+        if extra_outside:
+            outside = outside + extra_outside * self.group_layers / self.group_layers.sum()
         fits -= -(-outside.astype(np.int64) // self.allocators[0].unit)
         return fits // self.group_layers
 
