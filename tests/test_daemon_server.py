@@ -27,7 +27,11 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(),
                                  reason="SmolLM2 assets not built: run bash scripts/setup.sh")]
 
-CONFIG = LOSSLESS_DAEMON_CONFIG
+# the chunk read rule (the default before 2026-12-07): every full prompt page goes through the
+# daemon; under the position rule (the default now) prompt pages are sealed inline and only
+# pages of generated tokens go to the workers (tests/test_traffic_independence.py,
+# tests/test_soak_cpu.py, tests/test_daemon_position.py)
+CONFIG = {**LOSSLESS_DAEMON_CONFIG, "read_rule": "chunk", "basis_fit": "group"}
 
 
 @pytest.fixture(scope="module")

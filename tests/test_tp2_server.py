@@ -18,7 +18,9 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(),
                                  reason="SmolLM2 assets not built: run bash scripts/setup.sh")]
 
-CONFIG = LOSSLESS_DAEMON_CONFIG
+# the chunk read rule: every full prompt page goes through both ranks' daemons (under the
+# position rule, the default, only pages of generated tokens do)
+CONFIG = {**LOSSLESS_DAEMON_CONFIG, "read_rule": "chunk", "basis_fit": "group"}
 
 
 @pytest.fixture(scope="module")
