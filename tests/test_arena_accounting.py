@@ -263,6 +263,19 @@ def test_arena_bytes_are_the_live_pages_and_their_bases(seed, cold):
         pool.daemon.close()
 
 
+def _planned_pool(pages: int) -> MosaicKVPool:
+    """A pool sized by the start-up plan (`memory_bytes`) for `pages` slots at the smallest
+    layout plus an 8-page hot buffer, chunk rule, daemon off: one-page requests take its bases
+    past their reserve."""
+    from mosaickv_sglang.serving.sizing import PageBytes, slot_fraction
+
+    cfg = MosaicConfig(basis_block_tokens=BLOCK * PS, daemon="off", **CHUNK_RULE)
+    pb = PageBytes.of(cfg, H, D, 4)
+    memory = int(pages * slot_fraction(cfg, pb) * pb.dense * LAYERS) + 9 * pb.dense * LAYERS
+    return MosaicKVPool(pages * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
+                        mosaic_config=cfg, hot_tokens=8 * PS, memory_bytes=memory)
+
+
 def test_bases_past_their_reserve_are_what_the_over_budget_warning_names(seed, caplog):
     """What took the H100 soak's packed bytes past the start-up budget with no dense fallback:
     short requests each hold a whole bases pair for a page or two, while the sizing reserves
@@ -270,14 +283,8 @@ def test_bases_past_their_reserve_are_what_the_over_budget_warning_names(seed, c
     bases' (recounted), the pages' own bytes stay within the arena's share (nothing outside
     it), and the warning and `capacity()["bases"]` say that the bases are over their reserve
     (the warning said "dense fallbacks")."""
-    from mosaickv_sglang.serving.sizing import PageBytes, slot_fraction
-
-    cfg = MosaicConfig(basis_block_tokens=BLOCK * PS, daemon="off", **CHUNK_RULE)
     pages = 64
-    pb = PageBytes.of(cfg, H, D, 4)
-    memory = int(pages * slot_fraction(cfg, pb) * pb.dense * LAYERS) + 9 * pb.dense * LAYERS
-    pool = MosaicKVPool(pages * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
-                        mosaic_config=cfg, hot_tokens=8 * PS, memory_bytes=memory)
+    pool = _planned_pool(pages)
     g = torch.Generator().manual_seed(seed)
     caplog.set_level("WARNING", logger="mosaickv_sglang.serving.pool")
     page = 0
@@ -310,14 +317,10 @@ def test_the_byte_gate_takes_bases_past_their_reserve_from_the_arena(seed):
     """Bases past their reserve are memory the start-up plan gave the arena: the byte gate backs
     fewer free slots by them (before, nothing limited them: 4.3 GB past the plan in the H100
     soak of 2026-12-07, an OOM at a high --mem-fraction-static)."""
-    from mosaickv_sglang.serving.sizing import PageBytes, byte_deficit, slot_fraction
+    from mosaickv_sglang.serving.sizing import byte_deficit
 
-    cfg = MosaicConfig(basis_block_tokens=BLOCK * PS, daemon="off", **CHUNK_RULE)
     pages = 64
-    pb = PageBytes.of(cfg, H, D, 4)
-    memory = int(pages * slot_fraction(cfg, pb) * pb.dense * LAYERS) + 9 * pb.dense * LAYERS
-    pool = MosaicKVPool(pages * PS, PS, torch.float32, H, D, LAYERS, "cpu", False,
-                        mosaic_config=cfg, hot_tokens=8 * PS, memory_bytes=memory)
+    pool = _planned_pool(pages)
     g = torch.Generator().manual_seed(seed)
     page = 0
     while pool.bases_over_reserve() < 4 * pool.store.allocators[0].unit * LAYERS:
