@@ -1757,8 +1757,8 @@ class MosaicKVPool(MHATokenToKVPool):
                    f"({len(self.sealed) / max(n, 1):.1f} pages each) take {self.bases_bytes} "
                    f"bytes, above the {self.bases_reserve_bytes} reserved for them (one pair per "
                    f"{self.cfg.basis_block_tokens} sealed tokens: short requests and partial "
-                   "basis blocks hold a whole pair for a few pages; bases are outside the arena "
-                   "and the byte gate)")
+                   "basis blocks hold a whole pair for a few pages; bases are outside the arena, "
+                   "and the byte gate takes the excess from its free bytes)")
         else:
             why = "the bases are within their reserve"
         if pages > page_share:
