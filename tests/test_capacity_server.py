@@ -158,8 +158,9 @@ def test_cold_pages_are_recompressed_between_steps(tmp_path, daemon):
     the daemon's workers (cold jobs, adopted at later boundaries); bytes fall, every request
     answers, nothing is left after a flush."""
     model = make_tiny_llama(tmp_path / "tiny_llama", head_dim=64)
-    cfg = {"hot_tokens": 0, "cold": {"enabled": True, "after_tokens": 256, "pages_per_step": 16,
-                                     "k_error_budget": 1.0, "v_error_budget": 1.0},
+    cfg = {"preset": "chunk_rule", "hot_tokens": 0,  # cold needs the chunk read rule
+           "cold": {"enabled": True, "after_tokens": 256, "pages_per_step": 16,
+                    "k_error_budget": 1.0, "v_error_budget": 1.0},
            "daemon": daemon, "daemon_workers": 1}
     with running_server(model, tmp_path / "cold.log", "--kv-backend", "mosaickv",
                         "--dtype", "float32", "--page-size", "128", "--chunked-prefill-size",
