@@ -306,6 +306,8 @@ def test_bases_past_their_reserve_are_what_the_over_budget_warning_names(seed, c
     assert bases["bytes"] == pool.bases_bytes == pool.arena_bytes - sum(
         sp.nbytes for sp in pool.sealed.values())
     assert bases["count"] == len(pool.sealed) == page, (bases, repro(seed))
+    # the summary line names them too
+    assert f"bases {page} ({pool.bases_bytes / 1e6:.1f}/" in pool.summary(), pool.summary()
     assert bases["bytes"] > bases["reserve_bytes"] == pool.memory_plan.bases_bytes, bases
     assert pool.arena_bytes - bases["bytes"] <= pool.arena_budget_bytes - bases["reserve_bytes"]
     assert pool.capacity()["outside_bytes"] == 0 and pool.counters.over_budget == 0

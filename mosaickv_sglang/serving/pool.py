@@ -1783,7 +1783,9 @@ class MosaicKVPool(MHATokenToKVPool):
                 f"{ratio} vs bf16 incl. metadata), "
                 f"hot {hot_used}/{self.num_hot_pages * self.page_size} tokens, "
                 f"reused {self.counters.reused_pages}, over-budget {self.counters.over_budget}, "
-                f"arena {self.arena_bytes / 1e6:.1f}/{self.arena_budget_bytes / 1e6:.1f} MB"
+                f"arena {self.arena_bytes / 1e6:.1f}/{self.arena_budget_bytes / 1e6:.1f} MB, "
+                f"bases {len(self._basis_refs)} ({self.bases_bytes / 1e6:.1f}/"
+                f"{self.bases_reserve_bytes / 1e6:.1f} MB reserved)"
                 + (self.daemon.summary() if self.daemon is not None else ""))
 
     def stats(self) -> dict:
