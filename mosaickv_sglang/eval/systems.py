@@ -54,7 +54,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..config import MosaicConfig, check_fits
+from ..config import PRESETS, MosaicConfig, check_fits
 
 ACCEPT_ALL = 1e9  # an error budget every segment meets: the (single) candidate is always taken
 SELECTION_BUDGET = 1024  # tokens read per decode step by the smaller-budget default
@@ -67,10 +67,10 @@ RESCORE_FACTOR, RESCORE_CHANNELS = 4, 32  # the codec probe's best (docs/codec.m
 LOOSE_BUDGETS = (0.12, 0.20)  # chooser k/v error budgets a candidate default spends on bytes
 # The default before 2026-12-07 (chunk read rule, group bases, 64-token window, budgets 0.08 /
 # 0.12, no second stage): the systems measured against it keep their meaning through these keys
-CHUNK_RULE = {"read_rule": "chunk", "basis_fit": "group", "hot_tokens": 64}
+CHUNK_RULE = PRESETS["chunk_rule"]
 FORMER_DEFAULT = {**CHUNK_RULE, "k_error_budget": 0.08, "v_error_budget": 0.12,
                   "select": {"enabled": True, "rescore_factor": 0, "rescore_channels": 0}}
-POSITION_RULE = {"read_rule": "position", "basis_fit": "first_page", "hot_tokens": 0}
+POSITION_RULE = PRESETS["traffic_independent"]
 SECOND_STAGE = {"enabled": True, "rescore_factor": RESCORE_FACTOR,
                 "rescore_channels": RESCORE_CHANNELS}
 NO_SECOND_STAGE = {"rescore_factor": 0, "rescore_channels": 0}
@@ -202,7 +202,8 @@ def build_systems() -> dict[str, System]:
         System("mosaickv_chunk_hot0", "chunk read rule, bases fitted on the block's first page, "
                "no hot window", config={**FORMER_DEFAULT, "basis_fit": "first_page",
                                         "hot_tokens": 0}, family="ablation"),
-        # the second stage at the default budget, and with it the traffic-independent config
+        # the second stage at the former default's budgets, and with it the traffic-independent
+        # config
         System("mosaickv_rescore", f"the former default with the second stage: {RESCORE_FACTOR}x "
                f"candidates re-ranked on {RESCORE_CHANNELS} leading channels of their compressed K",
                config={**FORMER_DEFAULT, "select": SECOND_STAGE}, family="ablation"),
@@ -212,7 +213,7 @@ def build_systems() -> dict[str, System]:
                config={**FORMER_DEFAULT, **POSITION_RULE, "select": SECOND_STAGE},
                family="ablation"),
         # a candidate default: the second stage's accuracy spent on bytes (looser chooser
-        # budgets); codec level, 8K: 3.49x vs 3.17x at the default's error (docs/codec.md)
+        # budgets); codec level, 8K: 3.49x vs 3.17x at the former default's error (docs/codec.md)
         System("mosaickv_rescore_b12", "the chunk read rule with the second stage and chooser "
                f"budgets k 0.12 / v 0.20 (former default 0.08 / 0.12): cheaper layouts", config={
                    **CHUNK_RULE, "k_error_budget": LOOSE_BUDGETS[0],
