@@ -39,9 +39,8 @@ N_REQ, NEW_TOKENS, SHARED = 12, 24, 1024
 # get) at least 64 tokens before it ends
 DAEMON_NEW_TOKENS = 192
 SHARED_PREFIX = [i for i in range(N_REQ) if i % 4 == 1]  # the requests behind the shared prefix
-# the configuration whose outputs do not depend on other traffic (docs/determinism.md): the
-# default (the position rule, first-page bases, W 0); the chunk rule gave 4 of 12 here
-DEFAULT = {}
+# the configuration whose outputs do not depend on other traffic (docs/determinism.md) is the
+# default (the position rule, first-page bases, W 0): no keys; the chunk rule gave 4 of 12 here
 COMMON = ("--dtype", "float32", "--max-total-tokens", "4096", "--chunked-prefill-size", "512")
 
 
@@ -93,9 +92,8 @@ def _check(loaded, alone, label: str, which: list[int] | None = None) -> None:
 # the same with page selection active on these short prompts (a 512-token budget: about half of
 # the pages read) and its second stage (candidates rescored on their compressed K): what the
 # position rule needs for its accuracy (docs/determinism.md), still a function of the request
-SELECTING = {**DEFAULT, "select": {"budget_tokens": 512, "recent_tokens": 128,
-                                   "sink_tokens": 64, "rescore_factor": 2,
-                                   "rescore_channels": 32}}
+SELECTING = {"select": {"budget_tokens": 512, "recent_tokens": 128, "sink_tokens": 64,
+                        "rescore_factor": 2, "rescore_channels": 32}}
 
 
 def test_loaded_equals_alone_with_selection_and_second_stage(tmp_path):
@@ -121,7 +119,7 @@ def test_loaded_equals_alone(tmp_path, kv_backend, daemon):
         args += ["--page-size", "128"]
     else:
         # MOSAICKV_TI_CONFIG (JSON) replaces the default, to measure another config
-        config = json.loads(os.environ.get("MOSAICKV_TI_CONFIG") or json.dumps(DEFAULT))
+        config = json.loads(os.environ.get("MOSAICKV_TI_CONFIG") or "{}")
         args += ["--mosaickv-config", json.dumps({**config, "daemon": daemon})]
     new_tokens = DAEMON_NEW_TOKENS if daemon == "process" else NEW_TOKENS
     with running_server(model, tmp_path / "server.log", *args) as server:
