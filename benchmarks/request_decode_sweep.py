@@ -35,7 +35,8 @@ def point(ctx: int, bs: int, args) -> list[dict]:
     from mosaickv_kernels.page_select import page_bounds, select_page_list
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    cfg = MosaicConfig(decode_cuda_graph="full")
+    cfg = MosaicConfig.parse(json.dumps({**json.loads(args.config),
+                                         "decode_cuda_graph": "full"}))
     dev, hq, d, h = "cuda", 32, 128, 8
     backend, pool, req_to_token = build(ctx, bs, 1, h, d, dev, cfg, 8192, 0)
     layer = SimpleNamespace(layer_id=0, tp_q_head_num=hq, qk_head_dim=d, v_head_dim=d,
@@ -87,7 +88,8 @@ def point(ctx: int, bs: int, args) -> list[dict]:
     v_off = pool.layer_num * h
     out = torch.empty(bs, hq, d, device=dev, dtype=torch.bfloat16)
     base = dict(splits=dec.num_splits, warps=dec.num_warps, block=dec.block_n, maxnreg=None,
-                gather=dec.gather, early_v=dec.early_v)
+                gather=dec.gather, early_v=dec.early_v, products=dec.products)
+    other = "bf16" if dec.products == "exact" else "exact"
     # (8 warps, 16-token units: slower on the H200 in every run so far, 2026-12-04/05)
     variants = [base, {**base, "early_v": not dec.early_v},
                 *({**base, "gather": g} for g in ("pairs", "tokens", "channels")
@@ -99,16 +101,27 @@ def point(ctx: int, bs: int, args) -> list[dict]:
                 {**base, "maxnreg": 168, "splits": dec.num_splits * 3 // 2},
                 {**base, "maxnreg": 168},
                 {**base, "maxnreg": 168, "early_v": not dec.early_v}]
+    # the other products (`graph_products`), at the default split count, 1.5x and 2x (fewer
+    # registers may fit a third CTA per SM), and capped for three CTAs
+    variants += [{**base, "products": other},
+                 {**base, "products": other, "splits": min(1024, dec.num_splits * 3 // 2)},
+                 {**base, "products": other, "splits": min(1024, 2 * dec.num_splits)},
+                 {**base, "products": other, "maxnreg": 168,
+                  "splits": min(1024, dec.num_splits * 3 // 2)}]
     if args.splits:  # only the default plan at these split counts
         variants = [base, *({**base, "splits": n} for n in map(int, args.splits.split(","))
                             if n != base["splits"])]
+    if args.only_products:  # the default plan and the other products only
+        variants = [v for v in variants if v == base or (
+            v["products"] == other and v["warps"] == base["warps"] and v["block"] == base["block"]
+            and v["gather"] == base["gather"] and v["early_v"] == base["early_v"])]
     ref = None
     for v in variants:
         dec.plan(batch=bs, rows_per_request=g.width, row_pages=g.row_pages, pages_per_seg=g.pps,
                  num_kv_heads=h, num_qo_heads=hq, head_dim=d, max_selected=ids.shape[2],
                  sm_scale=d ** -0.5, device=dev, num_splits=v["splits"], num_warps=v["warps"],
                  block_tokens=v["block"], hot_tokens=g.hot_cap, maxnreg=v["maxnreg"],
-                 gather=v["gather"], early_v=v["early_v"])
+                 gather=v["gather"], early_v=v["early_v"], products=v["products"])
         us = timed(lambda: dec.run(q_rot, q_s, tables, bk.basis_ptrs, v_off, out, page_ids=ids,
                                    page_counts=counts), args.reps)
         empty = timed(lambda: dec.run(q_rot, q_s, tables, bk.basis_ptrs, v_off, out,
@@ -152,6 +165,9 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--splits", default=None,
                    help="comma-separated split counts: time only the default plan at these")
+    p.add_argument("--only-products", action="store_true",
+                   help="time only the default plan and the other `graph_products` variants")
+    p.add_argument("--config", default="{}", help="MosaicKV config JSON over the defaults")
     args = p.parse_args()
     rows = []
     for ctx in map(int, args.contexts.split(",")):

@@ -83,6 +83,9 @@ MOSAICKV_SYSTEMS = {"mosaickv": {}, "mosaickv_eager": {"decode_cuda_graph": "off
                     "mosaickv_daemon": {"daemon": "process"},
                     "mosaickv_flashinfer_prefill": {"prefill_attention": "flashinfer"},
                     "mosaickv_sdpa_prefill": {"prefill_attention": "sdpa"},
+                    # the decode graph's stage-1 products, named (`graph_products`)
+                    "mosaickv_exact": {"graph_products": "exact"},
+                    "mosaickv_bf16": {"graph_products": "bf16"},
                     # the default before 2026-12-07 (the chunk read rule, budgets 0.08 / 0.12, no
                     # second stage): what every speed number before that date measured
                     "mosaickv_former": {"preset": "chunk_rule", "k_error_budget": 0.08,

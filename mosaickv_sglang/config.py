@@ -295,6 +295,11 @@ class MosaicConfig:
     # table's width): the read rule's window, the page being filled, the daemon's pages in
     # flight. A step over it stops with an error naming this key.
     graph_hot_tokens: int = 1024
+    # Under "full": the decode graph's stage-1 products (`triton_kernels/request_decode.py`,
+    # PRODUCTS): "exact" (three bf16 MMAs on hi/lo halves, ~2^-16 relative per product) or
+    # "bf16" (one bf16 MMA: q and the dequantized page rounded to bf16, as FlashInfer's dense
+    # decode over a bf16 cache; 2^-9 relative, far below the codec's own error).
+    graph_products: str = "exact"
 
     def __post_init__(self):
         if isinstance(self.select, dict):
@@ -348,7 +353,8 @@ class MosaicConfig:
                              ("chooser", CHOOSERS),
                              ("fit_solver", FIT_SOLVERS), ("daemon", DAEMON_MODES),
                              ("read_rule", READ_RULES), ("basis_fit", BASIS_FITS),
-                             ("decode_cuda_graph", DECODE_CUDA_GRAPHS)):
+                             ("decode_cuda_graph", DECODE_CUDA_GRAPHS),
+                             ("graph_products", GRAPH_PRODUCTS)):
             if getattr(self, key) not in choices:
                 raise ValueError(f"mosaickv config: {key}={getattr(self, key)!r} must be one of "
                                  f"{list(choices)}")
@@ -439,6 +445,7 @@ class MosaicConfig:
 
 DAEMON_MODES = ("off", "process")
 DECODE_CUDA_GRAPHS = ("auto", "off", "breakable", "full")
+GRAPH_PRODUCTS = ("exact", "bf16")
 MAX_HEAD_DIM = 256  # config-time check; the pool re-checks with the model's real head_dim
 
 

@@ -284,7 +284,22 @@ def check_size(name: str, nbytes: int, limit: int) -> None:
                          f"margin for the project tree): trim more or split it")
 
 
-def build(archive: Archive, wheels: dict[str, Path], out_dir: Path, limit: int) -> Built:
+def split_parts(out: Path, part_mib: int) -> list[Path]:
+    """`out` cut into `part_mib`-MiB pieces beside it (`server-base.tar.xz` ->
+    `base.part.00`, `base.part.01`, ...), each carried in its own call and joined with `cat`
+    on the device (docs/device.md)."""
+    stem = out.name.removesuffix(".tar.xz").removeprefix("server-")
+    for old in out.parent.glob(f"{stem}.part.*"):
+        old.unlink()
+    data, step, parts = out.read_bytes(), part_mib * 2**20, []
+    for i in range(0, len(data), step):
+        parts.append(out.parent / f"{stem}.part.{i // step:02d}")
+        parts[-1].write_bytes(data[i:i + step])
+    return parts
+
+
+def build(archive: Archive, wheels: dict[str, Path], out_dir: Path, limit: int,
+          split_mib: int = 0) -> Built:
     stage = out_dir / f"stage-{archive.name}"
     if stage.exists():
         shutil.rmtree(stage)
@@ -304,7 +319,12 @@ def build(archive: Archive, wheels: dict[str, Path], out_dir: Path, limit: int) 
     write_tar_xz(stage, out)
     nbytes = out.stat().st_size
     shutil.rmtree(stage)
-    if nbytes > limit:
+    if nbytes > limit and split_mib:
+        parts = split_parts(out, split_mib)
+        print(f"[bundle] {archive.name}: {nbytes / 2**20:.1f} MiB is over the "
+              f"{limit / 2**20:.1f} MiB one call carries: split into "
+              f"{', '.join(p.name for p in parts)}", flush=True)
+    elif nbytes > limit:
         out.unlink()
         check_size(archive.name, nbytes, limit)
     return Built(archive, out, nbytes, sha256_file(out), installed, removed)
@@ -317,6 +337,9 @@ def main(argv=None) -> int:
     ap.add_argument("--margin-mib", type=float, default=DEFAULT_MARGIN_MIB,
                     help="MiB kept free for the project tree in each transfer (the tree's "
                          "measured size is used if larger)")
+    ap.add_argument("--split-mib", type=int, default=0,
+                    help="keep an archive over the limit and cut it into pieces of this many "
+                         "MiB (`base.part.NN`), each carried in its own call")
     ap.add_argument("--update-lock", action="store_true",
                     help=f"record the downloaded wheels' sha256 in {LOCK.relative_to(REPO)}")
     args = ap.parse_args(argv)
@@ -344,7 +367,7 @@ def main(argv=None) -> int:
 
     dest = out_dir / args.profile  # what a call carries: `.device/<profile>` or one file
     dest.mkdir(parents=True, exist_ok=True)
-    built = [build(a, wheels, dest, limit) for a in archives]
+    built = [build(a, wheels, dest, limit, args.split_mib) for a in archives]
     manifest = {"profile": args.profile, "transfer_limit": TRANSFER_LIMIT,
                 "project_tree_bytes": tree, "archive_limit": limit,
                 "wheels": {wheels[p].name: shas[wheels[p].name] for p in packages},

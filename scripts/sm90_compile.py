@@ -181,14 +181,14 @@ def select_rows(context_tokens: int):
               -(-sel.sink_tokens // pt), -(-sel.recent_tokens // pt))
 
 
-def graph_decode(d: int, select: bool, num_splits: int | None = None):
+def graph_decode(d: int, select: bool, num_splits: int | None = None, products: str = "exact"):
     """GraphDecode.attend (the full decode graph): q into each reached row's K basis, the page
     bounds written request-major and the top pages per request (`select`: candidates, their
     second stage on the compressed K, the budget's pages), stage 1 over the
     selected pages (every layout through its plan) with the hot tokens as one more split,
     stage 2 into the layer's bf16 output. `num_splits`: stage 1's split count as the server's
     plan picks it on the GPU (None: as picked here, where the CPU device counts 4 SMs: 1 at
-    head_dim 128, which Triton specializes as a constant)."""
+    head_dim 128, which Triton specializes as a constant); `products`: `graph_products`."""
     from kernel_bench import synth_page_meta
     from mosaickv_kernels.page_rescore import page_rescore
     from mosaickv_kernels.page_select import page_bounds as bounds, select_page_list
@@ -203,7 +203,7 @@ def graph_decode(d: int, select: bool, num_splits: int | None = None):
     dec = RequestDecode()
     dec.plan(batch=bs, rows_per_request=w, row_pages=row_pages, pages_per_seg=pps,
              num_kv_heads=h, num_qo_heads=hq, head_dim=d, max_selected=16 if select else None,
-             sm_scale=d ** -0.5, device="cpu", num_splits=num_splits)
+             sm_scale=d ** -0.5, device="cpu", num_splits=num_splits, products=products)
     i32 = dict(dtype=torch.int32)
     indptr = torch.tensor([0, 2, 2, 2, 2], **i32)
     seg_ids = torch.arange(2, **i32)
@@ -361,6 +361,13 @@ SCENARIOS = [
                    "page_rescore._page_rescore") if sel else ()),
                lambda d=d, sel=sel, splits=splits: graph_decode(d, sel, splits))
       for d in (128, 64) for sel in (True, False) for splits in (None, 9, 32)),
+    # `graph_products: bf16`: stage 1 with single bf16 MMAs (its own compiled variant)
+    *(Scenario(f"graph decode d128 select bf16{'' if splits is None else f' splits {splits}'}",
+               ("request_decode._request_queries", "request_decode._request_decode_stage1",
+                "request_decode._request_decode_stage2", "page_select._page_bounds",
+                "page_select._select_top_pages", "page_rescore._page_rescore"),
+               lambda splits=splits: graph_decode(128, True, splits, "bf16"))
+      for splits in (None, 32)),
     Scenario("decode tables", ("decode_tables._decode_tables",), decode_tables),
     Scenario("pack d128", ("band_pack._pack_kind",), lambda: band_pack(128)),
     Scenario("pack d64", ("band_pack._pack_kind",), lambda: band_pack(64)),

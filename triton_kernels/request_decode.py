@@ -65,6 +65,12 @@ STAGE1_PROGRAM_US, STAGE1_PAGE_US, STAGE1_HOT_US = 8.0, 4.5, 8.0
 # broadcast to every token, scales applied to q and to p @ codes. sm_90 SASS per page
 # (scripts/sass_loops.py): 1,581 / 1,682 / ~2,461 instructions, 10 / 10 / 43 barriers.
 GATHER = "pairs"
+# Stage 1's products (`plan(products=...)`): "exact" = three bf16 MMAs on hi/lo halves of both
+# operands (~2^-16 relative per product, what the torch reference computes to ~1e-5); "bf16" =
+# one bf16 MMA per product, q (or p) and the dequantized page rounded to bf16 (2^-9 relative,
+# what FlashInfer's dense decode does with a bf16 cache): the lo halves, their joins and K's
+# second transpose are never computed.
+PRODUCTS = "exact"
 # Stage 1 issues a page's V loads before its K products (`plan(early_v=...)`, this by default),
 # so their latency overlaps the scores and softmax instead of following them.
 EARLY_V = True
@@ -156,6 +162,27 @@ def _dot3(a_hi, a_lo, b_hi, b_lo):
     """a @ b from bf16 halves (hi*hi + hi*lo + lo*hi, float32 accumulation): ~2^-16 relative
     per product."""
     return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
+
+
+@triton.jit
+def _mma(a_hi, a_lo, b_hi, b_lo, ONE: tl.constexpr):
+    """`_dot3`, or (ONE) the single bf16 MMA a_hi @ b_hi (float32 accumulation)."""
+    if ONE:
+        out = tl.dot(a_hi, b_hi)
+    else:
+        out = _dot3(a_hi, a_lo, b_hi, b_lo)
+    return out
+
+
+@triton.jit
+def _dot_bf16(a, b, EMULATE: tl.constexpr):
+    """a @ b with `a` (float32) rounded to bf16 and `b` exact in bf16: one MMA (EMULATE: the
+    same values in float32)."""
+    if EMULATE:
+        out = tl.dot(_round_bf16(a), b.to(tl.float32))
+    else:
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return out
 
 
 @triton.jit
@@ -275,11 +302,12 @@ def _request_decode_stage1(
     R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, SUB: tl.constexpr, HOT_N: tl.constexpr, HAS_SELECT: tl.constexpr,
     EMULATE: tl.constexpr, TOKEN_GATHER: tl.constexpr, PAIRS: tl.constexpr,
-    EARLY_V: tl.constexpr,
+    EARLY_V: tl.constexpr, ONE_MMA: tl.constexpr,
 ):
     """Programs (request, KV head, split): splits [0, num_splits) share the request's selected
     pages, [num_splits, num_splits + hot_splits) its hot tokens. Products: q (or p) split in two
-    bf16 halves against exact bf16 operands (codes, cache entries, bases): `dot_exact`."""
+    bf16 halves against exact bf16 operands (codes, cache entries, bases): `dot_exact`; ONE_MMA:
+    the hot tokens' and the pages' products are single bf16 MMAs (`_dot_bf16`, `_mma`)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -305,14 +333,20 @@ def _request_decode_stage1(
             row = tl.load(HOT_ROWS + b * hot_t + tok, mask=ok, other=0)
             at = row[:, None] * (H * D) + h * D + offs_d[None, :]
             k = tl.load(HOT_K + at, mask=ok[:, None], other=0.0)
-            s = dot_exact(q, tl.trans(k), EMULATE)
+            if ONE_MMA:
+                s = _dot_bf16(q, tl.trans(k), EMULATE)
+            else:
+                s = dot_exact(q, tl.trans(k), EMULATE)
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
             v = tl.load(HOT_V + at, mask=ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + dot_exact(p, v, EMULATE)
+            if ONE_MMA:
+                acc = acc * alpha[:, None] + _dot_bf16(p, v, EMULATE)
+            else:
+                acc = acc * alpha[:, None] + dot_exact(p, v, EMULATE)
             m = m_new
         tl.store(PART_ACC + rows[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
     else:
@@ -363,7 +397,7 @@ def _request_decode_stage1(
                         ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg, tok0, D, R_CODE,
                         R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP, PAIRS)
                 k_hi, k_lo = _kind_page_dequant(k_codes, k_scale, k_zero, D, PAIRS, EMULATE)
-                s = _dot3(q_hi, q_lo, k_hi, k_lo)
+                s = _mma(q_hi, q_lo, k_hi, k_lo, ONE_MMA)
             else:
                 tok = tok0 + offs_n
                 kc, ks, kz = _kind_codes(ARENA_U8, ARENA_F16, plan, base, kg, tok0, tok, offs_d,
@@ -384,7 +418,7 @@ def _request_decode_stage1(
                                             tok0, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE,
                                             R_ZERO, R_GROUP, PAIRS, EMULATE)
                 p_hi, p_lo = _split_bf16(p, EMULATE)
-                pv = _dot3(p_hi, p_lo, tl.trans(v_hi), tl.trans(v_lo))
+                pv = _mma(p_hi, p_lo, tl.trans(v_hi), tl.trans(v_lo), ONE_MMA)
             else:
                 vc, vs, vz = _kind_codes(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, vg, tok0,
                                          tok, offs_d, D, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE,
@@ -501,7 +535,7 @@ class RequestDecode:
              sm_scale: float, device, num_splits: int | None = None, hot_tokens: int = 1024,
              workspace: dict | None = None, num_warps: int = 4, block_tokens: int = 32,
              maxnreg: int | None = None, gather: str | None = None,
-             early_v: bool | None = None) -> None:
+             early_v: bool | None = None, products: str | None = None) -> None:
         """`max_selected`: pages per (request, KV head) a run's selection lists at most (None:
         runs read every page, `run` without a selection); `hot_tokens`: hot tokens a request
         may have (the hot rows' table width), read by cdiv(hot_tokens, 128) splits;
@@ -543,6 +577,12 @@ class RequestDecode:
                              f"(block_tokens={block_tokens})")
         self.gather = gather
         self.early_v = EARLY_V if early_v is None else bool(early_v)
+        products = PRODUCTS if products is None else products
+        if products not in ("exact", "bf16"):
+            raise ValueError(f"plan: products={products!r} must be 'exact' or 'bf16'")
+        if products == "bf16" and gather == "channels":
+            raise ValueError("plan: products='bf16' is for the token gathers ('tokens', 'pairs')")
+        self.products = products
         self.launch = {} if maxnreg is None else {"maxnreg": maxnreg}  # stage 1's register cap
         self.hot_splits = hot_splits
         parts = num_splits + self.hot_splits
@@ -626,7 +666,7 @@ class RequestDecode:
             BLOCK_N=self.block_n, SUB=PAGE_TOKENS // self.block_n, HOT_N=HOT_TOKENS,
             HAS_SELECT=has_select, EMULATE=interpreting(),
             TOKEN_GATHER=self.gather in ("tokens", "pairs"), PAIRS=self.gather == "pairs",
-            EARLY_V=self.early_v,
+            EARLY_V=self.early_v, ONE_MMA=self.products == "bf16",
             num_warps=self.num_warps,
             **self.launch)
         block_c = min(d, 32)
@@ -651,13 +691,21 @@ class RequestDecode:
 def request_decode_reference(q: torch.Tensor, tables: DecodeTables, wholes: list,
                              layer: int, layers: int, rows_per_request: int, row_pages: int,
                              pages_per_seg: int, sm_scale: float, page_ids=None,
-                             page_counts=None) -> torch.Tensor:
+                             page_counts=None, products: str = "exact") -> torch.Tensor:
     """Torch oracle of queries + run (float32 [B, Hq, D]), request by request on the host:
     each selected page decoded from the arena bytes through its layout plan
     (`band_unpack.decode_rotated_reference`), scored against q in its row's K basis, its V
     rotated back through the row's V basis, one softmax with the hot tokens. `wholes[r]`: row
-    r's bf16 bases tensor [2 * layers, H, D, D] (None: the identity)."""
+    r's bf16 bases tensor [2 * layers, H, D, D] (None: the identity). `products="bf16"` rounds
+    the operands stage 1's single MMAs take to bf16 (q in each basis, the dequantized pages;
+    not the softmax weights, whose rounding is left to the caller's tolerance)."""
     from .band_unpack import decode_rotated_reference
+
+    if products not in ("exact", "bf16"):
+        raise ValueError(f"products={products!r} must be 'exact' or 'bf16'")
+
+    def rnd(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16).float() if products == "bf16" else x
 
     b_n, hq, d = q.shape
     h = tables.hot_k.shape[1]
@@ -691,11 +739,11 @@ def request_decode_reference(q: torch.Tensor, tables: DecodeTables, wholes: list
                 else:
                     mats = whole.reshape(-1, d, d).float().cpu()
                     rk, rv = mats[layer * h + hh], mats[(layers + layer) * h + hh]
-                scores.append((qs[hh] @ rk.T) @ kr.T)
-                values.append(vr @ rv)
+                scores.append(rnd(qs[hh] @ rk.T) @ rnd(kr).T)
+                values.append(rnd(vr) @ rv)
             kh = tables.hot_k[hot, hh].float().cpu()
             vh = tables.hot_v[hot, hh].float().cpu()
-            s = torch.cat(scores + [qs[hh] @ kh.T], 1)
+            s = torch.cat(scores + [rnd(qs[hh]) @ kh.T], 1)
             v = torch.cat(values + [vh], 0)
             out[b, hh * g:(hh + 1) * g] = torch.softmax(s, 1) @ v
     return out

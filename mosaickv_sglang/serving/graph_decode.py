@@ -200,7 +200,8 @@ class GraphDecode:
                         pages_per_seg=self.pps, num_kv_heads=pool.head_num,
                         num_qo_heads=num_qo_heads, head_dim=pool.head_dim,
                         max_selected=selected, sm_scale=sm_scale, device=pool.device,
-                        hot_tokens=self.hot_cap, workspace=self.workspace)
+                        hot_tokens=self.hot_cap, workspace=self.workspace,
+                        products=self.cfg.graph_products)
 
     # ---- before each replay (host) ---------------------------------------------------------
     def graph_refusal(self, forward_batch, req_to_token) -> str | None:
