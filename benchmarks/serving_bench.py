@@ -88,9 +88,7 @@ MOSAICKV_SYSTEMS = {"mosaickv": {}, "mosaickv_eager": {"decode_cuda_graph": "off
                     "mosaickv_bf16": {"graph_products": "bf16"},
                     # the default before 2026-12-07 (the chunk read rule, budgets 0.08 / 0.12, no
                     # second stage): what every speed number before that date measured
-                    "mosaickv_former": {"preset": "chunk_rule", "k_error_budget": 0.08,
-                                        "v_error_budget": 0.12,
-                                        "select": {"rescore_factor": 0, "rescore_channels": 0}}}
+                    "mosaickv_former": {"preset": "former_default"}}
 # The same dense/FP8 caches with FlashInfer's attention instead of --dense-backend, so both of
 # SGLang's GPU backends can be served side by side in one run.
 SYSTEMS.update({f"{name}_flashinfer": [*SYSTEMS[name], "--attention-backend", "flashinfer"]

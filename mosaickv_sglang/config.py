@@ -501,6 +501,12 @@ PRESETS: dict[str, dict] = {
     # fitted on the pages sealed together, a 64-token window. Traffic dependent; what
     # cold.enabled and decode_seal_layers need
     "chunk_rule": {"read_rule": "chunk", "basis_fit": "group", "hot_tokens": 64},
+    # the whole default before 2026-12-07 (the chunk rule, budgets 0.08 / 0.12, no second
+    # stage): what every speed number before that date measured; RULER 2.10 points at 3.46x
+    # (H200, 2026-11-30) against the default's 1.85 at 3.69x (H100, 2026-12-07)
+    "former_default": {"read_rule": "chunk", "basis_fit": "group", "hot_tokens": 64,
+                       "k_error_budget": 0.08, "v_error_budget": 0.12,
+                       "select": {"rescore_factor": 0, "rescore_channels": 0}},
 }
 
 

@@ -299,3 +299,9 @@ def test_a_preset_is_a_starting_point_the_other_keys_override():
     for name, keys in PRESETS.items():  # every preset is a valid config on its own
         MosaicConfig.from_dict({"preset": name})
         assert "preset" not in keys
+    # the former default: the chunk rule, its budgets, no second stage; the rest as today
+    former = MosaicConfig.parse('{"preset": "former_default"}')
+    assert (former.read_rule, former.basis_fit, former.hot_tokens) == ("chunk", "group", 64)
+    assert (former.k_error_budget, former.v_error_budget) == (0.08, 0.12)
+    assert former.select.rescore_factor == 0 and former.select.enabled
+    assert (MosaicConfig().k_error_budget, MosaicConfig().select.rescore_factor) != (0.08, 0)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import _round_bf16, interpreting
+
 
 @triton.jit
 def _merge_rows(
@@ -23,6 +25,7 @@ def _merge_rows(
     OUT,  # [B, HQ, D] (any float dtype)
     R, HQ, W, D,
     BLOCK_D: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # the interpreter with a bf16 OUT: round on the bits first
 ):
     k = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -43,7 +46,10 @@ def _merge_rows(
         acc += tl.where(use, p * o, 0.0)
         den += p
     b = tl.load(REQS + k)
-    tl.store(OUT + (b * HQ + h) * D + offs, (acc / den).to(OUT.dtype.element_ty), mask=mask_d)
+    res = acc / den
+    if ROUND_BF16:  # the interpreter's bf16 cast truncates; a GPU's rounds to nearest, as this
+        res = _round_bf16(res)
+    tl.store(OUT + (b * HQ + h) * D + offs, res.to(OUT.dtype.element_ty), mask=mask_d)
 
 
 def merge_rows(o_rows: torch.Tensor, lse: torch.Tensor, req_rows: torch.Tensor,
@@ -69,7 +75,9 @@ def merge_rows(o_rows: torch.Tensor, lse: torch.Tensor, req_rows: torch.Tensor,
     if reqs.numel():
         _merge_rows[(reqs.numel(), hq)](o_rows, lse, req_rows, reqs, out, rows, hq,
                                         req_rows.shape[1], d,
-                                        BLOCK_D=triton.next_power_of_2(d), num_warps=1)
+                                        BLOCK_D=triton.next_power_of_2(d),
+                                        ROUND_BF16=out.dtype == torch.bfloat16 and interpreting(),
+                                        num_warps=1)
 
 
 def merge_rows_reference(o_rows: torch.Tensor, lse: torch.Tensor, req_rows: torch.Tensor,

@@ -68,8 +68,8 @@ LOOSE_BUDGETS = (0.12, 0.20)  # chooser k/v error budgets a candidate default sp
 # The default before 2026-12-07 (chunk read rule, group bases, 64-token window, budgets 0.08 /
 # 0.12, no second stage): the systems measured against it keep their meaning through these keys
 CHUNK_RULE = PRESETS["chunk_rule"]
-FORMER_DEFAULT = {**CHUNK_RULE, "k_error_budget": 0.08, "v_error_budget": 0.12,
-                  "select": {"enabled": True, "rescore_factor": 0, "rescore_channels": 0}}
+FORMER_DEFAULT = {**PRESETS["former_default"],
+                  "select": {"enabled": True, **PRESETS["former_default"]["select"]}}
 POSITION_RULE = PRESETS["traffic_independent"]
 SECOND_STAGE = {"enabled": True, "rescore_factor": RESCORE_FACTOR,
                 "rescore_channels": RESCORE_CHANNELS}
