@@ -44,7 +44,6 @@ def test_merge_rows_matches_reference(rows_per_req, hq, d, empty, out_dtype, see
     assert (got[untouched.to(DEVICE)] == 7.0).all(), f"seed {seed}: wrote outside `reqs`"
 
 
-
 def test_merge_rows_bf16_output_rounds_to_nearest(seed):
     """A bf16 output is the kernel's own fp32 merge rounded to nearest (ties to even), as a GPU
     store rounds it: Triton's interpreter casts fp32 to bf16 by truncating, which on a CPU moved
@@ -59,6 +58,7 @@ def test_merge_rows_bf16_output_rounds_to_nearest(seed):
     merge_rows(o_rows, lse, table, reqs, fp32)
     off = int((got != fp32.to(torch.bfloat16)).sum())
     assert off == 0, f"seed {seed}: {off} of {got.numel()} bf16 outputs not the nearest"
+
 
 def test_merge_rows_refuses_bad_shapes():
     gen = torch.Generator().manual_seed(0)
