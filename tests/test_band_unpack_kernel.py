@@ -51,6 +51,12 @@ def test_unpack_bf16_workspace_and_misuse(seed):
     unpack_segments(arena, ids, req, k, v)
     want = unpack_segments_reference(arena, ids, req)
     assert_rel_close(k.float().cpu(), want[0].cpu(), 5e-3, "bf16 k", seed)
+    # the bf16 store rounds to nearest, as a GPU's cast (the interpreter's truncates: rounded on
+    # the bits there): the same as the float32 outputs' own rounding
+    k32, v32 = (torch.empty(2 * t, h, d, device=DEVICE) for _ in range(2))
+    unpack_segments(arena, ids, req, k32, v32)
+    for name, got, full in (("k", k, k32), ("v", v, v32)):
+        assert torch.equal(got.cpu(), full.to(torch.bfloat16).cpu()), (name, seed)
     with pytest.raises(ValueError, match="seg_req must be int32"):
         unpack_segments(arena, ids, req.long(), k, v)
     with pytest.raises(ValueError, match="out_v must be a contiguous float tensor"):

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import _round_bf16, interpreting
 from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS, PackedArena
 
 PLAN_ROW = {name: i for i, name in enumerate(PLAN_FIELDS)}
@@ -51,9 +52,10 @@ def _unpack_kind(ARENA_U8, ARENA_F16, plan, base, group, tok, offs_d, D: tl.cons
 
 @triton.jit
 def _rotate_store(x, BASIS, OUT, row0, ok_t, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_J: tl.constexpr):
+                  BLOCK_J: tl.constexpr, ROUND_BF16: tl.constexpr):
     """OUT[row0, :] = x @ BASIS^T (3xTF32), BLOCK_J output channels at a time (a whole [D, D]
-    basis tile would not fit in registers)."""
+    basis tile would not fit in registers). ROUND_BF16: the interpreter with a bf16 OUT, whose
+    cast truncates (a GPU's rounds to nearest): rounded on the bits first."""
     md = offs_d < D
     for j0 in tl.static_range(0, BLOCK_D, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
@@ -61,6 +63,8 @@ def _rotate_store(x, BASIS, OUT, row0, ok_t, offs_d, D: tl.constexpr, BLOCK_D: t
         bt = tl.load(BASIS + offs_j[None, :] * D + offs_d[:, None],  # [c, j] = basis[j, c]
                      mask=md[:, None] & mj[None, :], other=0.0)
         out = tl.dot(x, bt, input_precision="tf32x3")
+        if ROUND_BF16:
+            out = _round_bf16(out)
         tl.store(OUT + row0[:, None] * D + offs_j[None, :], out.to(OUT.dtype.element_ty),
                  mask=ok_t[:, None] & mj[None, :])
 
@@ -77,6 +81,7 @@ def _unpack_segments(
     V_GROUP_COL: tl.constexpr, R_CODE: tl.constexpr, R_ROW: tl.constexpr,
     R_SHIFT: tl.constexpr, R_MASK: tl.constexpr, R_SCALE: tl.constexpr, R_ZERO: tl.constexpr,
     R_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -91,11 +96,13 @@ def _unpack_segments(
     row0 = (i * T + tok) * H + h
     x = _unpack_kind(ARENA_U8, ARENA_F16, plan, base, tl.load(hdr + K_GROUP_COL), tok, offs_d, D,
                      PLAN_W, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO, R_GROUP)
-    _rotate_store(x, K_BASIS + basis, OUT_K, row0, tok < T, offs_d, D, BLOCK_D, BLOCK_J)
+    _rotate_store(x, K_BASIS + basis, OUT_K, row0, tok < T, offs_d, D, BLOCK_D, BLOCK_J,
+                  ROUND_BF16)
     x = _unpack_kind(ARENA_U8, ARENA_F16, plan + PLAN_W * D, base, tl.load(hdr + V_GROUP_COL),
                      tok, offs_d, D, PLAN_W, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
                      R_GROUP)
-    _rotate_store(x, V_BASIS + basis, OUT_V, row0, tok < T, offs_d, D, BLOCK_D, BLOCK_J)
+    _rotate_store(x, V_BASIS + basis, OUT_V, row0, tok < T, offs_d, D, BLOCK_D, BLOCK_J,
+                  ROUND_BF16)
 
 
 def _check(arena: PackedArena, seg_list: torch.Tensor, seg_req: torch.Tensor, outs) -> int:
@@ -127,10 +134,10 @@ def unpack_segments(arena: PackedArena, seg_list: torch.Tensor, seg_req: torch.T
     _unpack_segments[(n, h, triton.cdiv(t, block_tokens))](
         arena.data, arena.data.view(torch.float16), arena.headers, arena.plans, seg_list,
         seg_req, arena.k_basis, arena.v_basis, out_k, out_v, h, t,
-        **_constants(d, block_tokens))
+        **_constants(d, block_tokens, out_k.dtype == torch.bfloat16 and interpreting()))
 
 
-def _constants(head_dim: int, block_tokens: int = 16) -> dict:
+def _constants(head_dim: int, block_tokens: int = 16, round_bf16: bool = False) -> dict:
     """`_unpack_segments`' compile-time arguments at `head_dim`: what a launch passes and what
     `compile_variant` compiles ahead."""
     return dict(D=head_dim, HDR_W=HEADER_WIDTH, PLAN_W=len(PLAN_FIELDS), BASE_COL=HDR["base16"],
@@ -139,7 +146,8 @@ def _constants(head_dim: int, block_tokens: int = 16) -> dict:
                 R_ROW=PLAN_ROW["row"], R_SHIFT=PLAN_ROW["shift"], R_MASK=PLAN_ROW["mask"],
                 R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"],
                 R_GROUP=PLAN_ROW["group_bytes"], BLOCK_T=block_tokens,
-                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_J=32, num_warps=4)
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_J=32,
+                ROUND_BF16=round_bf16, num_warps=4)
 
 
 def compile_variant(heads: int, tokens: int, head_dim: int, out_dtype: torch.dtype) -> None:
