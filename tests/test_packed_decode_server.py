@@ -12,18 +12,15 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").exists(),
                                  reason="SmolLM2 assets not built: run bash scripts/setup.sh")]
 
-# the former default's rule, budgets and first stage alone (the config these tolerances were set
-# on). Under the default since 2026-12-07 the every-page case parts by 0.061 in step 4's
-# log-prob (tolerance 0.05; CPU, 2026-12-07); so it does with the position rule alone (first-page
-# bases, the former budgets, no second stage) and with the looser budgets under the chunk rule,
-# not with the second stage alone: the coarser pages the two make, not the second stage. Not
-# investigated further yet
-CONFIG = {"basis_block_tokens": 256, "hot_tokens": 32, "read_rule": "chunk",
-          "basis_fit": "group", "k_error_budget": 0.08, "v_error_budget": 0.12,
+# the default (position read rule, first-page bases, budgets 0.12 / 0.20, the second stage)
+# with small blocks and a small selection budget. The every-page case once parted by 0.061
+# (two logit ulps) under it: Triton's interpreter truncated merge_rows' bf16 output (a GPU rounds
+# to nearest); since it rounds, log-probs agree to <= 0.0018 until a near tie (CPU, 2026-12-07,
+# tests/README.md)
+CONFIG = {"basis_block_tokens": 256,
           "sink_candidates": ["band:b8=64,b4=0,b2=0,group=32"],
-          "select": {"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64,
-                     "rescore_factor": 0, "rescore_channels": 0},
-          # 4096 slots: the hot buffer must hold a 2048 chunk and the 32-token window's page
+          "select": {"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64},
+          # 4096 slots: the hot buffer must hold a 2048 chunk and the page being filled
           "hot_buffer_fraction": 0.55}
 
 

@@ -445,7 +445,7 @@ def _request_decode_stage2(
     PAGE_COUNTS, READ,  # int32 [B, H], int64 [1]: pages read, summed here (HAS_SELECT)
     H, G, num_parts,
     D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_SELECT: tl.constexpr,
+    HAS_SELECT: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     """One program per (request, KV head, BLOCK_C channels): the parts as one tile dimension
     (their maxima and sums in one load, their accumulators BLOCK_P parts at a time)."""
@@ -471,8 +471,11 @@ def _request_decode_stage2(
                        mask=ok[:, :, None], other=0.0)
         acc += tl.sum(wgt[:, :, None] * tile, 0)
     l_tot = tl.where(mask_g & (l_tot > 0), l_tot, 1.0)
+    res = acc / l_tot[:, None]
+    if ROUND_BF16:  # the interpreter's bf16 cast truncates; a GPU's rounds to nearest, as this
+        res = _round_bf16(res)
     tl.store(OUT + (bh * G + offs_g)[:, None] * D + offs_c[None, :],
-             (acc / l_tot[:, None]).to(OUT.dtype.element_ty), mask=mask_g[:, None])
+             res.to(OUT.dtype.element_ty), mask=mask_g[:, None])
     if HAS_SELECT:
         if tl.program_id(1) == 0:
             tl.atomic_add(READ, tl.load(PAGE_COUNTS + bh).to(tl.int64))
@@ -674,7 +677,8 @@ class RequestDecode:
             self.part_m, self.part_l, self.part_acc, out,
             page_counts if has_select else dummy, self.read, h, g, parts, D=d,
             BLOCK_G=triton.next_power_of_2(g), BLOCK_C=block_c,
-            BLOCK_P=min(32, triton.next_power_of_2(parts)), HAS_SELECT=has_select, num_warps=4)
+            BLOCK_P=min(32, triton.next_power_of_2(parts)), HAS_SELECT=has_select,
+            ROUND_BF16=out.dtype == torch.bfloat16 and interpreting(), num_warps=4)
         return out
 
     def _check_q(self, q: torch.Tensor) -> None:
