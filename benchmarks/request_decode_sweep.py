@@ -107,13 +107,14 @@ def point(ctx: int, bs: int, args) -> list[dict]:
                  {**base, "products": other, "splits": min(1024, dec.num_splits * 3 // 2)},
                  {**base, "products": other, "splits": min(1024, 2 * dec.num_splits)},
                  {**base, "products": other, "maxnreg": 168,
-                  "splits": min(1024, dec.num_splits * 3 // 2)}]
+                  "splits": min(1024, dec.num_splits * 3 // 2)},
+                 {**base, "products": other, "warps": 8}]
     if args.splits:  # only the default plan at these split counts
         variants = [base, *({**base, "splits": n} for n in map(int, args.splits.split(","))
                             if n != base["splits"])]
     if args.only_products:  # the default plan and the other products only
         variants = [v for v in variants if v == base or (
-            v["products"] == other and v["warps"] == base["warps"] and v["block"] == base["block"]
+            v["products"] == other and v["block"] == base["block"]
             and v["gather"] == base["gather"] and v["early_v"] == base["early_v"])]
     ref = None
     for v in variants:
