@@ -157,7 +157,9 @@ def compile_variant(heads: int, tokens: int, head_dim: int, out_dtype: torch.dty
     `read_prefix` of the first 32K prompt's second chunk on an H100, 2026-12-06). CUDA only."""
     _unpack_segments.warmup(torch.uint8, torch.float16, torch.int32, torch.int32, torch.int32,
                             torch.int32, torch.float32, torch.float32, out_dtype, out_dtype,
-                            heads, tokens, grid=(1, heads, 1), **_constants(head_dim))
+                            heads, tokens, grid=(1, heads, 1),
+                            **_constants(head_dim, round_bf16=out_dtype == torch.bfloat16 and
+                                         interpreting()))
 
 
 def decode_rotated_reference(arena: PackedArena, seg_list: torch.Tensor):
