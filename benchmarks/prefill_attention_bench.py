@@ -41,6 +41,11 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kernels", default="flashinfer,sdpa")
+    ap.add_argument("--position-rule", action="store_true",
+                    help="also time the position read rule's chunk (`per_page` runs: each page's "
+                         "queries read the pages before theirs compressed, the chunk's own "
+                         "included, and their own page dense), as a server with the default "
+                         "config runs it")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -67,6 +72,15 @@ def main() -> None:
             row[kernel] = time_ms(lambda: chunk_attention(  # noqa: B023
                 q.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1), kd.transpose(0, 1),
                 vd.transpose(0, 1), prefix, read, j, ps, scale, False, kernel), args.reps)
+        if args.position_rule:  # the chunk's own pages compressed too, read page by page
+            kcp, vcp = nhd(prefix + n, hk), nhd(prefix + n, hk)
+            read_p = (prefix + torch.arange(n)) // ps
+            for kernel in args.kernels.split(","):
+                row[f"{kernel}_position_rule"] = time_ms(lambda: chunk_attention(  # noqa: B023
+                    q.transpose(0, 1), kcp.transpose(0, 1), vcp.transpose(0, 1),
+                    kd.transpose(0, 1), vd.transpose(0, 1), prefix, read_p, j, ps, scale, True,
+                    kernel), args.reps)
+            del kcp, vcp
         k_all, v_all = torch.cat([kc, kd]), torch.cat([vc, vd])
         row["floor_flashinfer_contiguous"] = time_ms(
             lambda: flashinfer.single_prefill_with_kv_cache(  # noqa: B023
@@ -78,7 +92,9 @@ def main() -> None:
         print(f"prefix {prefix:>7}: " + ", ".join(
             f"{k} {row[k]:.2f} ({row[k] / row['floor_flashinfer_contiguous']:.2f}x floor, "
             f"{row[k + '_tflops']:.0f} TFLOP/s)" for k in
-            [*args.kernels.split(","), "floor_flashinfer_contiguous"]))
+            [*args.kernels.split(","), "floor_flashinfer_contiguous"]) +
+            "".join(f", {k}_position_rule {row[k + '_position_rule']:.2f}"
+                    for k in args.kernels.split(",") if k + "_position_rule" in row))
         del q, kc, vc, kd, vd, k_all, v_all
         torch.cuda.empty_cache()
     if args.out:
