@@ -175,6 +175,10 @@ def test_misuse_is_refused(seed):
         dec.plan(num_qo_heads=3, **kw)
     with pytest.raises(ValueError, match="whole segments"):
         dec.plan(num_qo_heads=4, **{**kw, "row_pages": 6})
+    with pytest.raises(ValueError, match="products='fp8' must be 'exact' or 'bf16'"):
+        dec.plan(num_qo_heads=4, products="fp8", **kw)
+    with pytest.raises(ValueError, match="products='bf16' is for the token gathers"):
+        dec.plan(num_qo_heads=4, products="bf16", gather="channels", block_tokens=16, **kw)
     dec.plan(num_qo_heads=4, **kw)
     with pytest.raises(ValueError, match="q must be"):
         dec.queries(torch.zeros(1, 4, 32), torch.zeros(1, dtype=torch.long), 0,
