@@ -491,6 +491,8 @@ def fit_rescue(cfg: "MosaicConfig", head_dim: int) -> "MosaicConfig":
     return cfg if keep == list(cfg.rescue_candidates) else replace(cfg, rescue_candidates=keep)
 
 
+# the read rule of the default before 2026-12-07 (PRESETS "chunk_rule", below)
+_CHUNK_RULE = {"read_rule": "chunk", "basis_fit": "group", "hot_tokens": 64}
 # Named starting points for `--mosaickv-config '{"preset": NAME, ...}'`, each documented with the
 # measurement that defines it.
 PRESETS: dict[str, dict] = {
@@ -500,12 +502,11 @@ PRESETS: dict[str, dict] = {
     # the read rule of the default before 2026-12-07: prefill chunks read themselves dense, bases
     # fitted on the pages sealed together, a 64-token window. Traffic dependent; what
     # cold.enabled and decode_seal_layers need
-    "chunk_rule": {"read_rule": "chunk", "basis_fit": "group", "hot_tokens": 64},
+    "chunk_rule": dict(_CHUNK_RULE),
     # the whole default before 2026-12-07 (the chunk rule, budgets 0.08 / 0.12, no second
     # stage): what every speed number before that date measured; RULER 2.10 points at 3.46x
     # (H200, 2026-11-30) against the default's 1.85 at 3.69x (H100, 2026-12-07)
-    "former_default": {"read_rule": "chunk", "basis_fit": "group", "hot_tokens": 64,
-                       "k_error_budget": 0.08, "v_error_budget": 0.12,
+    "former_default": {**_CHUNK_RULE, "k_error_budget": 0.08, "v_error_budget": 0.12,
                        "select": {"rescore_factor": 0, "rescore_channels": 0}},
 }
 

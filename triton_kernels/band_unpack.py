@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _round_bf16, interpreting
+from .common import rounds_bf16_stores, store_rounded
 from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS, PackedArena
 
 PLAN_ROW = {name: i for i, name in enumerate(PLAN_FIELDS)}
@@ -62,9 +62,7 @@ def _rotate_store(x, BASIS, OUT, row0, ok_t, offs_d, D: tl.constexpr, BLOCK_D: t
         mj = offs_j < D
         bt = tl.load(BASIS + offs_j[None, :] * D + offs_d[:, None],  # [c, j] = basis[j, c]
                      mask=md[:, None] & mj[None, :], other=0.0)
-        out = tl.dot(x, bt, input_precision="tf32x3")
-        if ROUND_BF16:
-            out = _round_bf16(out)
+        out = store_rounded(tl.dot(x, bt, input_precision="tf32x3"), ROUND_BF16)
         tl.store(OUT + row0[:, None] * D + offs_j[None, :], out.to(OUT.dtype.element_ty),
                  mask=ok_t[:, None] & mj[None, :])
 
@@ -134,7 +132,7 @@ def unpack_segments(arena: PackedArena, seg_list: torch.Tensor, seg_req: torch.T
     _unpack_segments[(n, h, triton.cdiv(t, block_tokens))](
         arena.data, arena.data.view(torch.float16), arena.headers, arena.plans, seg_list,
         seg_req, arena.k_basis, arena.v_basis, out_k, out_v, h, t,
-        **_constants(d, block_tokens, out_k.dtype == torch.bfloat16 and interpreting()))
+        **_constants(d, block_tokens, rounds_bf16_stores(out_k.dtype)))
 
 
 def _constants(head_dim: int, block_tokens: int = 16, round_bf16: bool = False) -> dict:
@@ -158,8 +156,7 @@ def compile_variant(heads: int, tokens: int, head_dim: int, out_dtype: torch.dty
     _unpack_segments.warmup(torch.uint8, torch.float16, torch.int32, torch.int32, torch.int32,
                             torch.int32, torch.float32, torch.float32, out_dtype, out_dtype,
                             heads, tokens, grid=(1, heads, 1),
-                            **_constants(head_dim, round_bf16=out_dtype == torch.bfloat16 and
-                                         interpreting()))
+                            **_constants(head_dim, round_bf16=rounds_bf16_stores(out_dtype)))
 
 
 def decode_rotated_reference(arena: PackedArena, seg_list: torch.Tensor):

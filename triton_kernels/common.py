@@ -1,9 +1,11 @@
-"""Helpers shared by the kernels: dots on tensor cores (fp32-accurate, or one fp16 MMA), launch
-flags, and the packed layout's per-channel read plan (`channel_plan`)."""
+"""Helpers shared by the kernels: dots on tensor cores (fp32-accurate, or one bf16 / fp16 MMA),
+launch flags, stores rounded as a GPU rounds them, and the packed layout's per-channel read plan
+(`channel_plan`)."""
 from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -13,6 +15,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def rounds_bf16_stores(dtype) -> bool:
+    """A kernel storing float32 results into a `dtype` tensor must round them itself
+    (`store_rounded`): the interpreter with a bf16 output, whose cast truncates (a GPU's
+    rounds to nearest)."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
 @triton.jit
 def _round_bf16(x):
     """float32 -> the nearest bf16 value (ties to even), still as float32 (exact in bf16).
@@ -20,6 +29,15 @@ def _round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_rounded(x, ROUND_BF16: tl.constexpr):
+    """`x` (float32) as a store into the output should see it: rounded to the nearest bf16 on
+    the bits first where the interpreter's cast would truncate (`rounds_bf16_stores`)."""
+    if ROUND_BF16:
+        x = _round_bf16(x)
+    return x
 
 
 @triton.jit
@@ -38,6 +56,17 @@ def dot_exact(a, b, EMULATE: tl.constexpr):
     else:
         bb = b.to(tl.bfloat16)
         out = tl.dot(hi.to(tl.bfloat16), bb) + tl.dot(lo.to(tl.bfloat16), bb)
+    return out
+
+
+@triton.jit
+def dot_bf16(a, b, EMULATE: tl.constexpr):
+    """a @ b as one bf16 MMA with float32 accumulation; `a` (float32) is rounded to bf16 (2^-9
+    relative), `b` is exact in bf16. EMULATE takes the same values in float32."""
+    if EMULATE:
+        out = tl.dot(_round_bf16(a), b.to(tl.float32))
+    else:
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     return out
 
 

@@ -41,7 +41,8 @@ import triton.language as tl
 
 from .band_decode import MIN_PAGES_PER_SPLIT, _num_sms
 from .band_unpack import PLAN_ROW
-from .common import _round_bf16, channel_plan as _channel_plan, dot_exact, interpreting
+from .common import (_round_bf16, channel_plan as _channel_plan, dot_bf16, dot_exact,
+                     interpreting, rounds_bf16_stores, store_rounded)
 from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
 
 PAGE_TOKENS = 32
@@ -175,17 +176,6 @@ def _mma(a_hi, a_lo, b_hi, b_lo, ONE: tl.constexpr):
 
 
 @triton.jit
-def _dot_bf16(a, b, EMULATE: tl.constexpr):
-    """a @ b with `a` (float32) rounded to bf16 and `b` exact in bf16: one MMA (EMULATE: the
-    same values in float32)."""
-    if EMULATE:
-        out = tl.dot(_round_bf16(a), b.to(tl.float32))
-    else:
-        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return out
-
-
-@triton.jit
 def _kind_page(U8, F16, plan, base, group, tok0, D: tl.constexpr,
                R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr,
                R_MASK: tl.constexpr, R_SCALE: tl.constexpr, R_ZERO: tl.constexpr,
@@ -307,7 +297,7 @@ def _request_decode_stage1(
     """Programs (request, KV head, split): splits [0, num_splits) share the request's selected
     pages, [num_splits, num_splits + hot_splits) its hot tokens. Products: q (or p) split in two
     bf16 halves against exact bf16 operands (codes, cache entries, bases): `dot_exact`; ONE_MMA:
-    the hot tokens' and the pages' products are single bf16 MMAs (`_dot_bf16`, `_mma`)."""
+    the hot tokens' and the pages' products are single bf16 MMAs (`dot_bf16`, `_mma`)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -334,7 +324,7 @@ def _request_decode_stage1(
             at = row[:, None] * (H * D) + h * D + offs_d[None, :]
             k = tl.load(HOT_K + at, mask=ok[:, None], other=0.0)
             if ONE_MMA:
-                s = _dot_bf16(q, tl.trans(k), EMULATE)
+                s = dot_bf16(q, tl.trans(k), EMULATE)
             else:
                 s = dot_exact(q, tl.trans(k), EMULATE)
             s = tl.where(ok[None, :], s, float("-inf"))
@@ -344,7 +334,7 @@ def _request_decode_stage1(
             l = l * alpha + tl.sum(p, 1)
             v = tl.load(HOT_V + at, mask=ok[:, None], other=0.0)
             if ONE_MMA:
-                acc = acc * alpha[:, None] + _dot_bf16(p, v, EMULATE)
+                acc = acc * alpha[:, None] + dot_bf16(p, v, EMULATE)
             else:
                 acc = acc * alpha[:, None] + dot_exact(p, v, EMULATE)
             m = m_new
@@ -471,9 +461,7 @@ def _request_decode_stage2(
                        mask=ok[:, :, None], other=0.0)
         acc += tl.sum(wgt[:, :, None] * tile, 0)
     l_tot = tl.where(mask_g & (l_tot > 0), l_tot, 1.0)
-    res = acc / l_tot[:, None]
-    if ROUND_BF16:  # the interpreter's bf16 cast truncates; a GPU's rounds to nearest, as this
-        res = _round_bf16(res)
+    res = store_rounded(acc / l_tot[:, None], ROUND_BF16)
     tl.store(OUT + (bh * G + offs_g)[:, None] * D + offs_c[None, :],
              res.to(OUT.dtype.element_ty), mask=mask_g[:, None])
     if HAS_SELECT:
@@ -678,7 +666,7 @@ class RequestDecode:
             page_counts if has_select else dummy, self.read, h, g, parts, D=d,
             BLOCK_G=triton.next_power_of_2(g), BLOCK_C=block_c,
             BLOCK_P=min(32, triton.next_power_of_2(parts)), HAS_SELECT=has_select,
-            ROUND_BF16=out.dtype == torch.bfloat16 and interpreting(), num_warps=4)
+            ROUND_BF16=rounds_bf16_stores(out.dtype), num_warps=4)
         return out
 
     def _check_q(self, q: torch.Tensor) -> None:

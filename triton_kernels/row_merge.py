@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _round_bf16, interpreting
+from .common import rounds_bf16_stores, store_rounded
 
 
 @triton.jit
@@ -46,9 +46,7 @@ def _merge_rows(
         acc += tl.where(use, p * o, 0.0)
         den += p
     b = tl.load(REQS + k)
-    res = acc / den
-    if ROUND_BF16:  # the interpreter's bf16 cast truncates; a GPU's rounds to nearest, as this
-        res = _round_bf16(res)
+    res = store_rounded(acc / den, ROUND_BF16)
     tl.store(OUT + (b * HQ + h) * D + offs, res.to(OUT.dtype.element_ty), mask=mask_d)
 
 
@@ -76,7 +74,7 @@ def merge_rows(o_rows: torch.Tensor, lse: torch.Tensor, req_rows: torch.Tensor,
         _merge_rows[(reqs.numel(), hq)](o_rows, lse, req_rows, reqs, out, rows, hq,
                                         req_rows.shape[1], d,
                                         BLOCK_D=triton.next_power_of_2(d),
-                                        ROUND_BF16=out.dtype == torch.bfloat16 and interpreting(),
+                                        ROUND_BF16=rounds_bf16_stores(out.dtype),
                                         num_warps=1)
 
 
