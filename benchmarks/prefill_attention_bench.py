@@ -1,6 +1,8 @@
 """A prefill chunk's attention over a request's prefix, per layer, with the server's own code
-(`prefill_attention.chunk_attention`: the compressed prefix read back and the dense tokens joined, then
-`extend_attention`) for each `prefill_attention` kernel, side by side on the same inputs; and
+(`prefill_attention.ChunkAttention`: planned once, then per layer the compressed prefix and the
+dense tokens gathered into its paged buffer and one run) for each kernel ("flashinfer": one
+batch prefill launch; "flashinfer_single": FlashInfer's single prefill per run, the former
+path; "sdpa"), side by side on the same inputs; and
 FlashInfer's prefill over one contiguous K/V with nothing joined (what a dense server's extend
 costs at least, the floor). The inputs are laid out as the pool returns them (token-major
 [S, H, D], passed as head-major views), Llama-8B heads by default, one 8192-token chunk after
@@ -9,8 +11,10 @@ prefixes of --prefixes tokens. CUDA only.
     python benchmarks/prefill_attention_bench.py --out prefill_attention.json
     python benchmarks/prefill_attention_bench.py --prefixes 0,24576,122880 --chunk 8192
 
-Printed per prefix: ms per layer for each path (best of --reps) and the ratio to the floor; a chunk of a 32-layer
-model costs 32 times that (plus its linear layers, the prefix's read-back and the sealing).
+Printed per prefix: ms per layer for each path (best of --reps; gather + run, the plan timed
+apart as `<kernel>_plan_ms`: the server plans once per forward) and the ratio to the floor; a
+chunk of a 32-layer model costs 32 times that (plus its linear layers, the prefix's read-back
+and the sealing).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import time
 import torch
 
 from mosaickv_sglang.bench.basis_fit import timed
-from mosaickv_sglang.serving.prefill_attention import chunk_attention
+from mosaickv_sglang.serving.prefill_attention import ChunkAttention, gather_chunks
 
 
 def time_ms(fn, reps: int) -> float:
@@ -40,7 +44,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--kernels", default="flashinfer,sdpa")
+    ap.add_argument("--kernels", default="flashinfer,flashinfer_single,sdpa")
     ap.add_argument("--position-rule", action="store_true",
                     help="also time the position read rule's chunk (`per_page` runs: each page's "
                          "queries read the pages before theirs compressed, the chunk's own "
@@ -68,18 +72,30 @@ def main() -> None:
         j = prefix // ps
         read = torch.full((n,), j, dtype=torch.int64)
         row = {"prefix": prefix, "chunk": n}
+
+        def layer_ms(kernel, kc, vc, read, per_page, name):
+            """Plan (timed once), then gather + run per layer (best of --reps)."""
+            runner = ChunkAttention(kernel)
+            spec = [(prefix, n, read, j, kc.shape[0] // ps)]
+            t0 = time.perf_counter()
+            plan = runner.plan(spec, ps, per_page, (hq, hk, d), dt, scale, dev)
+            torch.cuda.synchronize()
+            row[f"{name}_plan_ms"] = (time.perf_counter() - t0) * 1e3
+
+            def step():
+                k = gather_chunks(plan, [kc], [kd])
+                v = gather_chunks(plan, [vc], [vd])
+                return runner.run(plan, q, k, v, scale)
+            row[name] = time_ms(step, args.reps)
+            row[f"{name}_runs"] = len(plan.runs)
+
         for kernel in args.kernels.split(","):
-            row[kernel] = time_ms(lambda: chunk_attention(  # noqa: B023
-                q.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1), kd.transpose(0, 1),
-                vd.transpose(0, 1), prefix, read, j, ps, scale, False, kernel), args.reps)
+            layer_ms(kernel, kc, vc, read, False, kernel)
         if args.position_rule:  # the chunk's own pages compressed too, read page by page
             kcp, vcp = nhd(prefix + n, hk), nhd(prefix + n, hk)
             read_p = (prefix + torch.arange(n)) // ps
             for kernel in args.kernels.split(","):
-                row[f"{kernel}_position_rule"] = time_ms(lambda: chunk_attention(  # noqa: B023
-                    q.transpose(0, 1), kcp.transpose(0, 1), vcp.transpose(0, 1),
-                    kd.transpose(0, 1), vd.transpose(0, 1), prefix, read_p, j, ps, scale, True,
-                    kernel), args.reps)
+                layer_ms(kernel, kcp, vcp, read_p, True, f"{kernel}_position_rule")
             del kcp, vcp
         k_all, v_all = torch.cat([kc, kd]), torch.cat([vc, vd])
         row["floor_flashinfer_contiguous"] = time_ms(

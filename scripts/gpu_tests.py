@@ -52,6 +52,8 @@ GPU_TEST_FILES = {
     "tests/test_decode_graph_gpu.py": 3,  # the breakable decode CUDA graph, captured for real
     "tests/test_adopt_in_place.py": 2,  # daemon results adopted in place (row_copy) on CUDA
     "tests/test_extend_attention.py": 2,  # prefill attention: SDPA and FlashInfer on CUDA
+    "tests/test_chunk_plan.py": 1,  # a forward's chunks in one FlashInfer batch prefill
+    "tests/test_batch_invariance.py": 1,  # the same bits whatever the chunking, on FlashInfer
     "tests/test_row_merge_kernel.py": 1,
     "tests/test_row_copy_kernel.py": 1,
     "tests/test_page_gather_kernel.py": 1,
@@ -65,7 +67,7 @@ GPU_TEST_FILES = {
 }
 # Files of GPU_TEST_FILES that import SGLang (the server bundle): without it they are reported
 # as not run, the others still run.
-NEEDS_SGLANG = {"tests/test_packed_decode.py", "tests/test_pack_install.py",
+NEEDS_SGLANG = {"tests/test_packed_decode.py", "tests/test_batch_invariance.py", "tests/test_pack_install.py",
                 "tests/test_decode_graph_gpu.py",
                 "tests/test_graph_decode.py", "tests/test_request_decode_kernel.py",
                 "tests/test_decode_tables_kernel.py", "tests/test_page_rescore_kernel.py"}

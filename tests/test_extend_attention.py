@@ -124,17 +124,72 @@ def test_flashinfer_call_convention_on_the_cpu(monkeypatch, seed):
     assert got.shape == q.shape
     torch.testing.assert_close(got, extend_attention(q, keys, values, 0.3, "sdpa"),
                                atol=1e-5, rtol=1e-5)
-    # a chunk after a prefix, per page (several calls), through the same stand-in
-    page, first, m, window = 16, 64, 40, 16
-    rule = lambda t: max(t - window, 0) // page  # noqa: E731  (positions 64..103: 3, 4, 5 pages)
+
+
+class _PagedPrefillStandIn:
+    """FlashInfer's documented contract for BatchPrefillWithPagedKVCacheWrapper (NHD): plan with
+    host int32 qo_indptr / paged_kv_indptr / paged_kv_indices / last_page_len; run(q [nnz,
+    Hq, D], (k_cache, v_cache) [pages, page, Hk, D]): request r's queries q[qo_indptr[r] ..
+    qo_indptr[r + 1]) attend causally, aligned bottom right, to the tokens of its pages in
+    order, the last one holding last_page_len[r] tokens."""
+    instances = []
+
+    def __init__(self, workspace, kv_layout="NHD"):
+        assert kv_layout == "NHD" and workspace.dtype == torch.uint8
+        self.plans = 0
+        self.instances.append(self)
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, hq, hk, d, page,
+             causal=False, sm_scale=None, q_data_type=None, kv_data_type=None, **kw):
+        for t in (qo_indptr, kv_indptr, kv_indices, last_page_len):
+            assert t.dtype == torch.int32 and t.device.type == "cpu"
+        assert causal and hq % hk == 0 and set(kw) <= {"disable_split_kv"}, kw
+        assert kw.get("disable_split_kv"), "split-KV makes a run's bits depend on its batch"
+        assert ((last_page_len >= 1) & (last_page_len <= page)).all()
+        self.args = (qo_indptr.tolist(), kv_indptr.tolist(), kv_indices.tolist(),
+                     last_page_len.tolist(), page, sm_scale)
+        self.plans += 1
+
+    def run(self, q, paged_kv_cache, out=None):
+        qo, kvp, ind, last, page, scale = self.args
+        k_cache, v_cache = paged_kv_cache
+        assert q.shape[0] == qo[-1] and k_cache.shape[1] == page
+        res = torch.empty_like(q)
+        for r in range(len(qo) - 1):
+            pages = ind[kvp[r]:kvp[r + 1]]
+            n_kv = (len(pages) - 1) * page + last[r]
+            keys, values = (c[pages].flatten(0, 1)[:n_kv].transpose(0, 1)
+                            for c in (k_cache, v_cache))
+            res[qo[r]:qo[r + 1]] = reference(q[qo[r]:qo[r + 1]].transpose(0, 1), keys, values,
+                                             scale).transpose(0, 1).to(q.dtype)
+        if out is not None:
+            out.copy_(res)
+            return out
+        return res
+
+
+@pytest.mark.parametrize("window", [16, 0])
+def test_chunk_attention_flashinfer_convention_on_the_cpu(monkeypatch, seed, window):
+    """The batched path's page tables, checked without a GPU through a stand-in with FlashInfer's
+    documented paged-prefill contract: a chunk after a prefix, per page (the position rule,
+    with and without a dense window), equals the SDPA path run by run, in one plan."""
+    import sys
+    import types
+
+    _PagedPrefillStandIn.instances.clear()
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_PagedPrefillStandIn))
+    g = torch.Generator().manual_seed(seed)
+    hq, hk, d = 8, 2, 16
+    page, first, m = 16, 64, 40
+    rule = lambda t: max(t - window, 0) // page  # noqa: E731  (window 16: 3, 4, 5 pages)
     ja, jc = rule(first), rule(first + m - 1)
     kc, vc = (torch.randn(hk, jc * page, d, generator=g) for _ in range(2))
     kd, vd = (torch.randn(hk, first + m - ja * page, d, generator=g) for _ in range(2))
     qc = torch.randn(hq, m, d, generator=g)
     read = torch.tensor([rule(t) for t in range(first, first + m)])
-    assert read.unique().tolist() == [3, 4, 5]
-    calls.clear()
     args = (qc, kc, vc, kd, vd, first, read, ja, page, 0.25, True)
     torch.testing.assert_close(chunk_attention(*args, kernel="flashinfer"),
                                chunk_attention(*args, kernel="sdpa"), atol=1e-5, rtol=1e-5)
-    assert len(calls) == 3  # one run per page under the position rule (pages 4, 5, 6)
+    fi = _PagedPrefillStandIn.instances[-1]
+    assert fi.plans == 1 and len(fi.args[0]) - 1 == 3  # one plan, a run per page (pages 4-6)

@@ -29,7 +29,8 @@ from ..codec.attention import decode_attention
 from .graph_decode import GraphDecode, band_pairs
 from .packed_decode import PackedDecode, host_batch, host_prompts
 from .pool import MosaicKVPool
-from .prefill_attention import chunk_attention, extend_attention, prefill_attention_kernel
+from .prefill_attention import ChunkAttention, chunk_attention, gather_chunks, \
+    prefill_attention_kernel
 
 logger = logging.getLogger(__name__)
 LOG_EVERY_PAGES = 16  # a stats line in the server log each time this many more pages seal
@@ -89,12 +90,14 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
                        lambda: pool.store.compile_chooser_kernels(pairs, pool.page_size,
                                                                   self.cfg.chooser),
                        "each compiles when a candidate is first tried")
-        # A prefill chunk's attention (extend_attention): its kernel, compiled now (FlashInfer
-        # JIT-builds its module at first use: a minute on a fresh machine).
+        # A prefill forward's chunk attention (ChunkAttention: one plan per forward, one launch
+        # per layer): its kernel, compiled now (FlashInfer JIT-builds its batch prefill module at
+        # first use: a minute on a fresh machine).
         self.prefill_dtype = getattr(model_runner, "dtype", pool.dtype)  # the queries' dtype
         self.prefill_kernel = prefill_attention_kernel(self.cfg.prefill_attention, pool.device,
                                                        self.prefill_dtype)
         pool.prefill_attention = {"kernel": self.prefill_kernel, "calls": 0}
+        self.chunk_attention = ChunkAttention(self.prefill_kernel)
         if self.prefill_kernel == "flashinfer":
             _compile_ahead("FlashInfer prefill attention module",
                            lambda: self._compile_prefill(model_runner),
@@ -117,13 +120,16 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         logger.info("MosaicKV decode path: %s", kernel)
 
     def _compile_prefill(self, model_runner) -> int:
-        """One tiny call of the prefill attention at the model's dtype and head shape (what
-        FlashInfer keys its JIT module on) -> 1."""
+        """One tiny chunk through a throw-away ChunkAttention at the model's dtype and head
+        shape (what FlashInfer keys its JIT module on) -> 1."""
         mc, hk, d = model_runner.model_config, self.pool.head_num, self.pool.head_dim
         group = max(1, mc.num_attention_heads // max(1, mc.num_key_value_heads))
+        ps = self.pool.page_size
         q = torch.zeros(hk * group, 16, d, dtype=self.prefill_dtype, device=self.pool.device)
-        kv = torch.zeros(hk, 48, d, dtype=self.prefill_dtype, device=self.pool.device)
-        extend_attention(q, kv, kv, d ** -0.5, self.prefill_kernel)
+        kv = torch.zeros(hk, ps + 16, d, dtype=self.prefill_dtype, device=self.pool.device)
+        chunk_attention(q, kv[:, :ps], kv[:, :ps], kv[:, ps:], kv[:, ps:], ps,
+                        torch.ones(16, dtype=torch.long), 1, ps, d ** -0.5, True,
+                        self.prefill_kernel)
         torch.cuda.synchronize(self.pool.device)
         return 1
 
@@ -157,21 +163,27 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         if self.chunk_seal is not None:
             fresh = pool.seal_chunk_layer(self.chunk_seal, local)
             timer.lap("chunk_seal")
-        start = 0
+        # every request's chunk: what it reads (compressed pages, dense tokens), then one
+        # launch for the whole forward's runs (planned at the first layer, the same after)
+        specs, key, kcs, vcs, kds, vds = [], [], [], [], [], []
         for (rid, seq_len, n_new), prompt in zip(reqs, self.extend_prompts):
             first = seq_len - n_new
-            kc, vc, kd, vd, _, ja = pool.chunk_kv(local, req_to_token[rid, :seq_len], first, fresh,
-                                                  prompt)
-            timer.lap("read_prefix")
-            read = pool.chunk_reads(first, seq_len, ja, prompt)
-            qi = q_[start:start + n_new].transpose(0, 1)  # [Hq, n_new, D]
-            out = chunk_attention(qi, *(x.transpose(0, 1).to(q.dtype) for x in (kc, vc, kd, vd)),
-                                  first, read, ja, ps, layer.scaling, pool.position_rule,
-                                  self.prefill_kernel)
-            pool.prefill_attention["calls"] += 1
-            o_[start:start + n_new] = out.transpose(0, 1)
-            start += n_new
-            timer.lap("attention")
+            kc, vc, kd, vd, jc, ja = pool.chunk_kv(local, req_to_token[rid, :seq_len], first, fresh,
+                                                   prompt)
+            specs.append((first, n_new, pool.chunk_reads(first, seq_len, ja, prompt), ja, jc))
+            key.append((first, n_new, ja, jc, prompt))
+            for acc, x in zip((kcs, vcs, kds, vds), (kc, vc, kd, vd)):
+                acc.append(x.to(q.dtype))
+        timer.lap("read_prefix")
+        runner = self.chunk_attention
+        plan = runner.plan(specs, ps, pool.position_rule, (hq, self.pool.head_num, d), q.dtype,
+                           layer.scaling, q.device, key=tuple(key))
+        k_buf, v_buf = gather_chunks(plan, kcs, kds), gather_chunks(plan, vcs, vds)
+        del kcs, vcs, kds, vds
+        timer.lap("gather")
+        runner.run(plan, q_, k_buf, v_buf, layer.scaling, out=o_)
+        pool.prefill_attention["calls"] += 1
+        timer.lap("attention")
         if layer.layer_id == self.last_layer and self.chunk_seal is not None:
             pool.finish_chunk_seal(self.chunk_seal)
             self.chunk_seal = None
