@@ -150,3 +150,35 @@ def test_chunk_reads_follow_the_read_rule(rule, hot):
     want = [ja if rule == "chunk" else max(pool.compressed_pages(t), ja)
             for t in range(first, end)]
     assert pool.chunk_reads(first, end, ja).tolist() == want
+
+
+@pytest.mark.parametrize("cfg", [{}, {"k_error_budget": 1e-6}], ids=["default", "k-fallback"])
+def test_a_chunk_reads_its_fresh_pages_as_they_read_back_once_sealed(cfg, seed):
+    """`seal_chunk_layer`'s read-back (the chooser's reconstructions, unrotated in one batch
+    per basis block) is bit for bit what each page reads back once installed (`decompress`,
+    the codec per segment), sink page, rotated and unrotated (dense fallback) segments and two
+    basis blocks included."""
+    g = torch.Generator().manual_seed(seed)
+    pool = make_pool(hot_tokens=0, basis_block_tokens=4 * PS, **cfg)
+    n = 9 * PS + 5
+    slots = torch.arange(PS, PS + n)
+    for layer_id in range(LAYERS):
+        k = torch.randn(n, H, D, generator=g) * (1 + torch.arange(D) % 5)
+        _write(pool, slots, k, torch.randn(n, H, D, generator=g), layer_id)
+    pages = (slots[::PS] // PS).tolist()
+    cs = pool.plan_chunk_seal([(pages, n - 1, None)])
+    assert len(cs.pages) == 9 and len(cs.groups) == 3
+    fresh = [pool.seal_chunk_layer(cs, layer_id) for layer_id in range(LAYERS)]
+    kinds = set()
+    pool.finish_chunk_seal(cs)
+    for layer_id in range(LAYERS):
+        kc, vc = pool.decompress(layer_id, cs.pages)
+        for i, p in enumerate(cs.pages):
+            rows = slice(i * PS, (i + 1) * PS)
+            fk, fv = fresh[layer_id][p]
+            assert torch.equal(fk, kc[rows]) and torch.equal(fv, vc[rows]), \
+                f"seed {seed}, layer {layer_id}, page {p}: read back differently once sealed"
+            seg = pool.sealed[p].segments[layer_id]
+            kinds |= {seg.k.strategy.rot, seg.v.strategy.rot}
+    if cfg:
+        assert kinds == {True, False}, kinds  # both kinds of segment were read back

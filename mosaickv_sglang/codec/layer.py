@@ -156,7 +156,8 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
                   basis_id: int, starts: list[int], cfg: MosaicConfig, cands: Candidates,
                   sink: bool, select_meta: bool, fallback: Strategy = DENSE,
                   timer=None, keep_rotated: bool = False,
-                  write: tuple[torch.Tensor, torch.Tensor] | None = None) -> "SegmentBatch":
+                  write: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  keep_decoded: bool = False) -> "SegmentBatch":
     """N segments' K and V [N, H, S, D] (float) with their bases [N, H, D, D] -> N sealed
     segments as one `SegmentBatch`: the chooser's strategies, page metadata in the space its
     scores are computed in, and the headers, as per-batch tensors and per-segment index arrays
@@ -169,7 +170,10 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
     (`SegmentBatch.rotated`, and `Segment.rotated` of a segment read from it). `write`: the
     bases' write transforms (`write_transform(kb)`, `write_transform(vb)`) when the caller has
     them, so pages sharing a basis block invert each basis once, not once per segment; kb and
-    vb are then unused (None), and the transforms may be per layer for whole pages (`_rotate`)."""
+    vb are then unused (None), and the transforms may be per layer for whole pages (`_rotate`).
+    `keep_decoded` keeps the chosen reconstructions (`SegmentBatch.decoded`: K and V float32
+    [N, H, S, D], each in its strategy's own space, rebuilt from the codes as `decode` rebuilds
+    them), for reading the segments back without decoding each one."""
     budgets = (cfg.sink_error_budget,) * 2 if sink else (cfg.k_error_budget, cfg.v_error_budget)
     k_cands, v_cands = (cands.sink, cands.sink) if sink else (cands.k, cands.v)
     reason = "sink" if sink else "within-budget"
@@ -177,13 +181,14 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
         kw, vw = write if write is not None else (write_transform(kb), write_transform(vb))
         k_rot, v_rot = _rotate(k, kw), _rotate(v, vw)
         kc, k_dec = _choose_batch(k, k_rot, "k", k_cands, budgets[0], reason,
-                                  fallback, need_decoded=select_meta, rescue=cands.rescue,
+                                  fallback, need_decoded=select_meta or keep_decoded,
+                                  rescue=cands.rescue,
                                   errors_first=use_errors_first(cfg.chooser, k, k_cands,
                                                                 cands.rescue))
-        vc, _ = _choose_batch(v, v_rot, "v", v_cands, budgets[1], reason, fallback,
-                              rescue=cands.rescue,
+        vc, v_dec = _choose_batch(v, v_rot, "v", v_cands, budgets[1], reason, fallback,
+                                  need_decoded=keep_decoded, rescue=cands.rescue,
                               errors_first=use_errors_first(cfg.chooser, v, v_cands,
-                                                            cands.rescue))
+                                                                cands.rescue))
     n, h, s, d = k.shape
     meta = None
     with phase(timer, "page_meta"):
@@ -199,7 +204,8 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
                 np.asarray(starts, dtype=np.int64), np.full(n, s, dtype=np.int64)]
         headers = torch.from_numpy(np.stack(cols, 1).astype(np.int32))
     return SegmentBatch(kc, vc, list(starts), s, basis_id, meta, headers,
-                        (k_rot, v_rot) if keep_rotated else None)
+                        (k_rot, v_rot) if keep_rotated else None,
+                        (k_dec, v_dec) if keep_decoded else None)
 
 
 class SegmentBatch(Sequence):
@@ -212,9 +218,11 @@ class SegmentBatch(Sequence):
 
     def __init__(self, k: "ChoiceBatch", v: "ChoiceBatch", starts: list[int], tokens: int,
                  basis: int, meta: PageMeta | None, headers: torch.Tensor,
-                 rotated: tuple[torch.Tensor, torch.Tensor] | None):
+                 rotated: tuple[torch.Tensor, torch.Tensor] | None,
+                 decoded: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.k, self.v, self.starts, self.tokens, self.basis = k, v, starts, tokens, basis
         self.meta, self.headers, self.rotated = meta, headers, rotated
+        self.decoded = decoded  # (K, V) chosen reconstructions, when kept (`keep_decoded`)
         self._made: list[Segment | None] = [None] * len(starts)
         self._nbytes: np.ndarray | None = None
 

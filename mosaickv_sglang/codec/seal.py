@@ -392,7 +392,8 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
                bases: BasisPair | Sequence[BasisPair], cfg: MosaicConfig, cands: Candidates,
                dense: Strategy, timer=None, keep_rotated: bool = False,
                write: tuple[torch.Tensor, torch.Tensor] | None = None,
-               cache: WriteTransformCache | None = None) -> list[SealedPage]:
+               cache: WriteTransformCache | None = None,
+               keep_decoded: bool = False) -> list[SealedPage]:
     """Pages K and V [P, L, H, S, D] -> SealedPages, the (page, layer) segments batched through
     the chooser (`seal_segments`) SEAL_BATCH at a time, sink pages apart. `bases`: one
     BasisPair all pages share, or one per page (pages of several basis blocks, e.g. one page of
@@ -402,7 +403,8 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
     store's pack kernel (all batches' rotated float32 K/V stay alive until the pages are
     installed). `write`: the bases' `write_transforms` when the caller seals more pages of one
     block one call at a time (one shared BasisPair only); `cache`: where the blocks' write
-    transforms are kept between calls (else all are computed here, in one inversion)."""
+    transforms are kept between calls (else all are computed here, in one inversion).
+    `keep_decoded`: each batch keeps its chosen reconstructions (`seal_segments`)."""
     layers = k.shape[1]
     per_page = not isinstance(bases, BasisPair)
     if per_page and len(bases) != len(positions):
@@ -432,7 +434,7 @@ def seal_pages(k: torch.Tensor, v: torch.Tensor, positions: list[int],
                 kk, vv, transforms = _batch(k, v, tables, which, part)
             sealed = seal_segments(kk, vv, None, None, 0, [positions[j] for j, _ in part], cfg,
                                    cands, sink, cfg.select.enabled, dense, timer, keep_rotated,
-                                   write=transforms)
+                                   write=transforms, keep_decoded=keep_decoded)
             refs.update(zip(part, ((sealed, i) for i in range(len(part)))))
             np.add.at(nbytes, [j for j, _ in part], sealed.segment_nbytes())
     with phase(timer, "bookkeeping"):

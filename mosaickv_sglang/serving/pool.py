@@ -171,6 +171,29 @@ def _decoded(seg, k_basis: torch.Tensor, v_basis: torch.Tensor):
             unrotate(v, v_basis) if seg.v.strategy.rot else v)
 
 
+def _read_back(refs: list, k_basis: torch.Tensor, v_basis: torch.Tensor, dtype: torch.dtype):
+    """Segments of one basis block just sealed (`refs`: (SegmentBatch, index), each batch
+    sealed with `keep_decoded`) as they read back: K and V [n, S, H, D] in `dtype` (raw basis),
+    from the chooser's reconstructions, each rotated one unrotated by the block's bases, in a
+    few launches for all n (`_decoded` per segment: ~70 launches each, 8,192 per layer of a
+    32K chunk). The same bits as `_decoded` of each (its decode rebuilds the same codes the
+    same way; the unrotation is the same per-head product, batched: tests/test_read_rule.py)."""
+    out = []
+    for kind, basis in ((0, k_basis), (1, v_basis)):
+        rows = torch.stack([batch.decoded[kind][i] for batch, i in refs])  # [n, H, S, D]
+        rot = [batch.v if kind else batch.k for batch, _ in refs]
+        rot = torch.tensor([bool(c.tries[c.try_of[i]].strategy.rot)
+                            for c, (_, i) in zip(rot, refs)])
+        n, h, s, d = rows.shape
+        back = rows
+        if bool(rot.any()):
+            turned = (rows.reshape(n, h, s, d) @ basis.float()).reshape(rows.shape)
+            back = turned if bool(rot.all()) else torch.where(
+                rot.to(rows.device)[:, None, None, None], turned, rows)
+        out.append(back.transpose(1, 2).to(dtype))
+    return out
+
+
 def upload_changed_span(now: np.ndarray, uploaded: np.ndarray, dev: torch.Tensor) -> None:
     """Bring `dev` (the device copy of host array `now`) up to date: one copy of the span of
     entries that differ from `uploaded` (what `dev` holds), which is then updated. None on most
@@ -822,15 +845,19 @@ class MosaicKVPool(MHATokenToKVPool):
             per_page += [one] * len(idx)
         k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
         sealed = seal_pages(k, v, positions, per_page, self.cfg, self.cands, self.dense,
-                            keep_rotated=self.store.pack_kernel)
+                            keep_rotated=self.store.pack_kernel, keep_decoded=read_back)
         out = [{} for _ in work]
         for (w, _, idx, _, rows), one in zip(owners, ones):
             cs = work[w][0]
-            for j, sp in zip(idx, sealed[rows]):
-                cs.segments[j].append(sp.segments.refs[0])
-                if read_back:
-                    out[w][cs.pages[j]] = tuple(x.transpose(0, 1).to(self.dtype) for x in
-                                                _decoded(sp.segments[0], one.k[0], one.v[0]))
+            refs = [sp.segments.refs[0] for sp in sealed[rows]]
+            for j, ref in zip(idx, refs):
+                cs.segments[j].append(ref)
+            if read_back:
+                kr, vr = _read_back(refs, one.k[0], one.v[0], self.dtype)
+                out[w].update((cs.pages[j], (kr[r], vr[r])) for r, j in enumerate(idx))
+        if read_back:  # the reconstructions (float32, 4x a bf16 page) are not kept past here
+            for sp in sealed:
+                sp.segments.refs[0][0].decoded = None
         return out
 
     def finish_chunk_seal(self, cs: ChunkSeal) -> int:
