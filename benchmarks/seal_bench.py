@@ -19,6 +19,14 @@ a time, and that the two pack paths store the same bytes.
     python benchmarks/seal_bench.py --device cuda --fit-solvers host,device,jacobi  # Llama-8B, 32K
     python benchmarks/seal_bench.py --device cpu --layers 2 --tokens 2048 --check
     python benchmarks/seal_bench.py --device cuda --config '{"chooser": "cascade"}'  # A/B a knob
+    python benchmarks/seal_bench.py --device cuda --tokens 8192 --chunk-layers  # the prefill's
+
+`--chunk-layers` (alone): the position rule's prefill sealing, one layer at a time (a chunk's
+own pages, every layer sealed before its attention, each block's bases fitted on its first
+page), with the chunk's read-back of those pages each way: the codec's decode per segment
+(`decoded_segment`, the former path) and one batched read-back per basis block
+(`read_back_block`, the pool's): seconds per layer for sealing and for each read-back, and
+their largest difference.
     TRITON_INTERPRET=1 python benchmarks/seal_bench.py --device cpu --layers 2 --tokens 1024 \
         --pack-kernel both                                         # the kernel interpreted
 """
@@ -38,7 +46,8 @@ import torch
 from mosaickv_sglang.bench.basis_fit import energy_ratios, ranks_for
 from mosaickv_sglang.bench.launches import LaunchCount
 from mosaickv_sglang.codec.layer import Candidates
-from mosaickv_sglang.codec.seal import BasisPair, fit_bases, gather_pages, seal_group, seal_pages
+from mosaickv_sglang.codec.seal import BasisPair, decoded_segment, fit_bases, gather_pages, \
+    read_back_block, seal_group, seal_pages
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.codec.timing import PhaseTimer, phase
 from mosaickv_sglang.config import FIT_SOLVERS, MosaicConfig
@@ -243,6 +252,60 @@ def parse_solvers(text: str | None) -> list[str]:
     return solvers
 
 
+def chunk_layers(setup: Setup) -> dict:
+    """The position rule's prefill sealing layer by layer and its read-back, each way."""
+    device, ps, cfg = setup.args.device, setup.ps, setup.cfg
+    blocks = list(setup.blocks())
+    k, v = setup.read(list(range(setup.pages)))  # [P, L, H, S, D]
+    bases = []
+    for pages in blocks:  # basis_fit first_page: each block's bases from its first page
+        kf, vf = setup.read(pages[:1])
+        bases.append(fit_bases(kf, vf, cfg.fit_solver))
+    positions = [p * ps for p in range(setup.pages)]
+
+    def layer(local: int, how: str):
+        per = [BasisPair([b.k[local]], [b.v[local]]) for b in bases]
+        sync(device)
+        t0 = time.perf_counter()
+        sealed = seal_pages(k[:, local:local + 1], v[:, local:local + 1], positions,
+                            [per[p // setup.block] for p in range(setup.pages)], cfg,
+                            setup.cands, setup.dense, keep_decoded=how == "batched")
+        sync(device)
+        t1 = time.perf_counter()
+        out = []
+        for b, pages in enumerate(blocks):
+            if how == "batched":
+                refs = [sealed[p].segments.refs[0] for p in pages]
+                kr, vr = read_back_block(refs, per[b].k[0], per[b].v[0], torch.bfloat16)
+                out += [(kr[i], vr[i]) for i in range(len(pages))]
+            else:
+                out += [tuple(x.transpose(0, 1).to(torch.bfloat16) for x in
+                              decoded_segment(sealed[p].segments[0], per[b].k[0], per[b].v[0]))
+                        for p in pages]
+        sync(device)
+        return t1 - t0, time.perf_counter() - t1, out
+
+    layer(0, "batched")  # warm-up
+    layer(0, "per_segment")
+    res = {"pages": setup.pages, "layers": setup.args.layers}
+    seal_s = {"batched": 0.0, "per_segment": 0.0}
+    read_s = dict(seal_s)
+    diff = 0.0
+    for local in range(setup.args.layers):
+        outs = {}
+        for how in ("batched", "per_segment"):
+            a, b, outs[how] = layer(local, how)
+            seal_s[how] += a
+            read_s[how] += b
+        diff = max(diff, max(float((x.float() - y.float()).abs().max()) for p, q in
+                             zip(outs["batched"], outs["per_segment"]) for x, y in zip(p, q)))
+    segs = setup.pages * setup.args.layers
+    res.update({"seal_s": seal_s, "read_back_s": read_s, "max_abs_diff": diff,
+                "ms_per_segment": {h: (seal_s[h] + read_s[h]) / segs * 1e3 for h in seal_s},
+                "segments_per_s": {h: segs / (seal_s[h] + read_s[h]) for h in seal_s}})
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -260,6 +323,8 @@ def main() -> None:
                     help="also compare batched against one-segment-at-a-time sealing (with the "
                          "first solver), and the two pack paths' stores (bitwise)")
     ap.add_argument("--check-pages", type=int, default=4)
+    ap.add_argument("--chunk-layers", action="store_true",
+                    help="only the position rule's layer-by-layer sealing and its read-back")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--json", default=None, help="default: $OUT/seal_bench.json if $OUT is set")
@@ -275,6 +340,21 @@ def main() -> None:
     setup = Setup(args, MosaicConfig(**{**json.loads(args.config or "{}"),
                                         "fit_solver": solvers[0]}))
     segments = setup.pages * args.layers
+    if args.chunk_layers:
+        res = chunk_layers(setup)
+        res["device"] = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+        res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        path = args.json or (os.path.join(os.environ["OUT"], "seal_chunk_layers.json")
+                             if os.environ.get("OUT") else None)
+        if path:
+            with open(path, "w") as f:
+                json.dump(res, f, indent=1)
+        print(f"{res['device']}, {res['date']}: {setup.pages} pages x {args.layers} layers, "
+              "sealed layer by layer, s (sealing, read-back): " + "; ".join(
+                  f"{h} {res['seal_s'][h]:.3f} + {res['read_back_s'][h]:.3f} "
+                  f"({res['segments_per_s'][h]:.0f} segments/s)" for h in res["seal_s"])
+              + f"; largest difference {res['max_abs_diff']:.3g}")
+        return
     runs = {}  # every solver with the first pack path, then the other paths with the first solver
     for solver, path in [(x, paths[0]) for x in solvers] + [(solvers[0], p) for p in paths[1:]]:
         setup.cfg = replace(setup.cfg, fit_solver=solver)

@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..config import FIT_SOLVERS, MosaicConfig
-from .basis import fit_with, resolve_fit_solver, write_transform
+from .basis import fit_with, resolve_fit_solver, unrotate, write_transform
 from .layer import Candidates, Segment, SegmentBatch, seal_segments
 from .pages import build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy
@@ -494,3 +494,34 @@ def worst_page_bytes(cfg: MosaicConfig, heads: int, head_dim: int, dense: Strate
     meta = build_page_meta(torch.randn(heads, s, head_dim), cfg.page_tokens,
                            cfg.select.meta_channels).nbytes() if cfg.select.enabled else 0
     return k + v + meta + 4 * 6
+
+
+def decoded_segment(seg, k_basis: torch.Tensor, v_basis: torch.Tensor):
+    """One sealed segment's K and V as they read back, float32 [H, S, D] in the raw basis."""
+    k = seg.k.strategy.decode(seg.k.encoded)
+    v = seg.v.strategy.decode(seg.v.encoded)
+    return (unrotate(k, k_basis) if seg.k.strategy.rot else k,
+            unrotate(v, v_basis) if seg.v.strategy.rot else v)
+
+
+def read_back_block(refs: list, k_basis: torch.Tensor, v_basis: torch.Tensor, dtype: torch.dtype):
+    """Segments of one basis block just sealed (`refs`: (SegmentBatch, index), each batch
+    sealed with `keep_decoded`) as they read back: K and V [n, S, H, D] in `dtype` (raw basis),
+    from the chooser's reconstructions, each rotated one unrotated by the block's bases, in a
+    few launches for all n (`decoded_segment` per segment: ~70 launches each). The same bits
+    as `decoded_segment` of each on the CPU (its decode rebuilds the same codes the same way;
+    the unrotation is the same per-head product, batched: tests/test_read_rule.py). The pool's
+    prefill reads a chunk's own pages so; `seal_bench.py --chunk-layers` times both."""
+    out = []
+    for kind, basis in ((0, k_basis), (1, v_basis)):
+        rows = torch.stack([batch.decoded[kind][i] for batch, i in refs])  # [n, H, S, D]
+        rot = [batch.v if kind else batch.k for batch, _ in refs]
+        rot = torch.tensor([bool(c.tries[c.try_of[i]].strategy.rot)
+                            for c, (_, i) in zip(rot, refs)])
+        back = rows
+        if bool(rot.any()):
+            turned = rows @ basis.float()  # [n, H, S, D] @ [H, D, D]: unrotate's product
+            back = turned if bool(rot.all()) else torch.where(
+                rot.to(rows.device)[:, None, None, None], turned, rows)
+        out.append(back.transpose(1, 2).to(dtype))
+    return out

@@ -41,9 +41,9 @@ from ..codec.basis import unrotate
 from ..codec.cold import cold_candidates, recompress_page
 from ..codec.layer import Candidates, CompressedLayer, own_storage, segment_bytes
 from ..codec.pages import build_page_meta
-from ..codec.seal import (BasisPair, PageSegments, SealedPage, WriteTransformCache, fit_bases,
-                         fit_block_bases, fit_groups, gather_pages, seal_group, seal_pages,
-                         worst_page_bytes)
+from ..codec.seal import (BasisPair, PageSegments, SealedPage, WriteTransformCache, decoded_segment,
+                         fit_bases, fit_block_bases, fit_groups, gather_pages, seal_group, seal_pages,
+                         read_back_block, worst_page_bytes)
 from ..codec.strategies import parse_strategy
 from ..codec.timing import StepProfiler
 from ..config import MosaicConfig, check_fits, fit_rescue
@@ -161,37 +161,6 @@ class PoolCounters:
     # seal and N reuses per position; a prefix each request recomputes shows N seals.
     sealed_by_position: list = field(default_factory=list)
     reused_by_position: list = field(default_factory=list)
-
-
-def _decoded(seg, k_basis: torch.Tensor, v_basis: torch.Tensor):
-    """One sealed segment's K and V as they read back, float32 [H, S, D] in the raw basis."""
-    k = seg.k.strategy.decode(seg.k.encoded)
-    v = seg.v.strategy.decode(seg.v.encoded)
-    return (unrotate(k, k_basis) if seg.k.strategy.rot else k,
-            unrotate(v, v_basis) if seg.v.strategy.rot else v)
-
-
-def _read_back(refs: list, k_basis: torch.Tensor, v_basis: torch.Tensor, dtype: torch.dtype):
-    """Segments of one basis block just sealed (`refs`: (SegmentBatch, index), each batch
-    sealed with `keep_decoded`) as they read back: K and V [n, S, H, D] in `dtype` (raw basis),
-    from the chooser's reconstructions, each rotated one unrotated by the block's bases, in a
-    few launches for all n (`_decoded` per segment: ~70 launches each, 8,192 per layer of a
-    32K chunk). The same bits as `_decoded` of each (its decode rebuilds the same codes the
-    same way; the unrotation is the same per-head product, batched: tests/test_read_rule.py)."""
-    out = []
-    for kind, basis in ((0, k_basis), (1, v_basis)):
-        rows = torch.stack([batch.decoded[kind][i] for batch, i in refs])  # [n, H, S, D]
-        rot = [batch.v if kind else batch.k for batch, _ in refs]
-        rot = torch.tensor([bool(c.tries[c.try_of[i]].strategy.rot)
-                            for c, (_, i) in zip(rot, refs)])
-        n, h, s, d = rows.shape
-        back = rows
-        if bool(rot.any()):
-            turned = (rows.reshape(n, h, s, d) @ basis.float()).reshape(rows.shape)
-            back = turned if bool(rot.all()) else torch.where(
-                rot.to(rows.device)[:, None, None, None], turned, rows)
-        out.append(back.transpose(1, 2).to(dtype))
-    return out
 
 
 def upload_changed_span(now: np.ndarray, uploaded: np.ndarray, dev: torch.Tensor) -> None:
@@ -623,7 +592,7 @@ class MosaicKVPool(MHATokenToKVPool):
         positions, and stored in place of their old segments (`rebase_blocks`)."""
         pages = [p for p, _ in todo]
         olds = [self.sealed[p] for p in pages]
-        kv = [[_decoded(sp.segments[local], sp.bases.k[local], sp.bases.v[local])
+        kv = [[decoded_segment(sp.segments[local], sp.bases.k[local], sp.bases.v[local])
                for local in range(self.layer_num)] for sp in olds]
         k, v = (torch.stack([torch.stack([layer[x] for layer in page]) for page in kv])
                 .to(self.dtype) for x in (0, 1))  # [P, L, H, S, D]
@@ -853,7 +822,7 @@ class MosaicKVPool(MHATokenToKVPool):
             for j, ref in zip(idx, refs):
                 cs.segments[j].append(ref)
             if read_back:
-                kr, vr = _read_back(refs, one.k[0], one.v[0], self.dtype)
+                kr, vr = read_back_block(refs, one.k[0], one.v[0], self.dtype)
                 out[w].update((cs.pages[j], (kr[r], vr[r])) for r, j in enumerate(idx))
         if read_back:  # the reconstructions (float32, 4x a bf16 page) are not kept past here
             for sp in sealed:
@@ -931,7 +900,7 @@ class MosaicKVPool(MHATokenToKVPool):
             return empty, empty
         if self.decode_path is not None and bool(self.store.packed[local, pages].all()):
             return self.decode_path.unpack(local, pages)
-        ks, vs = zip(*(_decoded(page.segments[local], page.bases.k[local], page.bases.v[local])
+        ks, vs = zip(*(decoded_segment(page.segments[local], page.bases.k[local], page.bases.v[local])
                        for page in map(self.sealed.__getitem__, pages)))
         return (torch.cat(ks, 1).transpose(0, 1).to(self.dtype),
                 torch.cat(vs, 1).transpose(0, 1).to(self.dtype))
