@@ -95,7 +95,7 @@ def test_prefill_steps_are_profiled_by_phase_when_profiling_is_on(rule):
     assert len(pool.sealed) == 2  # the two full pages sealed at the last layer
     prof = pool.stats()["prefill"]["profile"]
     assert prof["sampled_steps"] == 1 and prof["steps"] == 1
-    phases = {"read_prefix", "attention", "between_layers", "seal"}
+    phases = {"read_prefix", "gather", "attention", "between_layers", "seal"}
     sealing = "seal"
     if rule == "position":
         phases |= {"plan_chunk_seal", "chunk_seal", "chunk_install"}
