@@ -182,3 +182,37 @@ def test_a_chunk_reads_its_fresh_pages_as_they_read_back_once_sealed(cfg, seed):
             kinds |= {seg.k.strategy.rot, seg.v.strategy.rot}
     if cfg:
         assert kinds == {True, False}, kinds  # both kinds of segment were read back
+
+
+def test_a_chunk_past_its_rotated_budget_installs_the_same_bytes(monkeypatch, seed):
+    """Layers of a prefill chunk's seal past `CHUNK_ROTATED_BYTES` keep no rotated K/V and
+    install by torch copies (counted): the arena holds the same bytes as with every layer
+    packed by the kernel (interpreted here)."""
+    from mosaickv_sglang.serving import pool as pool_mod
+    g = torch.Generator().manual_seed(seed)
+    n = 5 * PS + 7
+    kv = [(torch.randn(n, H, D, generator=g) * (1 + torch.arange(D) % 5),
+           torch.randn(n, H, D, generator=g)) for _ in range(LAYERS)]
+    one_layer = (n // PS) * H * PS * D * 8  # float32 K and V of one layer's sealed pages
+    stores = {}
+    for name, budget in (("all", 1 << 40), ("first", one_layer)):
+        monkeypatch.setattr(pool_mod, "CHUNK_ROTATED_BYTES", budget)
+        pool = make_pool(hot_tokens=0, pack_kernel="triton")
+        slots = torch.arange(PS, PS + n)
+        pages = (slots[::PS] // PS).tolist()
+        cs = None
+        for layer_id in range(LAYERS):
+            _write(pool, slots, *kv[layer_id], layer_id)
+            if layer_id == 0:
+                cs = pool.plan_chunk_seal([(pages, n - 1, None)])
+            pool.seal_chunk_layer(cs, layer_id)
+        pool.finish_chunk_seal(cs)
+        stores[name] = pool.store
+    a, b = stores["all"], stores["first"]
+    assert a.pack_counts["no_rotated"] == 0 and a.pack_counts["kernel"] > 0
+    assert b.pack_counts["no_rotated"] > 0 and b.pack_counts["kernel"] > 0  # layer 0 kept
+    for layer in range(LAYERS):
+        top = a.top[layer]
+        assert top == b.top[layer] and torch.equal(a.data[layer][:top], b.data[layer][:top]), \
+            f"seed {seed}, layer {layer}: the copied layer's bytes differ from the packed ones"
+        assert torch.equal(a.headers[layer], b.headers[layer])

@@ -57,6 +57,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["BasisPair", "MosaicKVPool", "SealedPage"]
 
 
+# A prefill forward's layer-by-layer seal keeps each layer's rotated K/V (float32, 8 bytes per
+# K+V element) for the store's pack kernel until its pages install after the last layer: 2.1 GB
+# for an 8K chunk of Llama-8B, 8.6 GB for 32K (out of memory at the largest 32K batch with 32K
+# chunks, H100 2026-12-07, h100_2026-12-07c_prefill_batched/). Layers past this budget keep none
+# and install by torch copies, the same bytes (tests/test_pack_install.py), ~0.025 ms more per
+# segment (RESULTS.md, sealing: install 0.031 vs 0.006 ms), counted in
+# segment_store.packed_by.no_rotated.
+CHUNK_ROTATED_BYTES = 1 << 30
+
+
 @dataclass
 class ChunkSeal:
     """Pages one prefill forward seals layer by layer (`MosaicKVPool.plan_chunk_seal`): tokens
@@ -70,6 +80,7 @@ class ChunkSeal:
     # per page: one (SegmentBatch, index) per layer sealed so far (`PageSegments` refs)
     segments: list[list] = field(default_factory=list)
     fitted: list[tuple[list, list]] = field(default_factory=list)  # per group: K, V bases/layer
+    rotated_bytes: int = 0  # the rotated K/V its layers keep for the pack kernel until install
 
     def __post_init__(self):
         self.segments = [[] for _ in self.pages]
@@ -813,8 +824,15 @@ class MosaicKVPool(MHATokenToKVPool):
             ones.append(one)
             per_page += [one] * len(idx)
         k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
+        keep = self.store.pack_kernel
+        if keep:  # within the budget of rotated K/V the seals in `work` keep until install
+            size = k.shape[0] * k[0].numel() * 8  # float32 K and V of this call's segments
+            keep = sum(cs.rotated_bytes for cs, _ in work) + size <= CHUNK_ROTATED_BYTES
+            if keep:
+                for cs, _ in work:
+                    cs.rotated_bytes += size // len(work)
         sealed = seal_pages(k, v, positions, per_page, self.cfg, self.cands, self.dense,
-                            keep_rotated=self.store.pack_kernel, keep_decoded=read_back)
+                            keep_rotated=keep, keep_decoded=read_back)
         out = [{} for _ in work]
         for (w, _, idx, _, rows), one in zip(owners, ones):
             cs = work[w][0]

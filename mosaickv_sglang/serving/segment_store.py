@@ -95,7 +95,8 @@ class SegmentStore:
         self.heads, self.head_dim, self.device = heads, head_dim, device
         self.pack_kernel = use_pack_kernel(pack_kernel, device)
         # segments whose blocks were written by the kernel / by torch copies; "no_rotated": the
-        # kernel path's segments that came without rotated K/V (daemon results), copied by torch
+        # kernel path's segments that came without rotated K/V (daemon results, a prefill
+        # chunk's layers past pool.CHUNK_ROTATED_BYTES), copied by torch
         self.pack_counts = {"kernel": 0, "torch": 0, "no_rotated": 0}
         self.segment_tokens, self.page_tokens = segment_tokens, page_tokens
         self.capacity = capacity_bytes // ALIGN * ALIGN  # bytes per layer (its share)
@@ -368,9 +369,10 @@ class SegmentStore:
             kernel = self.pack_kernel and batch.rotated is not None
             if self.pack_kernel and not kernel:
                 if not self.pack_counts["no_rotated"]:
-                    logger.info("MosaicKV: sealed segments without rotated K/V (e.g. daemon "
-                                "results) are copied into the arena by torch, not packed by the "
-                                "kernel; counted in stats (segment_store.packed_by.no_rotated)")
+                    logger.info("MosaicKV: sealed segments without rotated K/V (daemon results, "
+                                "a prefill chunk's layers past its rotated-K/V budget) are copied "
+                                "into the arena by torch, not packed by the kernel; counted in "
+                                "stats (segment_store.packed_by.no_rotated)")
                 self.pack_counts["no_rotated"] += m
             if kernel:
                 flat.index_fill_(0, units, 0)  # alignment padding as the torch copy leaves it
@@ -471,9 +473,10 @@ class SegmentStore:
         kernel = self.pack_kernel and all(seg.rotated is not None for seg in segs)
         if self.pack_kernel and not kernel:
             if not self.pack_counts["no_rotated"]:
-                logger.info("MosaicKV: sealed segments without rotated K/V (e.g. daemon results)"
-                            " are copied into the arena by torch, not packed by the kernel; "
-                            "counted in stats (segment_store.packed_by.no_rotated)")
+                logger.info("MosaicKV: sealed segments without rotated K/V (daemon results, a "
+                            "prefill chunk's layers past its rotated-K/V budget) are copied into "
+                            "the arena by torch, not packed by the kernel; counted in stats "
+                            "(segment_store.packed_by.no_rotated)")
             self.pack_counts["no_rotated"] += len(segs)
         if kernel:
             blocks.index_fill_(0, rows, 0)  # alignment padding as the torch copy leaves it
