@@ -25,8 +25,8 @@ a time, and that the two pack paths store the same bytes.
 own pages, every layer sealed before its attention, each block's bases fitted on its first
 page), with the chunk's read-back of those pages each way: the codec's decode per segment
 (`decoded_segment`, the former path) and one batched read-back per basis block
-(`read_back_block`, the pool's): seconds per layer for sealing and for each read-back, and
-their largest difference.
+(`read_back_block`, the pool's): seconds for sealing and for each read-back over the layers,
+their largest difference, and the torch ops that launch work per layer (sealing included).
     TRITON_INTERPRET=1 python benchmarks/seal_bench.py --device cpu --layers 2 --tokens 1024 \
         --pack-kernel both                                         # the kernel interpreted
 """
@@ -287,7 +287,11 @@ def chunk_layers(setup: Setup) -> dict:
 
     layer(0, "batched")  # warm-up
     layer(0, "per_segment")
-    res = {"pages": setup.pages, "layers": setup.args.layers}
+    res = {"pages": setup.pages, "layers": setup.args.layers, "launching_ops_per_layer": {}}
+    for how in ("batched", "per_segment"):  # torch ops that launch work (GPU launches), layer 0
+        with LaunchCount() as count:
+            layer(0, how)
+        res["launching_ops_per_layer"][how] = sum(count.ops.values())
     seal_s = {"batched": 0.0, "per_segment": 0.0}
     read_s = dict(seal_s)
     diff = 0.0
@@ -353,7 +357,8 @@ def main() -> None:
               "sealed layer by layer, s (sealing, read-back): " + "; ".join(
                   f"{h} {res['seal_s'][h]:.3f} + {res['read_back_s'][h]:.3f} "
                   f"({res['segments_per_s'][h]:.0f} segments/s)" for h in res["seal_s"])
-              + f"; largest difference {res['max_abs_diff']:.3g}")
+              + f"; largest difference {res['max_abs_diff']:.3g}; launching torch ops per layer "
+              + ", ".join(f"{h} {n}" for h, n in res["launching_ops_per_layer"].items()))
         return
     runs = {}  # every solver with the first pack path, then the other paths with the first solver
     for solver, path in [(x, paths[0]) for x in solvers] + [(solvers[0], p) for p in paths[1:]]:
