@@ -104,6 +104,7 @@ class ChunkSeal:
             if not any(self.pages[j] in drop for j in idx):
                 out.add_group([self.pages[j] for j in idx], [self.positions[j] for j in idx],
                               bases, [self.segments[j] for j in idx], self.fitted[g])
+        out.rotated_bytes = self.rotated_bytes  # (an upper bound for what the kept groups keep)
         return out if out.pages else None
 
 
