@@ -181,14 +181,16 @@ def select_rows(context_tokens: int):
               -(-sel.sink_tokens // pt), -(-sel.recent_tokens // pt))
 
 
-def graph_decode(d: int, select: bool, num_splits: int | None = None, products: str = "exact"):
+def graph_decode(d: int, select: bool, num_splits: int | None = None, products: str = "exact",
+                 rescore_layout: str = "rows"):
     """GraphDecode.attend (the full decode graph): q into each reached row's K basis, the page
     bounds written request-major and the top pages per request (`select`: candidates, their
     second stage on the compressed K, the budget's pages), stage 1 over the
     selected pages (every layout through its plan) with the hot tokens as one more split,
     stage 2 into the layer's bf16 output. `num_splits`: stage 1's split count as the server's
     plan picks it on the GPU (None: as picked here, where the CPU device counts 4 SMs: 1 at
-    head_dim 128, which Triton specializes as a constant); `products`: `graph_products`."""
+    head_dim 128, which Triton specializes as a constant); `products`: `graph_products`;
+    `rescore_layout`: `select.rescore_layout`."""
     from kernel_bench import synth_page_meta
     from mosaickv_kernels.page_rescore import page_rescore
     from mosaickv_kernels.page_select import page_bounds as bounds, select_page_list
@@ -219,7 +221,8 @@ def graph_decode(d: int, select: bool, num_splits: int | None = None, products: 
         # the second stage (select.rescore_factor): candidates scored on 32 channels of K
         scores = page_rescore(q_rot, arena.data, arena.headers, arena.plans, indptr, seg_ids,
                               ids, counts, rows_per_owner=w, row_pages=row_pages,
-                              pages_per_seg=pps, channels=32, out=torch.empty_like(b))
+                              pages_per_seg=pps, channels=32, out=torch.empty_like(b),
+                              layout=rescore_layout)
         ids, counts = select_page_list(scores, req_pages, 4, 1, 2)
         sel = dict(page_ids=ids, page_counts=counts)
     buf = torch.zeros(4 * SEGMENT, h, d, dtype=torch.bfloat16)
@@ -368,6 +371,12 @@ SCENARIOS = [
                 "page_select._select_top_pages", "page_rescore._page_rescore"),
                lambda splits=splits: graph_decode(128, True, splits, "bf16"))
       for splits in (None, 32)),
+    # `select.rescore_layout: columns`: the second stage channel by channel on one warp
+    Scenario("graph decode d128 select rescore columns",
+             ("request_decode._request_queries", "request_decode._request_decode_stage1",
+              "request_decode._request_decode_stage2", "page_select._page_bounds",
+              "page_select._select_top_pages", "page_rescore._page_rescore_columns"),
+             lambda: graph_decode(128, True, None, "exact", "columns")),
     Scenario("decode tables", ("decode_tables._decode_tables",), decode_tables),
     Scenario("pack d128", ("band_pack._pack_kind",), lambda: band_pack(128)),
     Scenario("pack d64", ("band_pack._pack_kind",), lambda: band_pack(64)),

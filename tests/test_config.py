@@ -143,6 +143,7 @@ def test_empty_candidate_lists_rejected_except_sink(key):
     ({"decode_cuda_graph": "full", "graph_hot_tokens": 255}, "graph_hot_tokens"),
     ({"decode_cuda_graph": "full", "hot_tokens": 1024}, "graph_hot_tokens"),
     ({"graph_products": "fp16"}, "graph_products"),
+    ({"select": {"rescore_layout": "tiles"}}, "select.rescore_layout='tiles'"),
     ({"graph_hot_tokens": "1024"}, "graph_hot_tokens"),
     ({"decode_seal_layers": -1}, "decode_seal_layers=-1 must be an int >= 0"),
     ({"decode_seal_layers": 2.0}, "'decode_seal_layers' must be int"),

@@ -12,7 +12,7 @@ from conftest import repro
 from test_request_decode_kernel import DEVICE, D, H, HQ, LAYERS, _graph
 
 
-def _scores(graph, bk, local, q, ids, counts, channels):
+def _scores(graph, bk, local, q, ids, counts, channels, layout="rows"):
     from mosaickv_kernels.page_rescore import page_rescore, page_rescore_reference
 
     q_rot, _ = bk.decoder.queries(q, bk.basis_ptrs, local * H, bk.req_pages)
@@ -22,13 +22,14 @@ def _scores(graph, bk, local, q, ids, counts, channels):
     args = (t.data, t.headers, t.plans, t.seg_indptr, t.seg_ids, ids, counts)
     kw = dict(rows_per_owner=graph.width, row_pages=graph.row_pages, pages_per_seg=graph.pps,
               channels=channels)
-    got = page_rescore(q_rot, *args, **kw, out=out).cpu()
+    got = page_rescore(q_rot, *args, **kw, out=out, layout=layout).cpu()
     want = page_rescore_reference(q_rot, *args, **kw, pages_out=p)
     return got, want
 
 
+@pytest.mark.parametrize("layout", ["rows", "columns"])
 @pytest.mark.parametrize("channels", [32, D])
-def test_candidates_scored_as_the_reference(seed, channels):
+def test_candidates_scored_as_the_reference(seed, channels, layout):
     from mosaickv_kernels.page_select import page_bounds, select_page_list
 
     graph, bk, pool = _graph(seed, (700, 250, 1100), 4)
@@ -41,7 +42,7 @@ def test_candidates_scored_as_the_reference(seed, channels):
                              graph.row_pages, out=bk.bounds, rows_per_out=graph.width)
         ids, counts = select_page_list(bounds, bk.req_pages, 2 * graph.budget_pages,
                                        graph.sink_pages, graph.recent_pages)
-        got, want = _scores(graph, bk, local, q, ids, counts, channels)
+        got, want = _scores(graph, bk, local, q, ids, counts, channels, layout)
         listed = torch.zeros_like(want, dtype=torch.bool)
         for b in range(bk.bs):
             for hh in range(H):
@@ -53,7 +54,8 @@ def test_candidates_scored_as_the_reference(seed, channels):
         assert err <= 1e-4 * want[listed].abs().max(), (local, float(err), repro(seed))
 
 
-def test_random_lists_and_empty_ones(seed):
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_random_lists_and_empty_ones(seed, layout):
     graph, bk, pool = _graph(seed, (1100, 640), 3)
     n_pages = bk.req_pages.tolist()
     k = 24
@@ -67,7 +69,7 @@ def test_random_lists_and_empty_ones(seed):
             ids[b, hh, :take.numel()] = take.to(torch.int32)
             counts[b, hh] = take.numel()
     q = torch.randn(bk.bs, HQ, D, device=DEVICE)
-    got, want = _scores(graph, bk, 1, q, ids.to(DEVICE), counts.to(DEVICE), 16)
+    got, want = _scores(graph, bk, 1, q, ids.to(DEVICE), counts.to(DEVICE), 16, layout)
     assert torch.equal(torch.isneginf(got), torch.isneginf(want)), repro(seed)
     fin = ~torch.isneginf(want)
     assert (got[fin] - want[fin]).abs().max() <= 1e-4 * want[fin].abs().max(), repro(seed)
@@ -92,3 +94,5 @@ def test_misuse_is_refused(seed):
         page_rescore(q_rot, *args, ids.long(), counts, **kw, channels=32, out=out)
     with pytest.raises(ValueError, match="q_rot"):
         page_rescore(q_rot[:, :1].contiguous(), *args, ids, counts, **kw, channels=32, out=out)
+    with pytest.raises(ValueError, match="layout"):
+        page_rescore(q_rot, *args, ids, counts, **kw, channels=32, out=out, layout="tiles")

@@ -604,14 +604,14 @@ class BandDecodeWrapper:
                budget_pages: int, sink_pages: int, recent_pages: int,
                rows: RowSelection | None = None,
                queries: tuple[torch.Tensor, torch.Tensor] | None = None,
-               rescore: tuple[int, int] | None = None):
+               rescore: tuple | None = None):
         """Query-aware page list on the device (`page_select`): bounds of every compressed page
         from `meta` (the arena's segments' page metadata, by segment id), then the top pages per
         (arena row, KV head) -> (page_ids, page_counts) for `run`. When a request spans several
         rows (basis blocks), pass `rows` so its budget covers all of them. `rescore` = (factor,
-        channels): the bound keeps factor x the budget's pages as candidates, and the budget's
-        pages are the candidates with the best scores on `channels` leading channels of their
-        compressed K (`page_rescore`). No host sync."""
+        channels[, layout]): the bound keeps factor x the budget's pages as candidates, and the
+        budget's pages are the candidates with the best scores on `channels` leading channels
+        of their compressed K (`page_rescore`, its `layout`, default "rows"). No host sync."""
         if not self._planned:
             raise RuntimeError("select: call plan() first")
         self._check_arena(arena)
@@ -633,13 +633,13 @@ class BandDecodeWrapper:
 
         if rescore is None:
             return top(bounds, budget_pages)
-        factor, channels = rescore
+        factor, channels, layout = (*rescore, "rows")[:3]
         ids, counts = top(bounds, factor * budget_pages)  # candidates, per arena row
         # each arena row owns its list (one query row: page ids are row-local, < max_pages)
         scores = page_rescore(q_rot, arena.data, arena.headers, arena.plans, arena.seg_indptr,
                               arena.seg_ids, ids, counts, rows_per_owner=1,
                               row_pages=self.max_pages, pages_per_seg=self.pages_per_seg,
-                              channels=channels,
+                              channels=channels, layout=layout,
                               out=rows.bounds_out(h) if rows is not None else bounds)
         return top(scores, budget_pages)
 

@@ -87,15 +87,79 @@ def _page_rescore(
         tl.store(OUT + bh * P_out + page, tl.max(tl.max(s, 1), 0))
 
 
+@triton.jit
+def _page_rescore_columns(
+    Q_ROT, ARENA_U8, ARENA_F16, HEADERS, PLANS, SEG_INDPTR, SEG_IDS, PAGE_IDS, PAGE_COUNTS, OUT,
+    H, G, W, row_pages, pps, max_sel, P_out,
+    D: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    HDR_W: tl.constexpr, PLAN_W: tl.constexpr, BASE_COL: tl.constexpr,
+    STRIDE_COL: tl.constexpr, LAYOUT_COL: tl.constexpr, K_GROUP_COL: tl.constexpr,
+    R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
+    R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
+):
+    """`_page_rescore`'s scores, channel by channel: one warp, a lane per token; each of the R
+    channels read as one byte per token (its plan entries uniform loads) and accumulated into
+    the [G, 32] scores in registers, so no reduction crosses lanes (the row layout's [G, 32, R]
+    product reduced over R takes 167 shuffles of its 685 instructions per candidate, x4 warps)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    bh = b * H + h
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_t = tl.arange(0, 32)
+    mask_g = offs_g < G
+    count = tl.load(PAGE_COUNTS + bh)
+    start = tl.program_id(2) * BLOCK_C
+    end = tl.minimum(start + BLOCK_C, count)
+    seg0 = tl.load(SEG_INDPTR + b * W)
+    for i in range(start, end):
+        page = tl.load(PAGE_IDS + bh * max_sel + i)
+        seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
+        hdr = HEADERS + seg * HDR_W
+        base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
+        plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)  # K's plan
+        tok = ((page % pps) * 32 + offs_t).to(tl.int32)
+        gidx = ((page % pps) * 32) // tl.load(hdr + K_GROUP_COL)  # the page's token group
+        u8 = ARENA_U8 + base  # the head block: per channel int32 offsets from here
+        f16 = ARENA_F16 + base // 2
+        qrow = b * W + page // row_pages
+        q_ptr = Q_ROT + ((qrow * H + h) * G + offs_g) * D
+        s = tl.zeros([BLOCK_G, 32], dtype=tl.float32)
+        for c in tl.static_range(R):
+            bits = tl.load(plan + R_MASK * D + c)
+            keep = bits != 0  # a dropped channel reads as 0
+            goff = gidx * tl.load(plan + R_GROUP * D + c)
+            scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + c) + goff) // 2, mask=keep,
+                            other=0.0).to(tl.float32)
+            zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + c) + goff) // 2, mask=keep,
+                           other=0.0).to(tl.float32)
+            raw = tl.load(u8 + (tl.load(plan + R_CODE * D + c)
+                                + tok * tl.load(plan + R_ROW * D + c)),
+                          mask=(offs_t < 32) & keep, other=0)
+            k = ((raw.to(tl.int32) >> tl.load(plan + R_SHIFT * D + c)) & bits).to(tl.float32) \
+                * scale + zero  # [32]
+            q = tl.load(q_ptr + c, mask=mask_g, other=0.0)  # [BLOCK_G]
+            s += q[:, None] * k[None, :]
+        s = tl.where(mask_g[:, None], s, float("-inf"))
+        tl.store(OUT + bh * P_out + page, tl.max(tl.max(s, 1), 0))
+
+
+LAYOUTS = ("rows", "columns")  # `page_rescore(layout=)`: the kernel's layout of one candidate
+
+
 def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
                  plans: torch.Tensor, seg_indptr: torch.Tensor, seg_ids: torch.Tensor,
                  page_ids: torch.Tensor, page_counts: torch.Tensor, *, rows_per_owner: int,
                  row_pages: int, pages_per_seg: int, channels: int,
-                 out: torch.Tensor) -> torch.Tensor:
+                 out: torch.Tensor, layout: str = "rows") -> torch.Tensor:
     """Candidates `page_ids` int32 [B, H, K] (the first `page_counts` [B, H] of each list) scored
     on the leading `channels` of their compressed K against `q_rot` fp32 [B * W, H, G, D]
     (W = `rows_per_owner`); `out` fp32 [B, H, P] (P > every candidate id) filled with -inf and
-    the candidates' scores. Two launches (the fill, the scores), no host sync."""
+    the candidates' scores. Two launches (the fill, the scores), no host sync. `layout`: "rows"
+    (`_page_rescore`, four warps over a [G, 32, R] product) or "columns"
+    (`_page_rescore_columns`, one warp, channel by channel): the same scores up to the order
+    of the R-term sums (config `select.rescore_layout`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"page_rescore: layout {layout!r} must be one of {LAYOUTS}")
     b, h, k = page_ids.shape
     nq, hq, g, d = q_rot.shape
     if q_rot.dtype != torch.float32 or not q_rot.is_contiguous() or hq != h or \
@@ -122,7 +186,8 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
     out.fill_(float("-inf"))
     if k == 0 or b == 0:
         return out
-    _page_rescore[(b, h, triton.cdiv(k, BLOCK_CANDIDATES))](
+    kernel, warps = (_page_rescore, 4) if layout == "rows" else (_page_rescore_columns, 1)
+    kernel[(b, h, triton.cdiv(k, BLOCK_CANDIDATES))](
         q_rot, data, data.view(torch.float16), headers, plans, seg_indptr, seg_ids, page_ids,
         page_counts, out, h, g, rows_per_owner, row_pages, pages_per_seg, k, out.shape[2],
         D=d, R=channels, BLOCK_G=max(2, triton.next_power_of_2(g)), BLOCK_C=BLOCK_CANDIDATES,
@@ -130,7 +195,7 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
         STRIDE_COL=HDR["head_stride"], LAYOUT_COL=HDR["layout"], K_GROUP_COL=HDR["k_group"],
         R_CODE=PLAN_ROW["code"], R_ROW=PLAN_ROW["row"], R_SHIFT=PLAN_ROW["shift"],
         R_MASK=PLAN_ROW["mask"], R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"],
-        R_GROUP=PLAN_ROW["group_bytes"], num_warps=4)
+        R_GROUP=PLAN_ROW["group_bytes"], num_warps=warps)
     return out
 
 

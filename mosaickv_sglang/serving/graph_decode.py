@@ -135,7 +135,7 @@ class GraphDecode:
         sel, pt = cfg.select, cfg.page_tokens
         self.budget_pages = sel.budget_tokens // pt
         self.sink_pages, self.recent_pages = -(-sel.sink_tokens // pt), -(-sel.recent_tokens // pt)
-        self.rescore = rescore_plan(sel, pool.head_dim)  # (factor, channels) or None
+        self.rescore = rescore_plan(sel, pool.head_dim)  # (factor, channels, layout) or None
         self.buckets: dict[int, _Bucket] = {}
         # the kernels' float32 workspace, shared by every bucket (one graph replays at a time):
         # the largest bucket's size, not the sum over buckets
@@ -453,7 +453,7 @@ class GraphDecode:
                                       store.plans, bk.seg_indptr, bk.seg_ids, ids, counts,
                                       rows_per_owner=self.width, row_pages=self.row_pages,
                                       pages_per_seg=self.pps, channels=rescore[1],
-                                      out=bk.bounds)
+                                      out=bk.bounds, layout=rescore[2])
                 ids, counts = select_page_list(scores, bk.req_pages, self.budget_pages,
                                                self.sink_pages, self.recent_pages)
             sel = {"page_ids": ids, "page_counts": counts}

@@ -141,9 +141,10 @@ def hot_slots(hot_pages: torch.Tensor, page_size: int, count: int) -> torch.Tens
     return torch.from_numpy((hot[:, None] * page_size + np.arange(page_size)).ravel()[:count])
 
 
-def rescore_plan(sel, head_dim: int) -> tuple[int, int] | None:
+def rescore_plan(sel, head_dim: int) -> tuple[int, int, str] | None:
     """The decode kernels' second selection stage (`page_rescore`) for SelectionConfig `sel`:
-    (candidate factor, leading channels scored) or None; what they cannot do is refused."""
+    (candidate factor, leading channels scored, kernel layout) or None; what they cannot do is
+    refused."""
     if not (sel.enabled and sel.rescore_factor):
         return None
     if sel.rescore_meta_only:
@@ -156,7 +157,7 @@ def rescore_plan(sel, head_dim: int) -> tuple[int, int] | None:
         raise ValueError(f"mosaickv select.rescore_channels={sel.rescore_channels}: the decode "
                          f"kernels score a power of two of leading channels in [16, "
                          f"head_dim={head_dim}] (0: every channel)")
-    return sel.rescore_factor, r
+    return sel.rescore_factor, r, sel.rescore_layout
 
 
 class PackedDecode:
