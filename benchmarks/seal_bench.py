@@ -310,6 +310,19 @@ def chunk_layers(setup: Setup) -> dict:
     return res
 
 
+def device_name(device) -> str:
+    return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else \
+        platform.processor() or "cpu"
+
+
+def write_json(path: str | None, name: str, obj: dict) -> None:
+    """`obj` to --json, else to $OUT/`name` when $OUT is set."""
+    path = path or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -346,13 +359,9 @@ def main() -> None:
     segments = setup.pages * args.layers
     if args.chunk_layers:
         res = chunk_layers(setup)
-        res["device"] = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+        res["device"] = device_name(args.device)
         res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        path = args.json or (os.path.join(os.environ["OUT"], "seal_chunk_layers.json")
-                             if os.environ.get("OUT") else None)
-        if path:
-            with open(path, "w") as f:
-                json.dump(res, f, indent=1)
+        write_json(args.json, "seal_chunk_layers.json", res)
         print(f"{res['device']}, {res['date']}: {setup.pages} pages x {args.layers} layers, "
               "sealed layer by layer, s (sealing, read-back): " + "; ".join(
                   f"{h} {res['seal_s'][h]:.3f} + {res['read_back_s'][h]:.3f} "
@@ -369,7 +378,7 @@ def main() -> None:
         "shape": {"tokens": args.tokens, "layers": args.layers, "heads": args.heads,
                   "head_dim": args.head_dim, "pages": setup.pages, "segments": segments,
                   "basis_block_pages": setup.block},
-        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "device": device_name(args.device),
         "torch": torch.__version__, "host_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "config": json.loads(args.config or "{}"),
@@ -379,11 +388,7 @@ def main() -> None:
     }
     if args.check:
         result["check"] = check(setup, args.check_pages, paths)
-    path = args.json or (os.path.join(os.environ["OUT"], "seal_bench.json")
-                         if os.environ.get("OUT") else None)
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, "seal_bench.json", result)
 
     print(f"sealing {setup.pages} pages x {args.layers} layers = {segments} segments "
           f"({args.heads} KV heads, D={args.head_dim}) on {result['device']}")

@@ -39,6 +39,33 @@ BLOCK_CANDIDATES = 16  # candidates per program
 
 
 @triton.jit
+def _program_candidates(PAGE_COUNTS, SEG_INDPTR, H, W, BLOCK_C: tl.constexpr):
+    """This program's (list owner b, KV head h): b, h, b * H + h, its candidates start .. end
+    (a block of BLOCK_C of the list), and the owner's first segment index."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    bh = b * H + h
+    start = tl.program_id(2) * BLOCK_C
+    end = tl.minimum(start + BLOCK_C, tl.load(PAGE_COUNTS + bh))
+    return b, h, bh, start, end, tl.load(SEG_INDPTR + b * W)
+
+
+@triton.jit
+def _candidate(PAGE_IDS, SEG_IDS, HEADERS, PLANS, bh, i, h, seg0, pps, max_sel,
+               D: tl.constexpr, HDR_W: tl.constexpr, PLAN_W: tl.constexpr,
+               BASE_COL: tl.constexpr, STRIDE_COL: tl.constexpr, LAYOUT_COL: tl.constexpr,
+               K_GROUP_COL: tl.constexpr):
+    """Candidate i of the list bh: its page id, its head block's byte offset in the arena, K's
+    per-channel plan (pointer) and K's token group."""
+    page = tl.load(PAGE_IDS + bh * max_sel + i)
+    seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
+    hdr = HEADERS + seg * HDR_W
+    base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
+    plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)  # K's plan
+    return page, base, plan, tl.load(hdr + K_GROUP_COL)
+
+
+@triton.jit
 def _page_rescore(
     Q_ROT,  # fp32 [B * W, H, G, D]: each query row's q in its row's K basis
     ARENA_U8, ARENA_F16, HEADERS, PLANS,  # the layer's arena, headers, layout plans
@@ -52,24 +79,15 @@ def _page_rescore(
     R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
     R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    bh = b * H + h
+    b, h, bh, start, end, seg0 = _program_candidates(PAGE_COUNTS, SEG_INDPTR, H, W, BLOCK_C)
     offs_g = tl.arange(0, BLOCK_G)
     offs_c = tl.arange(0, R)
     offs_t = tl.arange(0, 32)
     mask_g = offs_g < G
-    count = tl.load(PAGE_COUNTS + bh)
-    start = tl.program_id(2) * BLOCK_C
-    end = tl.minimum(start + BLOCK_C, count)
-    seg0 = tl.load(SEG_INDPTR + b * W)
     for i in range(start, end):
-        page = tl.load(PAGE_IDS + bh * max_sel + i)
-        seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
-        hdr = HEADERS + seg * HDR_W
-        base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
-        plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)  # K's plan
-        group = tl.load(hdr + K_GROUP_COL)
+        page, base, plan, group = _candidate(PAGE_IDS, SEG_IDS, HEADERS, PLANS, bh, i, h, seg0,
+                                             pps, max_sel, D, HDR_W, PLAN_W, BASE_COL,
+                                             STRIDE_COL, LAYOUT_COL, K_GROUP_COL)
         tok0 = (page % pps) * 32
         # the leading R channels' per-channel plan (a dropped channel: mask 0, reads as 0)
         code, row, shift, bits, keep, scale, zero = channel_plan(
@@ -101,24 +119,16 @@ def _page_rescore_columns(
     channels read as one byte per token (its plan entries uniform loads) and accumulated into
     the [G, 32] scores in registers, so no reduction crosses lanes (the row layout's [G, 32, R]
     product reduced over R takes 167 shuffles of its 685 instructions per candidate, x4 warps)."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    bh = b * H + h
+    b, h, bh, start, end, seg0 = _program_candidates(PAGE_COUNTS, SEG_INDPTR, H, W, BLOCK_C)
     offs_g = tl.arange(0, BLOCK_G)
     offs_t = tl.arange(0, 32)
     mask_g = offs_g < G
-    count = tl.load(PAGE_COUNTS + bh)
-    start = tl.program_id(2) * BLOCK_C
-    end = tl.minimum(start + BLOCK_C, count)
-    seg0 = tl.load(SEG_INDPTR + b * W)
     for i in range(start, end):
-        page = tl.load(PAGE_IDS + bh * max_sel + i)
-        seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
-        hdr = HEADERS + seg * HDR_W
-        base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
-        plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)  # K's plan
+        page, base, plan, group = _candidate(PAGE_IDS, SEG_IDS, HEADERS, PLANS, bh, i, h, seg0,
+                                             pps, max_sel, D, HDR_W, PLAN_W, BASE_COL,
+                                             STRIDE_COL, LAYOUT_COL, K_GROUP_COL)
         tok = ((page % pps) * 32 + offs_t).to(tl.int32)
-        gidx = ((page % pps) * 32) // tl.load(hdr + K_GROUP_COL)  # the page's token group
+        gidx = ((page % pps) * 32) // group  # the page's token group
         u8 = ARENA_U8 + base  # the head block: per channel int32 offsets from here
         f16 = ARENA_F16 + base // 2
         qrow = b * W + page // row_pages
