@@ -375,7 +375,7 @@ SCENARIOS = [
     Scenario("graph decode d128 select rescore columns",
              ("request_decode._request_queries", "request_decode._request_decode_stage1",
               "request_decode._request_decode_stage2", "page_select._page_bounds",
-              "page_select._select_top_pages", "page_rescore._page_rescore_columns"),
+              "page_select._select_top_pages", "page_rescore._page_rescore"),
              lambda: graph_decode(128, True, None, "exact", "columns")),
     Scenario("decode tables", ("decode_tables._decode_tables",), decode_tables),
     Scenario("pack d128", ("band_pack._pack_kind",), lambda: band_pack(128)),

@@ -39,30 +39,61 @@ BLOCK_CANDIDATES = 16  # candidates per program
 
 
 @triton.jit
-def _program_candidates(PAGE_COUNTS, SEG_INDPTR, H, W, BLOCK_C: tl.constexpr):
-    """This program's (list owner b, KV head h): b, h, b * H + h, its candidates start .. end
-    (a block of BLOCK_C of the list), and the owner's first segment index."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    bh = b * H + h
-    start = tl.program_id(2) * BLOCK_C
-    end = tl.minimum(start + BLOCK_C, tl.load(PAGE_COUNTS + bh))
-    return b, h, bh, start, end, tl.load(SEG_INDPTR + b * W)
+def _scores_rows(Q_ROT, ARENA_U8, ARENA_F16, page, base, plan, group, qrow, h, H, G, pps,
+                 D: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr, R_CODE: tl.constexpr,
+                 R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
+                 R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr):
+    """A candidate's [BLOCK_G, 32] scores over a [G, 32, R] product reduced over R."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_c = tl.arange(0, R)
+    offs_t = tl.arange(0, 32)
+    tok0 = (page % pps) * 32
+    # the leading R channels' per-channel plan (a dropped channel: mask 0, reads as 0)
+    code, row, shift, bits, keep, scale, zero = channel_plan(
+        plan, ARENA_F16, base, group, tok0, offs_c, D, R_CODE, R_ROW, R_SHIFT, R_MASK,
+        R_SCALE, R_ZERO, R_GROUP)
+    raw = tl.load(ARENA_U8 + base + code[None, :] + (tok0 + offs_t)[:, None] * row[None, :],
+                  mask=keep[None, :], other=0)
+    codes = ((raw.to(tl.int32) >> shift[None, :]) & bits[None, :]).to(tl.float32)
+    k = codes * scale[None, :] + zero[None, :]  # [32, R]; 0 on a dropped channel
+    q = tl.load(Q_ROT + ((qrow * H + h) * G + offs_g)[:, None] * D + offs_c[None, :],
+                mask=(offs_g < G)[:, None], other=0.0)  # [BLOCK_G, R]
+    return tl.sum(q[:, None, :] * k[None, :, :], 2)  # [BLOCK_G, 32], float32 products
 
 
 @triton.jit
-def _candidate(PAGE_IDS, SEG_IDS, HEADERS, PLANS, bh, i, h, seg0, pps, max_sel,
-               D: tl.constexpr, HDR_W: tl.constexpr, PLAN_W: tl.constexpr,
-               BASE_COL: tl.constexpr, STRIDE_COL: tl.constexpr, LAYOUT_COL: tl.constexpr,
-               K_GROUP_COL: tl.constexpr):
-    """Candidate i of the list bh: its page id, its head block's byte offset in the arena, K's
-    per-channel plan (pointer) and K's token group."""
-    page = tl.load(PAGE_IDS + bh * max_sel + i)
-    seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
-    hdr = HEADERS + seg * HDR_W
-    base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
-    plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)  # K's plan
-    return page, base, plan, tl.load(hdr + K_GROUP_COL)
+def _scores_columns(Q_ROT, ARENA_U8, ARENA_F16, page, base, plan, group, qrow, h, H, G, pps,
+                    D: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr,
+                    R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr,
+                    R_MASK: tl.constexpr, R_SCALE: tl.constexpr, R_ZERO: tl.constexpr,
+                    R_GROUP: tl.constexpr):
+    """The same scores channel by channel (one warp, a lane per token): each of the R channels
+    read as one byte per token (its plan entries uniform loads) and accumulated into the
+    [G, 32] scores in registers, so no reduction crosses lanes (the row layout's reduction
+    takes 167 shuffles of its 681 sm_90 instructions per candidate, x4 warps)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_t = tl.arange(0, 32)
+    tok = ((page % pps) * 32 + offs_t).to(tl.int32)
+    gidx = ((page % pps) * 32) // group  # the page's token group
+    u8 = ARENA_U8 + base  # the head block: per channel int32 offsets from here
+    f16 = ARENA_F16 + base // 2
+    q_ptr = Q_ROT + ((qrow * H + h) * G + offs_g) * D
+    s = tl.zeros([BLOCK_G, 32], dtype=tl.float32)
+    for c in tl.static_range(R):
+        bits = tl.load(plan + R_MASK * D + c)
+        keep = bits != 0  # a dropped channel reads as 0
+        goff = gidx * tl.load(plan + R_GROUP * D + c)
+        scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + c) + goff) // 2, mask=keep,
+                        other=0.0).to(tl.float32)
+        zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + c) + goff) // 2, mask=keep,
+                       other=0.0).to(tl.float32)
+        raw = tl.load(u8 + (tl.load(plan + R_CODE * D + c) + tok * tl.load(plan + R_ROW * D + c)),
+                      mask=(offs_t < 32) & keep, other=0)
+        k = ((raw.to(tl.int32) >> tl.load(plan + R_SHIFT * D + c)) & bits).to(tl.float32) \
+            * scale + zero  # [32]
+        q = tl.load(q_ptr + c, mask=offs_g < G, other=0.0)  # [BLOCK_G]
+        s += q[:, None] * k[None, :]
+    return s
 
 
 @triton.jit
@@ -78,77 +109,31 @@ def _page_rescore(
     STRIDE_COL: tl.constexpr, LAYOUT_COL: tl.constexpr, K_GROUP_COL: tl.constexpr,
     R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
     R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
+    COLUMNS: tl.constexpr,  # `_scores_columns` (one warp) instead of `_scores_rows`
 ):
-    b, h, bh, start, end, seg0 = _program_candidates(PAGE_COUNTS, SEG_INDPTR, H, W, BLOCK_C)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_c = tl.arange(0, R)
-    offs_t = tl.arange(0, 32)
-    mask_g = offs_g < G
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    bh = b * H + h
+    mask_g = tl.arange(0, BLOCK_G) < G
+    start = tl.program_id(2) * BLOCK_C
+    end = tl.minimum(start + BLOCK_C, tl.load(PAGE_COUNTS + bh))
+    seg0 = tl.load(SEG_INDPTR + b * W)
     for i in range(start, end):
-        page, base, plan, group = _candidate(PAGE_IDS, SEG_IDS, HEADERS, PLANS, bh, i, h, seg0,
-                                             pps, max_sel, D, HDR_W, PLAN_W, BASE_COL,
-                                             STRIDE_COL, LAYOUT_COL, K_GROUP_COL)
-        tok0 = (page % pps) * 32
-        # the leading R channels' per-channel plan (a dropped channel: mask 0, reads as 0)
-        code, row, shift, bits, keep, scale, zero = channel_plan(
-            plan, ARENA_F16, base, group, tok0, offs_c, D, R_CODE, R_ROW, R_SHIFT, R_MASK,
-            R_SCALE, R_ZERO, R_GROUP)
-        raw = tl.load(ARENA_U8 + base + code[None, :] + (tok0 + offs_t)[:, None] * row[None, :],
-                      mask=keep[None, :], other=0)
-        codes = ((raw.to(tl.int32) >> shift[None, :]) & bits[None, :]).to(tl.float32)
-        k = codes * scale[None, :] + zero[None, :]  # [32, R]; 0 on a dropped channel
+        page = tl.load(PAGE_IDS + bh * max_sel + i)
+        seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
+        hdr = HEADERS + seg * HDR_W
+        base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
+        plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)  # K's plan
+        group = tl.load(hdr + K_GROUP_COL)
         qrow = b * W + page // row_pages
-        q = tl.load(Q_ROT + ((qrow * H + h) * G + offs_g)[:, None] * D + offs_c[None, :],
-                    mask=mask_g[:, None], other=0.0)  # [BLOCK_G, R]
-        s = tl.sum(q[:, None, :] * k[None, :, :], 2)  # [BLOCK_G, 32], float32 products
-        s = tl.where(mask_g[:, None], s, float("-inf"))
-        tl.store(OUT + bh * P_out + page, tl.max(tl.max(s, 1), 0))
-
-
-@triton.jit
-def _page_rescore_columns(
-    Q_ROT, ARENA_U8, ARENA_F16, HEADERS, PLANS, SEG_INDPTR, SEG_IDS, PAGE_IDS, PAGE_COUNTS, OUT,
-    H, G, W, row_pages, pps, max_sel, P_out,
-    D: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
-    HDR_W: tl.constexpr, PLAN_W: tl.constexpr, BASE_COL: tl.constexpr,
-    STRIDE_COL: tl.constexpr, LAYOUT_COL: tl.constexpr, K_GROUP_COL: tl.constexpr,
-    R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
-    R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
-):
-    """`_page_rescore`'s scores, channel by channel: one warp, a lane per token; each of the R
-    channels read as one byte per token (its plan entries uniform loads) and accumulated into
-    the [G, 32] scores in registers, so no reduction crosses lanes (the row layout's [G, 32, R]
-    product reduced over R takes 167 shuffles of its 685 instructions per candidate, x4 warps)."""
-    b, h, bh, start, end, seg0 = _program_candidates(PAGE_COUNTS, SEG_INDPTR, H, W, BLOCK_C)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_t = tl.arange(0, 32)
-    mask_g = offs_g < G
-    for i in range(start, end):
-        page, base, plan, group = _candidate(PAGE_IDS, SEG_IDS, HEADERS, PLANS, bh, i, h, seg0,
-                                             pps, max_sel, D, HDR_W, PLAN_W, BASE_COL,
-                                             STRIDE_COL, LAYOUT_COL, K_GROUP_COL)
-        tok = ((page % pps) * 32 + offs_t).to(tl.int32)
-        gidx = ((page % pps) * 32) // group  # the page's token group
-        u8 = ARENA_U8 + base  # the head block: per channel int32 offsets from here
-        f16 = ARENA_F16 + base // 2
-        qrow = b * W + page // row_pages
-        q_ptr = Q_ROT + ((qrow * H + h) * G + offs_g) * D
-        s = tl.zeros([BLOCK_G, 32], dtype=tl.float32)
-        for c in tl.static_range(R):
-            bits = tl.load(plan + R_MASK * D + c)
-            keep = bits != 0  # a dropped channel reads as 0
-            goff = gidx * tl.load(plan + R_GROUP * D + c)
-            scale = tl.load(f16 + (tl.load(plan + R_SCALE * D + c) + goff) // 2, mask=keep,
-                            other=0.0).to(tl.float32)
-            zero = tl.load(f16 + (tl.load(plan + R_ZERO * D + c) + goff) // 2, mask=keep,
-                           other=0.0).to(tl.float32)
-            raw = tl.load(u8 + (tl.load(plan + R_CODE * D + c)
-                                + tok * tl.load(plan + R_ROW * D + c)),
-                          mask=(offs_t < 32) & keep, other=0)
-            k = ((raw.to(tl.int32) >> tl.load(plan + R_SHIFT * D + c)) & bits).to(tl.float32) \
-                * scale + zero  # [32]
-            q = tl.load(q_ptr + c, mask=mask_g, other=0.0)  # [BLOCK_G]
-            s += q[:, None] * k[None, :]
+        if COLUMNS:
+            s = _scores_columns(Q_ROT, ARENA_U8, ARENA_F16, page, base, plan, group, qrow, h, H,
+                                G, pps, D, R, BLOCK_G, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE,
+                                R_ZERO, R_GROUP)
+        else:
+            s = _scores_rows(Q_ROT, ARENA_U8, ARENA_F16, page, base, plan, group, qrow, h, H, G,
+                             pps, D, R, BLOCK_G, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE, R_ZERO,
+                             R_GROUP)
         s = tl.where(mask_g[:, None], s, float("-inf"))
         tl.store(OUT + bh * P_out + page, tl.max(tl.max(s, 1), 0))
 
@@ -165,8 +150,8 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
     on the leading `channels` of their compressed K against `q_rot` fp32 [B * W, H, G, D]
     (W = `rows_per_owner`); `out` fp32 [B, H, P] (P > every candidate id) filled with -inf and
     the candidates' scores. Two launches (the fill, the scores), no host sync. `layout`: "rows"
-    (`_page_rescore`, four warps over a [G, 32, R] product) or "columns"
-    (`_page_rescore_columns`, one warp, channel by channel): the same scores up to the order
+    (`_scores_rows`, four warps over a [G, 32, R] product) or "columns" (`_scores_columns`,
+    one warp, channel by channel): the same scores up to the order
     of the R-term sums (config `select.rescore_layout`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"page_rescore: layout {layout!r} must be one of {LAYOUTS}")
@@ -196,8 +181,7 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
     out.fill_(float("-inf"))
     if k == 0 or b == 0:
         return out
-    kernel, warps = (_page_rescore, 4) if layout == "rows" else (_page_rescore_columns, 1)
-    kernel[(b, h, triton.cdiv(k, BLOCK_CANDIDATES))](
+    _page_rescore[(b, h, triton.cdiv(k, BLOCK_CANDIDATES))](
         q_rot, data, data.view(torch.float16), headers, plans, seg_indptr, seg_ids, page_ids,
         page_counts, out, h, g, rows_per_owner, row_pages, pages_per_seg, k, out.shape[2],
         D=d, R=channels, BLOCK_G=max(2, triton.next_power_of_2(g)), BLOCK_C=BLOCK_CANDIDATES,
@@ -205,7 +189,8 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
         STRIDE_COL=HDR["head_stride"], LAYOUT_COL=HDR["layout"], K_GROUP_COL=HDR["k_group"],
         R_CODE=PLAN_ROW["code"], R_ROW=PLAN_ROW["row"], R_SHIFT=PLAN_ROW["shift"],
         R_MASK=PLAN_ROW["mask"], R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"],
-        R_GROUP=PLAN_ROW["group_bytes"], num_warps=warps)
+        R_GROUP=PLAN_ROW["group_bytes"], COLUMNS=layout == "columns",
+        num_warps=4 if layout == "rows" else 1)
     return out
 
 
