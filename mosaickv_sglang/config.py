@@ -72,10 +72,11 @@ class SelectionConfig:
     # how much of K a second stage must read (default 32, the codec probe's best; 0 = every
     # channel)
     rescore_channels: int = 32
-    # how the decode graph's `page_rescore` lays out one candidate: "rows" (four warps over a
-    # [G, 32, R] product reduced over R: 681 sm_90 instructions per candidate per warp, 167 of
-    # them shuffles; 177 us at 8 x 128K on an H100) or "columns" (one warp, channel by channel
-    # into registers: 1,659 per candidate, 39% fewer warp-instructions; not yet timed on a GPU).
+    # how the decode kernels' `page_rescore` (graph and eager) lays out one candidate: "rows"
+    # (four warps over a [G, 32, R] product reduced over R: 681 sm_90 instructions per candidate
+    # per warp, 167 of them shuffles; 177 us at 8 x 128K on an H100) or "columns" (one warp,
+    # channel by channel into registers: 1,659 per candidate, 39% fewer warp-instructions; not
+    # yet timed on a GPU).
     # The same scores up to the order of the channel sums (tests/test_page_rescore_kernel.py).
     rescore_layout: str = "rows"
 
