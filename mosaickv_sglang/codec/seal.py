@@ -515,9 +515,9 @@ def read_back_block(refs: list, k_basis: torch.Tensor, v_basis: torch.Tensor, dt
     out = []
     for kind, basis in ((0, k_basis), (1, v_basis)):
         rows = torch.stack([batch.decoded[kind][i] for batch, i in refs])  # [n, H, S, D]
-        rot = [batch.v if kind else batch.k for batch, _ in refs]
+        choices = [batch.v if kind else batch.k for batch, _ in refs]  # ChoiceBatch per ref
         rot = torch.tensor([bool(c.tries[c.try_of[i]].strategy.rot)
-                            for c, (_, i) in zip(rot, refs)])
+                            for c, (_, i) in zip(choices, refs)])
         back = rows
         if bool(rot.any()):
             turned = rows @ basis.float()  # [n, H, S, D] @ [H, D, D]: unrotate's product
