@@ -75,15 +75,18 @@ class SelectionConfig:
     # how the decode kernels' `page_rescore` (graph and eager) lays out one candidate: "rows"
     # (four warps over a [G, 32, R] product reduced over R: 681 sm_90 instructions per candidate
     # per warp, 167 of them shuffles; 177 us at 8 x 128K on an H100) or "columns" (one warp,
-    # channel by channel into registers: 1,659 per candidate, 39% fewer warp-instructions; not
-    # yet timed on a GPU).
-    # The same scores up to the order of the channel sums (tests/test_page_rescore_kernel.py).
+    # channel by channel into registers through the layout's per-channel plan: 1,659 per
+    # candidate, ~52 per channel, 14 of them loads) or "bands" (one warp, band by band from the
+    # segment's header: no plan entry loaded, a code byte read once for its 2 or 4 channels;
+    # 18.5 instructions per 8-bit and 22 per 4-bit channel in its loops). Neither yet timed on
+    # a GPU. The same scores up to the order of the channel sums
+    # (tests/test_page_rescore_kernel.py).
     rescore_layout: str = "rows"
 
     def validate(self, page_tokens: int) -> None:
-        if self.rescore_layout not in ("rows", "columns"):
+        if self.rescore_layout not in ("rows", "columns", "bands"):
             raise ValueError(f"mosaickv config: select.rescore_layout={self.rescore_layout!r} "
-                             "must be 'rows' or 'columns'")
+                             "must be 'rows', 'columns' or 'bands'")
         for key in ("budget_tokens", "sink_tokens", "recent_tokens", "meta_channels",
                     "rescore_factor", "rescore_channels"):
             if getattr(self, key) < 0:

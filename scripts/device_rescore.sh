@@ -4,7 +4,7 @@
 # pytest at $PYTEST_SITE (default /tmp/pyt):
 # 1. `tests/test_page_rescore_kernel.py` compiled for the GPU (both layouts);
 # 2. `decode_step_bench.py --profile` at STEP_CONTEXTS x STEP_BATCHES (131072 x 1,8) under each
-#    config of VARIANTS (name=JSON; default: the default, `rescore_layout: columns`,
+#    config of VARIANTS (name=JSON; default: the default, `rescore_layout: columns` and `bands`,
 #    `rescore_factor: 2`, `rescore_channels: 16`), each beside FlashInfer's paged decode in the same process.
 # Env: HBM_TBS (3.35: an H100; 4.8 on an H200), TEST_S / STEP_S (time limits). Results:
 # $OUT/step_<name>.json, $OUT/rescore_tests.log.
@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader; date -u
 PYTHONPATH=${PYTEST_SITE:-/tmp/pyt}:${PYTHONPATH:-} timeout "${TEST_S:-120}" python3 -m pytest -q \
   -p no:cacheprovider tests/test_page_rescore_kernel.py 2>&1 | tail -4 | tee "$OUT/rescore_tests.log"
 echo "tests done at $((SECONDS - t0)) s"
-VARIANTS=${VARIANTS:-'default={} columns={"select":{"rescore_layout":"columns"}} factor2={"select":{"rescore_factor":2}} ch16={"select":{"rescore_channels":16}}'}
+VARIANTS=${VARIANTS:-'default={} columns={"select":{"rescore_layout":"columns"}} bands={"select":{"rescore_layout":"bands"}} factor2={"select":{"rescore_factor":2}} ch16={"select":{"rescore_channels":16}}'}
 for v in $VARIANTS; do
   name=${v%%=*}; cfg=${v#*=}
   timeout "${STEP_S:-110}" python3 benchmarks/decode_step_bench.py \

@@ -377,6 +377,12 @@ SCENARIOS = [
               "request_decode._request_decode_stage2", "page_select._page_bounds",
               "page_select._select_top_pages", "page_rescore._page_rescore"),
              lambda: graph_decode(128, True, None, "exact", "columns")),
+    # `select.rescore_layout: bands`: the second stage band by band from the header, one warp
+    Scenario("graph decode d128 select rescore bands",
+             ("request_decode._request_queries", "request_decode._request_decode_stage1",
+              "request_decode._request_decode_stage2", "page_select._page_bounds",
+              "page_select._select_top_pages", "page_rescore._page_rescore"),
+             lambda: graph_decode(128, True, None, "exact", "bands")),
     Scenario("decode tables", ("decode_tables._decode_tables",), decode_tables),
     Scenario("pack d128", ("band_pack._pack_kind",), lambda: band_pack(128)),
     Scenario("pack d64", ("band_pack._pack_kind",), lambda: band_pack(64)),

@@ -27,7 +27,7 @@ def _scores(graph, bk, local, q, ids, counts, channels, layout="rows"):
     return got, want
 
 
-@pytest.mark.parametrize("layout", ["rows", "columns"])
+@pytest.mark.parametrize("layout", ["rows", "columns", "bands"])
 @pytest.mark.parametrize("channels", [32, D])
 def test_candidates_scored_as_the_reference(seed, channels, layout):
     from mosaickv_kernels.page_select import page_bounds, select_page_list
@@ -54,7 +54,7 @@ def test_candidates_scored_as_the_reference(seed, channels, layout):
         assert err <= 1e-4 * want[listed].abs().max(), (local, float(err), repro(seed))
 
 
-@pytest.mark.parametrize("layout", ["rows", "columns"])
+@pytest.mark.parametrize("layout", ["rows", "columns", "bands"])
 def test_random_lists_and_empty_ones(seed, layout):
     graph, bk, pool = _graph(seed, (1100, 640), 3)
     n_pages = bk.req_pages.tolist()
@@ -73,6 +73,33 @@ def test_random_lists_and_empty_ones(seed, layout):
     assert torch.equal(torch.isneginf(got), torch.isneginf(want)), repro(seed)
     fin = ~torch.isneginf(want)
     assert (got[fin] - want[fin]).abs().max() <= 1e-4 * want[fin].abs().max(), repro(seed)
+
+
+@pytest.mark.parametrize("channels", [16, 32, D])
+def test_bands_cut_inside_a_code_byte(seed, channels):
+    """K bands whose leading `channels` end inside a code byte (3 8-bit channels, then 4-bit
+    and 2-bit ones: the band layout's masked last byte) score as the reference."""
+    from mosaickv_sglang.config import MosaicConfig
+
+    odd = ["band:b8=3,b4=42,b2=16,group=128", "band:b8=3,b4=10,b2=48,group=128"]
+    graph, bk, pool = _graph(seed, (900, 400), 2, config={
+        "k_candidates": odd, "k_error_budget": MosaicConfig().k_error_budget})
+    layouts = {int(pool.store.headers[0][p, 3]) for p in pool.sealed}
+    n8 = {int(pool.store.headers[0][p, 4]) for p in pool.sealed}
+    assert 3 in n8, ("no segment with 3 8-bit K channels", n8, repro(seed))
+    n_pages = bk.req_pages.tolist()
+    ids = torch.full((bk.bs, H, max(n_pages)), 10**6, dtype=torch.int32)
+    counts = torch.zeros(bk.bs, H, dtype=torch.int32)
+    for b in range(bk.bs):
+        ids[b, :, :n_pages[b]] = torch.arange(n_pages[b], dtype=torch.int32)
+        counts[b] = n_pages[b]
+    q = torch.randn(bk.bs, HQ, D, device=DEVICE)
+    for layout in ("bands", "columns"):
+        got, want = _scores(graph, bk, 0, q, ids.to(DEVICE), counts.to(DEVICE), channels, layout)
+        fin = ~torch.isneginf(want)
+        assert torch.equal(torch.isneginf(got), ~fin), (layout, repro(seed))
+        err = (got[fin] - want[fin]).abs().max()
+        assert err <= 1e-4 * want[fin].abs().max(), (layout, len(layouts), float(err), repro(seed))
 
 
 def test_misuse_is_refused(seed):

@@ -19,16 +19,18 @@ PS, H, HQ, D, LAYERS = 128, 2, 4, 64, 2
 CONTEXT = 1280  # 256-token blocks: W = 5 rows per request, 8 pages per row
 
 
-def _graph(seed: int, lengths, bs: int, products: str = "exact", **select):
+def _graph(seed: int, lengths, bs: int, products: str = "exact", config: dict | None = None,
+           **select):
     """A pool holding `lengths` requests (rows 1..) and a GraphDecode whose bucket `bs` has this
-    step's tables prepared (requests past len(lengths) padded)."""
+    step's tables prepared (requests past len(lengths) padded); `config`: more MosaicConfig
+    fields."""
     from mosaickv_sglang.serving.graph_decode import GraphDecode
     from mosaickv_sglang.serving.pool import MosaicKVPool
 
     cfg = MosaicConfig(hot_tokens=0, basis_block_tokens=256, decode_kernel="triton",
                        graph_products=products,
                        select={"budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64,
-                               **select})
+                               **select}, **(config or {}))
     pool = MosaicKVPool(48 * PS, PS, torch.bfloat16, H, D, LAYERS, DEVICE, False,
                         mosaic_config=cfg)
     req_to_token = write_requests(pool, lengths, seed, DEVICE, width=CONTEXT).to(DEVICE)

@@ -97,6 +97,84 @@ def _scores_columns(Q_ROT, ARENA_U8, ARENA_F16, page, base, plan, group, qrow, h
 
 
 @triton.jit
+def _band_channels(s, raw, sc, ze, q_ptr, mask_g, c0, j, ok, PER: tl.constexpr,
+                   BITS: tl.constexpr, EVEN_G: tl.constexpr, MASKED: tl.constexpr):
+    """`s` plus the products of the PER channels j .. j + PER - 1 of a band held by the code
+    bytes `raw` [32] (channel j + u in bits u * BITS ..); MASKED: only those below `ok`."""
+    for u in tl.static_range(PER):
+        if MASKED:
+            live = j + u < ok
+            scale = tl.load(sc + j + u, mask=live, other=0.0).to(tl.float32)
+            zero = tl.load(ze + j + u, mask=live, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + c0 + j + u, mask=mask_g & live, other=0.0)
+        else:
+            scale = tl.load(sc + j + u).to(tl.float32)
+            zero = tl.load(ze + j + u).to(tl.float32)
+            if EVEN_G:
+                q = tl.load(q_ptr + c0 + j + u)  # [BLOCK_G]
+            else:
+                q = tl.load(q_ptr + c0 + j + u, mask=mask_g, other=0.0)
+        k = ((raw >> (u * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * scale + zero
+        s += q[:, None] * k[None, :]
+    return s
+
+
+@triton.jit
+def _band_part(s, ARENA_U8, ARENA_F16, hdr, base, tok, gidx, q_ptr, mask_g, c0, budget,
+               N_COL: tl.constexpr, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr,
+               ZERO_COL: tl.constexpr, BITS: tl.constexpr, EVEN_G: tl.constexpr):
+    """`s` plus the products of one band's leading channels (at most `budget`, the leading
+    channels the earlier bands left; channel j of the band is channel c0 + j of the basis):
+    each code byte loaded once per token for its 8 // BITS channels, the band's scales and
+    zeros at affine offsets (`BlockLayout.channel_plan`: scale + 2 j + group * 2 n). Whole
+    bytes unmasked, then at most one partial byte."""
+    n = tl.load(hdr + N_COL)
+    cnt = tl.maximum(tl.minimum(n, budget), 0)
+    PER: tl.constexpr = 8 // BITS
+    codes = ARENA_U8 + base + tl.load(hdr + CODES_COL) + tok * (n * BITS // 8)  # [32]
+    f16 = ARENA_F16 + base // 2 + gidx * n
+    sc = f16 + tl.load(hdr + SCALE_COL) // 2
+    ze = f16 + tl.load(hdr + ZERO_COL) // 2
+    whole = cnt // PER
+    for i in range(0, whole):
+        raw = tl.load(codes + i).to(tl.int32)  # [32]: PER channels of each token
+        s = _band_channels(s, raw, sc, ze, q_ptr, mask_g, c0, i * PER, cnt, PER, BITS, EVEN_G,
+                           False)
+    if whole * PER < cnt:
+        raw = tl.load(codes + whole).to(tl.int32)
+        s = _band_channels(s, raw, sc, ze, q_ptr, mask_g, c0, whole * PER, cnt, PER, BITS,
+                           EVEN_G, True)
+    return s, cnt
+
+
+@triton.jit
+def _scores_bands(Q_ROT, ARENA_U8, ARENA_F16, hdr, page, base, group, qrow, h, H, G, pps,
+                  D: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr,
+                  K_B8: tl.constexpr, K_B4: tl.constexpr, K_B2: tl.constexpr,
+                  K_CODES8: tl.constexpr, K_CODES4: tl.constexpr, K_CODES2: tl.constexpr,
+                  K_SCALE8: tl.constexpr, K_ZERO8: tl.constexpr, K_SCALE4: tl.constexpr,
+                  K_ZERO4: tl.constexpr, K_SCALE2: tl.constexpr, K_ZERO2: tl.constexpr,
+                  EVEN_G: tl.constexpr):
+    """The same scores from the segment's header alone (one warp, a lane per token): K's bands
+    are the leading channels in order 8, 4, 2 bits, each at affine offsets, so no per-channel
+    plan entry is loaded and a code byte serves its 2 or 4 channels (the column layout spends
+    14 loads per channel, 7 of them plan entries)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < G
+    tok = ((page % pps) * 32 + tl.arange(0, 32)).to(tl.int32)
+    gidx = ((page % pps) * 32) // group
+    q_ptr = Q_ROT + ((qrow * H + h) * G + offs_g) * D
+    s = tl.zeros([BLOCK_G, 32], dtype=tl.float32)
+    s, c8 = _band_part(s, ARENA_U8, ARENA_F16, hdr, base, tok, gidx, q_ptr, mask_g, 0, R,
+                       K_B8, K_CODES8, K_SCALE8, K_ZERO8, 8, EVEN_G)
+    s, c4 = _band_part(s, ARENA_U8, ARENA_F16, hdr, base, tok, gidx, q_ptr, mask_g, c8,
+                       R - c8, K_B4, K_CODES4, K_SCALE4, K_ZERO4, 4, EVEN_G)
+    s, c2 = _band_part(s, ARENA_U8, ARENA_F16, hdr, base, tok, gidx, q_ptr, mask_g,
+                       c8 + c4, R - c8 - c4, K_B2, K_CODES2, K_SCALE2, K_ZERO2, 2, EVEN_G)
+    return s
+
+
+@triton.jit
 def _page_rescore(
     Q_ROT,  # fp32 [B * W, H, G, D]: each query row's q in its row's K basis
     ARENA_U8, ARENA_F16, HEADERS, PLANS,  # the layer's arena, headers, layout plans
@@ -110,6 +188,11 @@ def _page_rescore(
     R_CODE: tl.constexpr, R_ROW: tl.constexpr, R_SHIFT: tl.constexpr, R_MASK: tl.constexpr,
     R_SCALE: tl.constexpr, R_ZERO: tl.constexpr, R_GROUP: tl.constexpr,
     COLUMNS: tl.constexpr,  # `_scores_columns` (one warp) instead of `_scores_rows`
+    BANDS: tl.constexpr,  # `_scores_bands` (one warp, from the header) instead of either
+    K_B8: tl.constexpr, K_B4: tl.constexpr, K_B2: tl.constexpr, K_CODES8: tl.constexpr,
+    K_CODES4: tl.constexpr, K_CODES2: tl.constexpr, K_SCALE8: tl.constexpr,
+    K_ZERO8: tl.constexpr, K_SCALE4: tl.constexpr, K_ZERO4: tl.constexpr,
+    K_SCALE2: tl.constexpr, K_ZERO2: tl.constexpr, EVEN_G: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -126,7 +209,12 @@ def _page_rescore(
         plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)  # K's plan
         group = tl.load(hdr + K_GROUP_COL)
         qrow = b * W + page // row_pages
-        if COLUMNS:
+        if BANDS:
+            s = _scores_bands(Q_ROT, ARENA_U8, ARENA_F16, hdr, page, base, group, qrow, h, H, G,
+                              pps, D, R, BLOCK_G, K_B8, K_B4, K_B2, K_CODES8, K_CODES4,
+                              K_CODES2, K_SCALE8, K_ZERO8, K_SCALE4, K_ZERO4, K_SCALE2, K_ZERO2,
+                              EVEN_G)
+        elif COLUMNS:
             s = _scores_columns(Q_ROT, ARENA_U8, ARENA_F16, page, base, plan, group, qrow, h, H,
                                 G, pps, D, R, BLOCK_G, R_CODE, R_ROW, R_SHIFT, R_MASK, R_SCALE,
                                 R_ZERO, R_GROUP)
@@ -138,7 +226,7 @@ def _page_rescore(
         tl.store(OUT + bh * P_out + page, tl.max(tl.max(s, 1), 0))
 
 
-LAYOUTS = ("rows", "columns")  # `page_rescore(layout=)`: the kernel's layout of one candidate
+LAYOUTS = ("rows", "columns", "bands")  # `page_rescore(layout=)`: the kernel's layout of one candidate
 
 
 def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
@@ -150,9 +238,10 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
     on the leading `channels` of their compressed K against `q_rot` fp32 [B * W, H, G, D]
     (W = `rows_per_owner`); `out` fp32 [B, H, P] (P > every candidate id) filled with -inf and
     the candidates' scores. Two launches (the fill, the scores), no host sync. `layout`: "rows"
-    (`_scores_rows`, four warps over a [G, 32, R] product) or "columns" (`_scores_columns`,
-    one warp, channel by channel): the same scores up to the order
-    of the R-term sums (config `select.rescore_layout`)."""
+    (`_scores_rows`, four warps over a [G, 32, R] product), "columns" (`_scores_columns`,
+    one warp, channel by channel through the layout's plan) or "bands" (`_scores_bands`, one
+    warp, band by band from the segment's header): the same scores up to the order of the
+    R-term sums (config `select.rescore_layout`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"page_rescore: layout {layout!r} must be one of {LAYOUTS}")
     b, h, k = page_ids.shape
@@ -189,7 +278,11 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
         STRIDE_COL=HDR["head_stride"], LAYOUT_COL=HDR["layout"], K_GROUP_COL=HDR["k_group"],
         R_CODE=PLAN_ROW["code"], R_ROW=PLAN_ROW["row"], R_SHIFT=PLAN_ROW["shift"],
         R_MASK=PLAN_ROW["mask"], R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"],
-        R_GROUP=PLAN_ROW["group_bytes"], COLUMNS=layout == "columns",
+        R_GROUP=PLAN_ROW["group_bytes"], COLUMNS=layout == "columns", BANDS=layout == "bands",
+        EVEN_G=g == max(2, triton.next_power_of_2(g)),
+        **{f"K_{f.upper()}": HDR[f"k_{f}"] for f in ("b8", "b4", "b2", "codes8", "codes4",
+                                                      "codes2", "scale8", "zero8", "scale4",
+                                                      "zero4", "scale2", "zero2")},
         num_warps=4 if layout == "rows" else 1)
     return out
 
