@@ -2,7 +2,8 @@
 # Selection's second stage (`page_rescore`) on the GPU in one call, after the server bundles are
 # unpacked on this machine (scripts/device_env.sh, this call or an earlier one while warm) and
 # pytest at $PYTEST_SITE (default /tmp/pyt):
-# 1. `tests/test_page_rescore_kernel.py` compiled for the GPU (both layouts);
+# 1. `tests/test_page_rescore_kernel.py` compiled for the GPU (every layout) and the decode graph's
+#    replay with the second stage against the eager step (`test_graph_decode.py -k rescore`);
 # 2. `decode_step_bench.py --profile` at STEP_CONTEXTS x STEP_BATCHES (131072 x 1,8) under each
 #    config of VARIANTS (name=JSON; default: the default, `rescore_layout: columns` and `bands`,
 #    `rescore_factor: 2`, `rescore_channels: 16`), each beside FlashInfer's paged decode in the same process.
@@ -14,6 +15,9 @@ t0=$SECONDS
 nvidia-smi --query-gpu=name --format=csv,noheader; date -u
 PYTHONPATH=${PYTEST_SITE:-/tmp/pyt}:${PYTHONPATH:-} timeout "${TEST_S:-120}" python3 -m pytest -q \
   -p no:cacheprovider tests/test_page_rescore_kernel.py 2>&1 | tail -4 | tee "$OUT/rescore_tests.log"
+# the decode graph with the second stage (every layout that has a case) against the eager step
+PYTHONPATH=${PYTEST_SITE:-/tmp/pyt}:${PYTHONPATH:-} timeout "${TEST_S:-120}" python3 -m pytest -q \
+  -p no:cacheprovider tests/test_graph_decode.py -k rescore 2>&1 | tail -4 | tee -a "$OUT/rescore_tests.log"
 echo "tests done at $((SECONDS - t0)) s"
 VARIANTS=${VARIANTS:-'default={} columns={"select":{"rescore_layout":"columns"}} bands={"select":{"rescore_layout":"bands"}} factor2={"select":{"rescore_factor":2}} ch16={"select":{"rescore_channels":16}}'}
 for v in $VARIANTS; do
