@@ -169,7 +169,7 @@ def _scores_bands(Q_ROT, ARENA_U8, ARENA_F16, hdr, page, base, group, qrow, h, H
                        K_B8, K_CODES8, K_SCALE8, K_ZERO8, 8, EVEN_G)
     s, c4 = _band_part(s, ARENA_U8, ARENA_F16, hdr, base, tok, gidx, q_ptr, mask_g, c8,
                        R - c8, K_B4, K_CODES4, K_SCALE4, K_ZERO4, 4, EVEN_G)
-    s, c2 = _band_part(s, ARENA_U8, ARENA_F16, hdr, base, tok, gidx, q_ptr, mask_g,
+    s, _ = _band_part(s, ARENA_U8, ARENA_F16, hdr, base, tok, gidx, q_ptr, mask_g,
                        c8 + c4, R - c8 - c4, K_B2, K_CODES2, K_SCALE2, K_ZERO2, 2, EVEN_G)
     return s
 
@@ -226,7 +226,8 @@ def _page_rescore(
         tl.store(OUT + bh * P_out + page, tl.max(tl.max(s, 1), 0))
 
 
-LAYOUTS = ("rows", "columns", "bands")  # `page_rescore(layout=)`: the kernel's layout of one candidate
+# `page_rescore(layout=)`: the kernel's layout of one candidate
+LAYOUTS = ("rows", "columns", "bands")
 
 
 def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
