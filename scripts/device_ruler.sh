@@ -25,8 +25,7 @@
 # compact50 = two compact presets at >= 4.5x beside the default and FP8;
 # cold50 = cold recompression, default and compact cold candidates, beside the default and FP8;
 # decide50 = candidates50's b12 pair and compact50's c20 preset in one parallel run;
-# decide_hard50 = those on the four cells where the default lost most; window50 = the default with
-# a 64- and a 128-token dense window of recent tokens beside it and FP8, on those 10 cells)
+# decide_hard50 = those on the four cells where the default lost most)
 # until LIMIT_S, the systems of a set served at once (--parallel), with SPLIT=N by N eval.ruler processes over task
 # groups (see ruler_run). Both sets share one samples file in /tmp/mosaickv_ruler (kept while
 # warm), copied to $OUT after every set; one carried as .device/ruler/samples.jsonl seeds a fresh
@@ -200,9 +199,6 @@ for set in ${RULER_SETS:-full ablate}; do
     decide_hard50) args=(--systems dense fp8 mosaickv_rescore_b12 mosaickv_position_rescore_b12
                          mosaickv_compact_c20 --parallel 5 --cells niah_single_2@8192
                          niah_multivalue@2048 niah_single_3@4096 niah_single_1@8192 --samples 50) ;;
-    # the default with a dense window of recent tokens (64 / 128) beside it and FP8 (resumed)
-    window50) args=(--systems dense mosaickv fp8 mosaickv_window64 mosaickv_window128 --parallel 5
-                    --cells "${COMPETENT[@]}" --samples 50) ;;
     # selection at 1/8 of the context (issue: 512 tokens at 4K, 1024 at 8K) on the competent
     # cells of that length: the bound alone, the second stage on the compressed K, Quest-like
     select8_4k) args=(--systems dense mosaickv mosaickv_sel512 mosaickv_sel512_rescore

@@ -223,13 +223,6 @@ def build_systems() -> dict[str, System]:
                "stage and chooser budgets k 0.12 / v 0.20 (the default since 2026-12-07)", config={
                    **POSITION_RULE, "k_error_budget": LOOSE_BUDGETS[0],
                    "v_error_budget": LOOSE_BUDGETS[1], "select": SECOND_STAGE}, family="budget"),
-        # the default with a dense window of recent tokens (the position rule reads the last
-        # `hot_tokens` dense): at the codec level a prompt ending just past a segment boundary
-        # read its whole last segment compressed, attention error 0.41 vs 0.05 with a 128-token
-        # window (benchmarks/results/recent_window_cpu_2026-12-07/)
-        *(System(f"mosaickv_window{w}", f"the default with the last {w} tokens read dense "
-                 f"(hot_tokens {w})", config={"hot_tokens": w}, family="ablation")
-          for w in (64, 128)),
     ]
     # compact presets at >= 4.5x (the accuracy issue): the compact candidates with the second
     # stage, chooser budgets k/v 0.20/0.30 and 0.25/0.35 (codec, 8K: 4.06x at attention error
