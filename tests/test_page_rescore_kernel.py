@@ -9,25 +9,24 @@ import pytest
 import torch
 
 from conftest import repro
+from mosaickv_kernels.page_rescore import LAYOUTS  # every layout on one pool (CI time)
 from test_request_decode_kernel import DEVICE, D, H, HQ, LAYERS, _graph
 
 
-def _scores(graph, bk, local, q, ids, counts, channels, layout="rows", reference=True):
+def _scores(graph, bk, local, q, ids, counts, channels, layouts=LAYOUTS):
+    """Each of `layouts`' kernel scores (layout -> [B, H, P] on the CPU) and the reference's."""
     from mosaickv_kernels.page_rescore import page_rescore, page_rescore_reference
 
     q_rot, _ = bk.decoder.queries(q, bk.basis_ptrs, local * H, bk.req_pages)
     t = graph.tables(bk, local)
     p = graph.width * graph.row_pages
-    out = torch.full((bk.bs, H, p), float("nan"), device=DEVICE)
     args = (t.data, t.headers, t.plans, t.seg_indptr, t.seg_ids, ids, counts)
     kw = dict(rows_per_owner=graph.width, row_pages=graph.row_pages, pages_per_seg=graph.pps,
               channels=channels)
-    got = page_rescore(q_rot, *args, **kw, out=out, layout=layout).cpu()
-    want = page_rescore_reference(q_rot, *args, **kw, pages_out=p) if reference else None
-    return got, want
-
-
-LAYOUTS = ("rows", "columns", "bands")  # every layout on one pool (a pool per layout: CI time)
+    got = {layout: page_rescore(q_rot, *args, **kw, layout=layout,
+                                out=torch.full((bk.bs, H, p), float("nan"), device=DEVICE)).cpu()
+           for layout in layouts}
+    return got, page_rescore_reference(q_rot, *args, **kw, pages_out=p)
 
 
 @pytest.mark.parametrize("channels", [32, D])
@@ -44,18 +43,16 @@ def test_candidates_scored_as_the_reference(seed, channels):
                              graph.row_pages, out=bk.bounds, rows_per_out=graph.width)
         ids, counts = select_page_list(bounds, bk.req_pages, 2 * graph.budget_pages,
                                        graph.sink_pages, graph.recent_pages)
-        want = None
-        for layout in LAYOUTS:  # the reference once, every layout against it
-            got, ref = _scores(graph, bk, local, q, ids, counts, channels, layout, want is None)
-            want = ref if want is None else want
-            listed = torch.zeros_like(want, dtype=torch.bool)
-            for b in range(bk.bs):
-                for hh in range(H):
-                    listed[b, hh, ids[b, hh, :int(counts[b, hh])].long().cpu()] = True
-            assert int(listed.sum()) == int(counts.sum()) > 0
+        got, want = _scores(graph, bk, local, q, ids, counts, channels)
+        listed = torch.zeros_like(want, dtype=torch.bool)
+        for b in range(bk.bs):
+            for hh in range(H):
+                listed[b, hh, ids[b, hh, :int(counts[b, hh])].long().cpu()] = True
+        assert int(listed.sum()) == int(counts.sum()) > 0
+        for layout, g in got.items():
             # the rest: -inf, no NaN left
-            assert torch.isneginf(got[~listed]).all(), (layout, repro(seed))
-            err = (got[listed] - want[listed]).abs().max()
+            assert torch.isneginf(g[~listed]).all(), (layout, repro(seed))
+            err = (g[listed] - want[listed]).abs().max()
             # float32 products of the same dequantized values, summed in another order
             assert err <= 1e-4 * want[listed].abs().max(), (layout, local, float(err),
                                                              repro(seed))
@@ -75,14 +72,11 @@ def test_random_lists_and_empty_ones(seed):
             ids[b, hh, :take.numel()] = take.to(torch.int32)
             counts[b, hh] = take.numel()
     q = torch.randn(bk.bs, HQ, D, device=DEVICE)
-    want = None
-    for layout in LAYOUTS:
-        got, ref = _scores(graph, bk, 1, q, ids.to(DEVICE), counts.to(DEVICE), 16, layout,
-                           want is None)
-        want = ref if want is None else want
-        assert torch.equal(torch.isneginf(got), torch.isneginf(want)), (layout, repro(seed))
-        fin = ~torch.isneginf(want)
-        assert (got[fin] - want[fin]).abs().max() <= 1e-4 * want[fin].abs().max(), \
+    got, want = _scores(graph, bk, 1, q, ids.to(DEVICE), counts.to(DEVICE), 16)
+    fin = ~torch.isneginf(want)
+    for layout, g in got.items():
+        assert torch.equal(torch.isneginf(g), ~fin), (layout, repro(seed))
+        assert (g[fin] - want[fin]).abs().max() <= 1e-4 * want[fin].abs().max(), \
             (layout, repro(seed))
 
 
@@ -95,7 +89,6 @@ def test_bands_cut_inside_a_code_byte(seed, channels):
     odd = ["band:b8=3,b4=42,b2=16,group=128", "band:b8=3,b4=10,b2=48,group=128"]
     graph, bk, pool = _graph(seed, (900, 400), 2, config={
         "k_candidates": odd, "k_error_budget": MosaicConfig().k_error_budget})
-    layouts = {int(pool.store.headers[0][p, 3]) for p in pool.sealed}
     n8 = {int(pool.store.headers[0][p, 4]) for p in pool.sealed}
     assert 3 in n8, ("no segment with 3 8-bit K channels", n8, repro(seed))
     n_pages = bk.req_pages.tolist()
@@ -105,11 +98,11 @@ def test_bands_cut_inside_a_code_byte(seed, channels):
         ids[b, :, :n_pages[b]] = torch.arange(n_pages[b], dtype=torch.int32)
         counts[b] = n_pages[b]
     q = torch.randn(bk.bs, HQ, D, device=DEVICE)
-    got, want = _scores(graph, bk, 0, q, ids.to(DEVICE), counts.to(DEVICE), channels, "bands")
+    got, want = _scores(graph, bk, 0, q, ids.to(DEVICE), counts.to(DEVICE), channels, ("bands",))
     fin = ~torch.isneginf(want)
-    assert torch.equal(torch.isneginf(got), ~fin), repro(seed)
-    err = (got[fin] - want[fin]).abs().max()
-    assert err <= 1e-4 * want[fin].abs().max(), (len(layouts), float(err), repro(seed))
+    assert torch.equal(torch.isneginf(got["bands"]), ~fin), repro(seed)
+    err = (got["bands"][fin] - want[fin]).abs().max()
+    assert err <= 1e-4 * want[fin].abs().max(), (float(err), repro(seed))
 
 
 def test_misuse_is_refused(seed):
