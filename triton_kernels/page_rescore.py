@@ -97,13 +97,13 @@ def _scores_columns(Q_ROT, ARENA_U8, ARENA_F16, page, base, plan, group, qrow, h
 
 
 @triton.jit
-def _band_channels(s, raw, sc, ze, q_ptr, mask_g, c0, j, ok, PER: tl.constexpr,
+def _band_channels(s, raw, sc, ze, q_ptr, mask_g, c0, j, cnt, PER: tl.constexpr,
                    BITS: tl.constexpr, EVEN_G: tl.constexpr, MASKED: tl.constexpr):
     """`s` plus the products of the PER channels j .. j + PER - 1 of a band held by the code
-    bytes `raw` [32] (channel j + u in bits u * BITS ..); MASKED: only those below `ok`."""
+    bytes `raw` [32] (channel j + u in bits u * BITS ..); MASKED: only those below `cnt`."""
     for u in tl.static_range(PER):
         if MASKED:
-            live = j + u < ok
+            live = j + u < cnt
             scale = tl.load(sc + j + u, mask=live, other=0.0).to(tl.float32)
             zero = tl.load(ze + j + u, mask=live, other=0.0).to(tl.float32)
             q = tl.load(q_ptr + c0 + j + u, mask=mask_g & live, other=0.0)
