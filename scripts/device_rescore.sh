@@ -11,17 +11,20 @@
 #    `rescore_factor: 2`, `rescore_channels: 16`), each beside FlashInfer's paged decode.
 # Every output goes to $OUT as it comes (a call's time limit kills the pipeline: a `| tail` at the
 # end of the command returns nothing then). Env: HBM_TBS (3.35: an H100; 4.8 on an H200),
-# TEST_S / STEP_S (time limits). Results: $OUT/rescore_tests.log, $OUT/step_<name>.{json,log}.
+# TEST_S / STEP_S (time limits). Results: $OUT/rescore_tests.log, $OUT/graph_tests.log,
+# $OUT/step_<name>.{json,log}.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 t0=$SECONDS
 nvidia-smi --query-gpu=name --format=csv,noheader; date -u
-PYTHONPATH=${PYTEST_SITE:-/tmp/pyt}:${PYTHONPATH:-} timeout "${TEST_S:-200}" python3 -m pytest -q \
-  -p no:cacheprovider -rf tests/test_page_rescore_kernel.py > "$OUT/rescore_tests.log" 2>&1
-tail -3 "$OUT/rescore_tests.log"; echo "kernel tests done at $((SECONDS - t0)) s"
-PYTHONPATH=${PYTEST_SITE:-/tmp/pyt}:${PYTHONPATH:-} timeout "${TEST_S:-200}" python3 -m pytest -q \
-  -p no:cacheprovider -rf tests/test_graph_decode.py -k rescore > "$OUT/graph_tests.log" 2>&1
-tail -3 "$OUT/graph_tests.log"; echo "graph tests done at $((SECONDS - t0)) s"
+gpu_tests() {  # LOG, then pytest's arguments
+  local log=$1; shift
+  PYTHONPATH=${PYTEST_SITE:-/tmp/pyt}:${PYTHONPATH:-} timeout "${TEST_S:-200}" python3 -m pytest \
+    -q -p no:cacheprovider -rf "$@" > "$OUT/$log" 2>&1
+  tail -3 "$OUT/$log"; echo "$log done at $((SECONDS - t0)) s"
+}
+gpu_tests rescore_tests.log tests/test_page_rescore_kernel.py
+gpu_tests graph_tests.log tests/test_graph_decode.py -k rescore
 VARIANTS=${VARIANTS:-'default={} bands={"select":{"rescore_layout":"bands"}} columns={"select":{"rescore_layout":"columns"}} factor2={"select":{"rescore_factor":2}} ch16={"select":{"rescore_channels":16}}'}
 for v in $VARIANTS; do
   name=${v%%=*}; cfg=${v#*=}
