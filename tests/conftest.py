@@ -73,7 +73,15 @@ def write_requests(pool, lengths, seed: int, device: str = "cpu", width: int = 1
             pool.set_kv_buffer(SimpleNamespace(layer_id=layer_id), slots[:n].to(device),
                                k.bfloat16().to(device),
                                torch.randn(n, h, d, generator=gen).bfloat16().to(device))
-        pool.seal_request(slots[:n].to(device), n)
+        if pool.prompt_split and n:
+            # the position rule with a window: sealed as a prefill of an n-token prompt seals
+            # (its last token reads every full page before it compressed: those within the
+            # window of the prompt's end keep their hot copy for the generated tokens)
+            pool.set_prompt_len(rid, n)
+            pool.seal_request(slots[:n].to(device), n - 1, prompt=n)
+            pool.seal_request(slots[:n].to(device), n, prompt=n)
+        else:
+            pool.seal_request(slots[:n].to(device), n)
         page += width // ps
     return req_to_token
 

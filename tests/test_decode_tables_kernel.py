@@ -46,10 +46,12 @@ def test_tables_match_the_torch_reference(seed):
     from mosaickv_kernels.decode_tables import build_decode_tables
 
     gen = torch.Generator().manual_seed(seed)
-    fake = SimpleNamespace(pool=SimpleNamespace(position_rule=False, page_size=PS), width=W,
-                           block_pages=BLOCK, hot_cap=CAP, pps=PPS)
     ends = []
-    for bs, rows in ((1, 1), (4, 3), (5, 5)):  # rows < bs: padded requests
+    # rows < bs: padded requests; window > 0: the position rule's dense window cuts the prefix
+    for bs, rows, window in ((1, 1, 0), (4, 3, 0), (5, 5, 0), (5, 4, 128), (3, 3, 200)):
+        fake = SimpleNamespace(pool=SimpleNamespace(position_rule=False, page_size=PS,
+                                                    daemon=None), width=W,
+                               block_pages=BLOCK, hot_cap=CAP, pps=PPS, window=window)
         req_to_token, rpi, lens, table = _case(gen, bs, rows)
         # the hot tail must fit the table's width: shorten what does not
         want = GraphDecode.device_tables(fake, SimpleNamespace(bs=bs), rpi, lens, req_to_token,
@@ -69,8 +71,9 @@ def test_tables_match_the_torch_reference(seed):
         available = torch.full((1,), 5, dtype=torch.int64, device=DEVICE)
         build_decode_tables(req_to_token, rpi, lens, rows, table.sealed, table.basis_addr,
                             table.hot_page, out, page_size=PS, width=W, block_pages=BLOCK,
-                            pages_per_seg=PPS, available=available, count_scale=3)
-        why = (bs, rows, repro(seed))
+                            pages_per_seg=PPS, available=available, count_scale=3,
+                            window=window)
+        why = (bs, rows, window, repro(seed))
         end = int(want["seg_indptr"][-1])
         ends.append(end)
         for name in ("seg_indptr", "hot_lens", "req_pages", "basis_ptrs", "hot_rows"):

@@ -43,7 +43,7 @@ def _backend(mode: str, seed: int, lengths, device: str, context_len: int = 1024
 
     # one K and one V candidate: with the sink/rescue band, 4 width classes to launch (the
     # interpreter runs each launch; the default candidates make 16)
-    cfg = MosaicConfig(hot_tokens=0, basis_block_tokens=256, decode_kernel="triton",
+    cfg = MosaicConfig(hot_tokens=extra.pop("hot_tokens", 0), basis_block_tokens=256, decode_kernel="triton",
                        decode_cuda_graph=mode, k_candidates=["band:b8=4,b4=60,b2=0,group=128"],
                        v_candidates=["band:b8=4,b4=60,b2=0,group=128"],
                        sink_candidates=["band:b8=64,b4=0,b2=0,group=32"],
@@ -162,21 +162,29 @@ NO_RESCORE = {"rescore_factor": 0, "rescore_channels": 0}
 RESCORE = {"rescore_factor": 2, "rescore_channels": 32}
 CHUNK = {"read_rule": "chunk", "basis_fit": "group"}
 POSITION = {"read_rule": "position", "basis_fit": "first_page"}
+# the position rule with a 128-token window: request 1 (382 tokens) and 2 (700) read their
+# prompt's last full page dense from its kept hot copy (sealed as their prefill sealed it);
+# at step 2 request 1's token 384 starts a page and reads page 1 compressed (sealed then):
+# steps 0, 3, 4 planned on the device
+WINDOW = {**POSITION, "hot_tokens": 128}
 
 
 @pytest.mark.parametrize("device", [DEVICE])
 @pytest.mark.parametrize("seal_layers,device_planned,rescore,rule", [
     (0, DEVICE_PLANNED, NO_RESCORE, CHUNK), (1, DEVICE_PLANNED - 1, NO_RESCORE, CHUNK),
     (0, DEVICE_PLANNED, RESCORE, CHUNK), (0, DEVICE_PLANNED, RESCORE, POSITION),
-    (0, DEVICE_PLANNED, {**RESCORE, "rescore_layout": "bands"}, POSITION)],
-    ids=["chunk", "chunk-slices", "chunk-rescore", "position-rescore", "position-rescore-bands"])
+    (0, DEVICE_PLANNED, {**RESCORE, "rescore_layout": "bands"}, POSITION),
+    (0, DEVICE_PLANNED - 1, RESCORE, WINDOW)],
+    ids=["chunk", "chunk-slices", "chunk-rescore", "position-rescore", "position-rescore-bands",
+         "position-window"])
 def test_full_graph_replay_matches_the_eager_step(device, seal_layers, device_planned, rescore,
                                                   rule, seed):
     if rescore.get("rescore_layout") == "bands" and device == "cpu":
         # ~130 s in the interpreter: the band layout's scores are checked against the reference
         # in test_page_rescore_kernel.py on the CPU; the whole graph with it on the GPU (gate)
         pytest.skip("the band layout's graph replay runs on the GPU only (CI time)")
-    lengths, bs = (250, 700, 127), 4  # captured size 4: one padded row
+    # captured size 4: one padded row
+    lengths, bs = ((382, 700, 127) if rule.get("hot_tokens") else (250, 700, 127)), 4
     eager, pool_e = _backend("off", seed, lengths, device, decode_seal_layers=seal_layers,
                              select=rescore, **rule)
     # on the CPU the decode profile on, sampling no step by number (every 1000th): the graph's
@@ -196,6 +204,9 @@ def test_full_graph_replay_matches_the_eager_step(device, seal_layers, device_pl
     # the graph reads are compared with the eager plan's exactly (a hot token missed moved an
     # output by ~1.5e-4); the graph's kernels are checked against their float32 reference in
     # test_request_decode_kernel.py
+    kept = set(pool_g.kept_hot)
+    if rule.get("hot_tokens"):  # the prompts' last pages: sealed, read dense (kept hot)
+        assert kept and kept == pool_e.kept_hot, repro(seed)
     before = _state(pool_g)
     static, (q_in, k_in, v_in), layers, replay = _captured(graph, bs, device, repro(seed))
     fill = graph.get_cuda_graph_seq_len_fill_value()
@@ -246,7 +257,11 @@ def test_full_graph_replay_matches_the_eager_step(device, seal_layers, device_pl
         assert sorted(pool_e.decode_sealing) == sorted(pool_g.decode_sealing), (i, repro(seed))
         if seal_layers and i == 1:  # in flight: read dense (hot) by both, one layer sealed
             assert len(pool_g.decode_sealing) == 1, repro(seed)
-    assert len(pool_g.sealed) > sum(m // PS for m in lengths), repro(seed)  # sealed on the way
+    if rule.get("hot_tokens"):  # request 1's page 1: read compressed from step 2, copy freed
+        assert pool_g.kept_hot == pool_e.kept_hot and len(pool_g.kept_hot) == len(kept) - 1
+    else:
+        assert len(pool_g.sealed) > sum(m // PS for m in lengths), repro(seed)  # on the way
+    assert pool_g.counters.early_sealed_reads == pool_e.counters.early_sealed_reads == 0
     assert not pool_g.decode_sealing
     assert pool_g.counters.decode_sealed_pages == (1 if seal_layers else 0), repro(seed)
     stats = graph.packed.stats()["graph"]
@@ -363,12 +378,14 @@ def test_buckets_share_the_kernels_workspace(seed):
 def test_host_work_is_skipped_only_where_nothing_is_due():
     """`can_skip_host`: a step skips its host work only if the page table is unchanged since the
     last host step and no request writes the first token of a page (it needs a hot page) or
-    reaches a sealing boundary (the chunk rule seals a page once hot_tokens past it); under the
-    position rule only without a dense window (no daemon, no kept-hot page)."""
+    reaches a sealing boundary (a page W tokens behind it: sealed, or read compressed); under
+    the position rule only without the daemon and while no read found a page sealed inside its
+    window without a hot copy (early_sealed_reads)."""
     from mosaickv_sglang.serving.graph_decode import GraphDecode
 
     pool = SimpleNamespace(position_rule=False, basis_addr_ok=True, version=7, page_size=128,
-                           dense_window=64, decode_sealing={}, daemon=None, kept_hot=set())
+                           dense_window=64, decode_sealing={}, daemon=None, kept_hot=set(),
+                           counters=SimpleNamespace(early_sealed_reads=0))
     gd = GraphDecode.__new__(GraphDecode)
     gd.pool, gd._table, gd._host_version = pool, object(), 7
 
@@ -386,13 +403,16 @@ def test_host_work_is_skipped_only_where_nothing_is_due():
     pool.version = 8  # something sealed, freed or mapped since the last host step
     assert not skip(300, 1000)
     gd._host_version, pool.position_rule = 8, True
-    assert not skip(300, 1000)  # the position rule with a window: host only
+    pool.kept_hot = {3}  # the position rule with a window: a kept hot page is read dense
+    assert skip(300, 1000)  # (the device plan cuts the sealed prefix at the window)
+    assert not skip(300, 64 + 128 + 1)  # position 192: page 0 now read compressed
+    pool.counters.early_sealed_reads = 1  # a page sealed inside a window without a hot copy
+    assert not skip(300, 1000)  # read compressed by the host's rule: host only from then on
+    pool.counters.early_sealed_reads, pool.kept_hot = 0, set()
     pool.dense_window = 0  # W = 0: a page is read compressed from the step after its last token
     assert skip(300, 1000)
     assert not skip(300, 129)  # position 128: page 0 is full, sealed now
-    pool.kept_hot = {3}  # a sealed page still read dense: the host decides
-    assert not skip(300, 1000)
-    pool.kept_hot, pool.daemon = set(), object()  # the daemon's lag is a window
+    pool.daemon = object()  # the daemon's lag is a window its pages in flight may not keep
     assert not skip(300, 1000)
     pool.daemon, pool.position_rule, pool.basis_addr_ok = None, False, False
     assert not skip(300, 1000)  # a page's bases without one tensor: host only

@@ -127,6 +127,23 @@ def test_other_sglang_names_resolve():
         pkgutil.resolve_name(target)
 
 
+def test_match_cap_seam_is_sglangs():
+    """MosaicRadixCache.match_prefix caps a request's match with RadixKey's `limit` (the
+    position rule's window is prefilled by each request itself): SGLang's key must keep it and
+    the scheduler's match must pass the request."""
+    import dataclasses
+    import inspect
+
+    from sglang.srt.managers import schedule_batch
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    assert "limit" in RadixKey.__slots__
+    assert RadixKey([1, 2, 3, 4], limit=2)._raw_len() == 2
+    assert "req" in {f.name for f in dataclasses.fields(MatchPrefixParams)}
+    assert "req=self" in inspect.getsource(schedule_batch.Req.init_next_round_input)
+
+
 def test_platform_overrides_real_seams():
     from sglang.srt.platforms.interface import SRTPlatform
 

@@ -1,11 +1,14 @@
-"""The position rule's window covers pages holding generated tokens only (docs/determinism.md):
-a page whose tokens are all prompt tokens is read compressed by every token after it, so
+"""The position rule with a dense window W (docs/determinism.md): a prompt token reads every
+full page before its own compressed, a generated token every page ending at least W before it,
+prompt pages included, so
 
-* `compressed_pages(t, prompt=L)` = max(max(t - W, 0) // page, min(t, L) // page), and
+* `compressed_pages(t, prompt=L)` = t // page for t < L, max(t - W, 0) // page for t >= L, and
   `chunk_reads` gives the same for every token of a chunk;
 * a prompt's pages are sealed inline (inside the prefill forward, or right after it) and never
-  go to the daemon; pages holding generated tokens do, and a page straddling L gets the window;
-* a request reusing a prefix another request cached reads it as it does alone;
+  go to the daemon, the last ones keeping a hot copy while generated tokens read them dense;
+  pages holding generated tokens go to the daemon;
+* a request reusing a prefix another request cached reads it as it does alone (the radix tree
+  holds the last W tokens of a request back from its match: tests/test_radix_reuse.py);
 * the prompt lengths come from SGLang's prepare_for_extend (`wiring._record_prompt_lens`); a
   request without one reads by the window alone, counted.
 """
@@ -43,11 +46,11 @@ def pools():
 
 
 def _by_definition(t: int, prompt: int | None, window: int) -> int:
-    """Pages read compressed by a token at t, page by page: a prompt page (all its tokens
-    before `prompt`) once it ends at or before t, any other once it ends <= t - window; the
+    """Pages read compressed by a token at t, page by page: by a prompt token (t < `prompt`)
+    every page ending at or before t, by any other token every page ending <= t - window; the
     set must be a prefix."""
-    read = [((p + 1) * PS <= t and prompt is not None and (p + 1) * PS <= prompt)
-            or (p + 1) * PS <= t - window for p in range(t // PS + 1)]
+    prompt_token = prompt is not None and t < prompt
+    read = [(p + 1) * PS <= (t if prompt_token else t - window) for p in range(t // PS + 1)]
     n = sum(read)
     assert all(read[:n]) and not any(read[n:]), (t, prompt)
     return n
@@ -57,16 +60,17 @@ def test_compressed_pages_by_hand(pools):
     pool = pools()  # hot_tokens 128, daemon off: W = 128
     assert pool.dense_window == PS and pool.prompt_split
     cases = {  # (t, L) -> pages; L None: unknown, the window for every page
-        (1000, 1000): 7,  # every full prompt page (7 * 128 = 896 <= 1000)
+        (999, 1000): 7,  # the last prompt token: every full page before it
+        (1000, 1000): 6,  # the first generated token: the window, prompt pages too
         (1000, None): 6,
-        (1100, 1000): 7,  # page 7 [896, 1024) holds generated tokens: the window
+        (1100, 1000): 7,  # page 6 [768, 896) ends 128 before
         (1151, 1000): 7,
         (1152, 1000): 8,  # page 7 ends 128 before
         (1280, 1000): 9,
         (500, 1000): 3,  # a prompt token reads every full page before it
         (500, None): 2,
         (127, 1000): 0, (128, 1000): 1, (128, None): 0,
-        (1024, 1024): 8, (1151, 1024): 8, (1280, 1024): 9,  # a page-aligned prompt
+        (1023, 1024): 7, (1024, 1024): 7, (1151, 1024): 7, (1152, 1024): 8,  # page aligned
         (2000, 0): 14,  # no prompt pages: the window alone
     }
     for (t, prompt), want in cases.items():
@@ -81,8 +85,11 @@ def test_compressed_pages_by_hand(pools):
 def test_chunk_reads_match_compressed_pages(pools, hot, prompt):
     pool = pools(hot_tokens=hot)
     for first, end in ((0, 512), (512, 1024), (640, 1301), (1280, 2000)):
-        ja = pool.compressed_pages(first, prompt)
         want = [pool.compressed_pages(t, prompt) for t in range(first, end)]
+        # the fewest and most any token of the chunk reads (not the first's and last's where
+        # the chunk holds the prompt's end and the window is wider than a page)
+        ja = pool.fewest_compressed(first, prompt, end - 1)
+        assert ja == min(want) and pool.most_compressed(first, end - 1, prompt) == max(want)
         assert pool.chunk_reads(first, end, ja, prompt).tolist() == want, (first, prompt)
 
 
@@ -126,10 +133,11 @@ def _kv(n, seed):
 def test_prompt_pages_are_sealed_inline_and_generated_pages_go_to_the_daemon(pools, known):
     """daemon process, W = daemon_lag_tokens = 128: a 680-token prompt's 5 full pages are
     sealed inside its prefill forward (every one is read compressed by a later prompt token),
-    none is submitted; the page straddling the prompt's end (page 5, [640, 768)) holds
-    generated tokens: submitted once full, read dense until a token 128 past its end. With
-    the prompt length unknown the window covers every page: the last full prompt page goes to
-    the daemon instead."""
+    none is submitted, and page 4 [512, 640) keeps its hot copy: the generated tokens read it
+    dense until a token 128 past its end. The page straddling the prompt's end (page 5,
+    [640, 768)) holds generated tokens: submitted once full, read dense until a token 128 past
+    its end. With the prompt length unknown the window covers every token: the last full
+    prompt page goes to the daemon instead."""
     a = pools(daemon="process", hot_tokens=0, daemon_workers=1, hot_buffer_fraction=1.0,
               basis_block_tokens=4 * PS)
     assert a.dense_window == PS and a.prompt_split
@@ -142,6 +150,7 @@ def test_prompt_pages_are_sealed_inline_and_generated_pages_go_to_the_daemon(poo
     if known:
         assert a.counters.chunk_sealed_pages == 5 and a.sealed_prefix(pages) == 5
         assert a.daemon.counters.submitted_pages == 0 and not a.pending
+        assert a.kept_hot == {pages[4]}
     else:
         assert a.counters.chunk_sealed_pages == 4 and a.daemon.counters.submitted_pages == 1
         assert a.pending.keys() == {pages[4]}
@@ -150,8 +159,9 @@ def test_prompt_pages_are_sealed_inline_and_generated_pages_go_to_the_daemon(poo
         _write(a, slots[L:], kv[layer_id][0][L:], kv[layer_id][1][L:], layer_id)
     for t in range(L + 1, n + 1):
         a.seal_request(slots[:t], t, prompt)
-        want = max(max(t - PS, 0) // PS, min(t, L) // PS if known else 0)
+        want = max(t - PS, 0) // PS  # generated tokens: the window, prompt pages too
         assert a.read_split(pages[:-(-t // PS)], t, prompt) == want, t
+        assert (pages[4] in a.kept_hot) == (known and t < 5 * PS + PS), t
         if t == 6 * PS:  # page 5 full: to the daemon
             assert pages[5] in a.pending
             assert a.daemon.counters.submitted_pages == (1 if known else 2)

@@ -11,7 +11,8 @@ pages, rows and hot tokens as vectors: one launch.
 
     build_decode_tables(req_to_token, req_pool_indices, seq_lens, rows, sealed, basis_addr,
                         hot_page, out, page_size=128, width=W, block_pages=32,
-                        pages_per_seg=4, available=counter, count_scale=H * layers)
+                        pages_per_seg=4, available=counter, count_scale=H * layers,
+                        window=0)
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import triton.language as tl
 # step: a ~0.7 s stall on an H100 (2026-12-06). One variant per server, compiled at start-up
 # (`compile_variant`); a single program walking the requests gains nothing from the hints.
 _INTS = ["r2t_stride", "r2t_cols", "bs", "rows", "ps", "W", "block", "pps", "cap", "most",
-         "count_scale"]
+         "count_scale", "window"]
 _POINTERS = ["REQ_TO_TOKEN", "RPI", "SEQ_LENS", "SEALED", "BASIS_ADDR", "HOT_PAGE", "INDPTR",
              "SEG_IDS", "HOT_LENS", "REQ_PAGES", "PTRS", "HOT_ROWS", "AVAILABLE"]
 
@@ -40,6 +41,7 @@ def _decode_tables(
     INDPTR, SEG_IDS, HOT_LENS, REQ_PAGES, PTRS, HOT_ROWS,  # the bucket's tables (outputs)
     AVAILABLE,  # int64 [1]: += compressed pages x count_scale (the selection's denominator)
     bs, rows, ps, W, block, pps, cap, most, count_scale,
+    window,  # the position rule's dense window (0: none; the chunk rule passes 0)
     BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     offs_p = tl.arange(0, BLOCK_P)
@@ -60,6 +62,9 @@ def _decode_tables(
                         other=0).to(tl.int64) // ps
         sealed = (tl.load(SEALED + pages, mask=owned, other=0) != 0) & owned
         n = tl.min(tl.where(sealed, BLOCK_P, offs_p), 0).to(tl.int64)  # first unsealed page
+        # the window: pages ending less than `window` before the token stay dense (sealed
+        # ones keep their hot copy while a later token of the request reads them dense)
+        n = tl.minimum(n, tl.maximum(ln - 1 - window, 0) // ps)
         tl.store(REQ_PAGES + b, (n * pps).to(tl.int32))
         hot_len = tl.where(live, ln - n * ps, 1)  # padded: the padding page's token 0
         tl.store(HOT_LENS + b, hot_len.to(tl.int32))
@@ -99,7 +104,7 @@ def compile_variant(*, width: int, block_pages: int, hot_cap: int,
     decode graph buffers: int64). CUDA only."""
     i32, i64 = torch.int32, torch.int64
     _decode_tables.warmup(r2t_dtype, 0, 0, index_dtype, index_dtype, torch.bool, i64, i64,
-                          i32, i32, i32, i32, i64, i64, i64, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                          i32, i32, i32, i32, i64, i64, i64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                           grid=(1,), **_constants(width, block_pages, hot_cap))
 
 
@@ -107,12 +112,14 @@ def build_decode_tables(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
                         seq_lens: torch.Tensor, rows: int, sealed: torch.Tensor,
                         basis_addr: torch.Tensor, hot_page: torch.Tensor, out: dict, *,
                         page_size: int, width: int, block_pages: int, pages_per_seg: int,
-                        available: torch.Tensor, count_scale: int) -> None:
+                        available: torch.Tensor, count_scale: int, window: int = 0) -> None:
     """Write the step's tables into `out` (the bucket's tensors: `seg_indptr` int32 [bs*W+1],
     `seg_ids` int32 [>= bs*W*block], `hot_lens`, `req_pages` int32 [bs], `basis_ptrs` int64
     [bs*W], `hot_rows` int64 [bs, cap]) for a batch of `req_pool_indices.numel()` requests whose
     first `rows` are real, from the device page table (`sealed`, `basis_addr`, `hot_page` per
-    logical page). `seg_ids` past the last offset is left as it was. One launch, no host sync."""
+    logical page). A request's compressed pages are its sealed prefix, at most the pages ending
+    `window` or more tokens before its token (the position rule's dense window; 0: none).
+    `seg_ids` past the last offset is left as it was. One launch, no host sync."""
     bs = req_pool_indices.numel()
     hot_rows = out["hot_rows"]
     cap = hot_rows.shape[1]
@@ -130,5 +137,5 @@ def build_decode_tables(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
         req_to_token, req_to_token.stride(0), req_to_token.shape[1], req_pool_indices, seq_lens,
         sealed, basis_addr, hot_page, out["seg_indptr"], out["seg_ids"], out["hot_lens"],
         out["req_pages"], out["basis_ptrs"], hot_rows, available,
-        bs, rows, page_size, width, block_pages, pages_per_seg, cap, most, count_scale,
+        bs, rows, page_size, width, block_pages, pages_per_seg, cap, most, count_scale, window,
         **_constants(width, block_pages, cap))

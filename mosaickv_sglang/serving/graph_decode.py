@@ -50,14 +50,17 @@ logger = logging.getLogger(__name__)
 
 
 def device_plannable(pool) -> bool:
-    """Whether the pages a decode token reads compressed are exactly its request's sealed
-    prefix, so the device can build a step's tables from the page table alone: the chunk read
-    rule (it reads whatever is sealed), or the position rule with no dense window (W = 0: no
-    daemon lag, `hot_tokens` 0), where a page is sealed at the step its last token is written
-    and read compressed from the next one, and no sealed page keeps a hot copy (`kept_hot`).
-    The position rule's default (docs/determinism.md) is so."""
-    return not pool.position_rule or (pool.dense_window == 0 and pool.daemon is None
-                                      and not pool.kept_hot)
+    """Whether the pages a decode token reads compressed are its request's sealed prefix, cut
+    at its window, so the device can build a step's tables from the page table alone: the
+    chunk read rule (it reads whatever is sealed; its window only delays sealing), or the
+    position rule without the daemon, where a page is sealed at the step its request first
+    reads it compressed, and a sealed page inside a request's window (W = `hot_tokens`: the
+    prompt's last pages, sealed in its prefill) keeps its hot copy (`kept_hot`) until then.
+    Not once a read found a page sealed inside a window with no hot copy (counted,
+    `early_sealed_reads`: the host plan reads it compressed, which the device plan cannot see)."""
+    if not pool.position_rule:
+        return True
+    return pool.daemon is None and pool.counters.early_sealed_reads == 0
 
 
 @dataclass
@@ -126,6 +129,9 @@ class GraphDecode:
         # before it; the daemon's pages in flight past that are sealed before the step
         # (`pool.bound_hot_reads`)
         self.hot_cap = cfg.graph_hot_tokens
+        # the device plan's cut of the sealed prefix: the position rule's window (under the
+        # chunk rule a token reads whatever is sealed: none)
+        self.window = pool.dense_window if pool.position_rule else 0
         if pool.dense_window + 2 * ps > self.hot_cap:
             raise ValueError(f"mosaickv config: graph_hot_tokens={self.hot_cap} is below the "
                              f"read rule's dense window ({pool.dense_window} tokens: hot_tokens"
@@ -339,7 +345,7 @@ class GraphDecode:
                                                       "req_pages", "basis_ptrs", "hot_rows")},
                 page_size=pool.page_size, width=self.width, block_pages=self.block_pages,
                 pages_per_seg=self.pps, available=self.pages_available_dev,
-                count_scale=pool.head_num * pool.layer_num)
+                count_scale=pool.head_num * pool.layer_num, window=self.window)
         else:
             built = self.device_tables(bk, forward_batch.req_pool_indices,
                                        forward_batch.seq_lens, req_to_token, rows, table)
@@ -383,11 +389,10 @@ class GraphDecode:
         `req_pool_indices` and `seq_lens` (device, bucket-sized; the first `rows` real) and the
         pool's page table on the device (`table`). Returns new tensors named as the bucket's
         fields; the parts `prepare` writes are equal (tests/test_graph_decode.py). Where
-        `device_plannable` holds (a window's early-sealed and kept-hot reads are decided on the
-        host)."""
+        `device_plannable` holds (a window's early-sealed reads are decided on the host)."""
         if not device_plannable(self.pool):
             raise NotImplementedError("device_tables: the chunk read rule, or the position rule "
-                                      "without a dense window")
+                                      "without the daemon or an early-sealed read")
         dev, ps, w, block = req_to_token.device, self.pool.page_size, self.width, \
             self.block_pages
         bs, cap, most = bk.bs, self.hot_cap, w * self.block_pages  # pages a request may have
@@ -401,6 +406,8 @@ class GraphDecode:
         pages = torch.where(owned, pages, 0)
         sealed = table.sealed[pages] & owned
         n = torch.cumprod(sealed.to(torch.int32), dim=1).sum(1)  # the sealed prefix (chunk rule)
+        # the position rule's window: pages ending less than W before the token stay dense
+        n = torch.minimum(n, (lens - 1 - self.window).clamp(min=0) // ps)
         starts = torch.arange(w, device=dev) * block
         counts = (n[:, None] - starts[None, :]).clamp(0, block)  # [bs, W]
         indptr = torch.zeros(bs * w + 1, dtype=torch.int64, device=dev)

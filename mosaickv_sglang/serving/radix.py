@@ -10,7 +10,9 @@ to the allocator, which tells the pool to drop their packed bytes; locked nodes 
 """
 from __future__ import annotations
 
-from sglang.srt.mem_cache.radix_cache import RadixCache
+import dataclasses
+
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from .pool import MosaicKVPool
 
@@ -24,15 +26,34 @@ class MosaicRadixCache(RadixCache):
         self.pool = pool
 
     def match_prefix(self, params):
-        """SGLang's match, plus a count of the sealed pages a request gets from the tree."""
-        result = super().match_prefix(params)
+        """SGLang's match, plus a count of the sealed pages a request gets from the tree. Under
+        the position read rule with a dense window W (`pool.dense_window`: hot_tokens, + the
+        daemon's lag) a generated token reads dense the pages ending less than W before it,
+        prompt pages included, and a cached page keeps no dense copy: a request's match (the
+        scheduler's, with the request) stops W tokens before its prompt's end, so it prefills
+        those pages itself, as it would alone (`window_cap`)."""
         req = getattr(params, "req", None)
+        cap = self.window_cap(req)
+        if cap is not None:
+            key = params.key
+            limit = cap if key.limit is None else min(key.limit, cap)
+            params = dataclasses.replace(params, key=RadixKey(
+                key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=limit))
+        result = super().match_prefix(params)
         first_match = req is not None and not getattr(req, "_mosaickv_matched", False)
         if req is not None:
             req._mosaickv_matched = True  # chunked prefill re-matches its own pages: count once
         if first_match:
             self.pool.count_reuse(result.device_indices[:: self.page_size].tolist())
         return result
+
+    def window_cap(self, req) -> int | None:
+        """The most tokens `req`'s match may take from the tree: its prompt length less the
+        window (a retracted request's re-prefill too: its generated tokens read the same
+        window), or None (no cap: the chunk rule, no window, or no request)."""
+        if req is None or not self.pool.prompt_split:
+            return None
+        return max(0, len(req.origin_input_ids) - self.pool.dense_window)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         """SGLang's insert of a finished request, after its full pages are sealed: it reads
