@@ -163,10 +163,22 @@ RESCORE = {"rescore_factor": 2, "rescore_channels": 32}
 CHUNK = {"read_rule": "chunk", "basis_fit": "group"}
 POSITION = {"read_rule": "position", "basis_fit": "first_page"}
 # the position rule with a 128-token window: request 1 (382 tokens) and 2 (700) read their
-# prompt's last full page dense from its kept hot copy (sealed as their prefill sealed it);
-# at step 2 request 1's token 384 starts a page and reads page 1 compressed (sealed then):
-# steps 0, 3, 4 planned on the device
+# prompt's window dense (pages 1-2 and 4-5), and a third request extending their cached prompts
+# sealed the window's full pages 1 and 4 (it reads them compressed): each is read dense from its
+# kept hot copy; at step 2 request 1's token 384 starts a page and reads page 1 compressed (its
+# copy freed): steps 0, 3, 4 planned on the device, the window cutting the sealed prefix there
 WINDOW = {**POSITION, "hot_tokens": 128}
+
+
+def _another_reads(pool, req_to_token, rid: int, n_pages: int) -> None:
+    """As the prefill of a request extending request `rid`'s cached prompt seals it: its tokens
+    read `rid`'s first `n_pages` compressed, so those `rid` still holds hot (its window) are
+    sealed, their hot copies kept for `rid` (`pool.kept_hot`)."""
+    pages = (req_to_token[rid, :n_pages * PS:PS] // PS).tolist()
+    cs = pool.plan_chunk_seal([(pages, n_pages * PS + pool.dense_window, None)])
+    for local in range(pool.layer_num):
+        pool.seal_chunk_layer(cs, local)
+    pool.finish_chunk_seal(cs)
 
 
 @pytest.mark.parametrize("device", [DEVICE])
@@ -204,9 +216,14 @@ def test_full_graph_replay_matches_the_eager_step(device, seal_layers, device_pl
     # the graph reads are compared with the eager plan's exactly (a hot token missed moved an
     # output by ~1.5e-4); the graph's kernels are checked against their float32 reference in
     # test_request_decode_kernel.py
+    if rule.get("hot_tokens"):  # the prompts' windows: sealed by another request, kept hot
+        for backend, pool in ((eager, pool_e), (graph, pool_g)):
+            assert not pool.kept_hot
+            r2t = backend.req_to_token_pool.req_to_token
+            _another_reads(pool, r2t, 1, 2)
+            _another_reads(pool, r2t, 2, 5)
+        assert len(pool_g.kept_hot) == 2 and pool_g.kept_hot == pool_e.kept_hot, repro(seed)
     kept = set(pool_g.kept_hot)
-    if rule.get("hot_tokens"):  # the prompts' last pages: sealed, read dense (kept hot)
-        assert kept and kept == pool_e.kept_hot, repro(seed)
     before = _state(pool_g)
     static, (q_in, k_in, v_in), layers, replay = _captured(graph, bs, device, repro(seed))
     fill = graph.get_cuda_graph_seq_len_fill_value()

@@ -1,16 +1,17 @@
-"""The position rule with a dense window W (docs/determinism.md): a prompt token reads every
-full page before its own compressed, a generated token every page ending at least W before it,
-prompt pages included, so
+"""The position rule with a dense window W (docs/determinism.md): the window slides with the
+generated tokens and is anchored at the prompt's end for the prompt, so
 
-* `compressed_pages(t, prompt=L)` = t // page for t < L, max(t - W, 0) // page for t >= L, and
-  `chunk_reads` gives the same for every token of a chunk;
-* a prompt's pages are sealed inline (inside the prefill forward, or right after it) and never
-  go to the daemon, the last ones keeping a hot copy while generated tokens read them dense;
-  pages holding generated tokens go to the daemon;
+* `compressed_pages(t, prompt=L)` = min(t // page, max(L - W, 0) // page) for a prompt token
+  (t < L), max(t - W, 0) // page for a generated one (t >= L), and `chunk_reads` gives the same
+  for every token of a chunk; the first answer token reads the prompt's last W tokens dense
+  wherever the prompt ends in a page;
+* a prompt's pages before its last W tokens are sealed inline (inside the prefill forward, or
+  right after it) and never go to the daemon; the pages of its window and of generated tokens
+  do, read dense until the window passes them;
 * a request reusing a prefix another request cached reads it as it does alone (the radix tree
-  holds the last W tokens of a request back from its match: tests/test_radix_reuse.py);
+  holds a request's last W prompt tokens back from its match: `test_match_stops_before_the_window`);
 * the prompt lengths come from SGLang's prepare_for_extend (`wiring._record_prompt_lens`); a
-  request without one reads by the window alone, counted.
+  request without one reads by the sliding window alone, counted.
 """
 from types import SimpleNamespace
 
@@ -47,10 +48,13 @@ def pools():
 
 def _by_definition(t: int, prompt: int | None, window: int) -> int:
     """Pages read compressed by a token at t, page by page: by a prompt token (t < `prompt`)
-    every page ending at or before t, by any other token every page ending <= t - window; the
-    set must be a prefix."""
-    prompt_token = prompt is not None and t < prompt
-    read = [(p + 1) * PS <= (t if prompt_token else t - window) for p in range(t // PS + 1)]
+    every page ending at or before t and at least `window` before the prompt's end, by any
+    other token every page ending <= t - window; the set must be a prefix."""
+    if prompt is not None and t < prompt:
+        read = [(p + 1) * PS <= t and (p + 1) * PS <= prompt - window
+                for p in range(t // PS + 1)]
+    else:
+        read = [(p + 1) * PS <= t - window for p in range(t // PS + 1)]
     n = sum(read)
     assert all(read[:n]) and not any(read[n:]), (t, prompt)
     return n
@@ -59,25 +63,33 @@ def _by_definition(t: int, prompt: int | None, window: int) -> int:
 def test_compressed_pages_by_hand(pools):
     pool = pools()  # hot_tokens 128, daemon off: W = 128
     assert pool.dense_window == PS and pool.prompt_split
-    cases = {  # (t, L) -> pages; L None: unknown, the window for every page
-        (999, 1000): 7,  # the last prompt token: every full page before it
-        (1000, 1000): 6,  # the first generated token: the window, prompt pages too
+    cases = {  # (t, L) -> pages; L None: unknown, the sliding window for every token
+        (999, 1000): 6,  # the last prompt token: pages ending <= 872 (1000 - 128)
+        (1000, 1000): 6,  # the first generated token: the same
         (1000, None): 6,
-        (1100, 1000): 7,  # page 6 [768, 896) ends 128 before
-        (1151, 1000): 7,
+        (1023, 1000): 6, (1024, 1000): 7,  # page 6 [768, 896) ends 128 before t = 1024
+        (1100, 1000): 7,
         (1152, 1000): 8,  # page 7 ends 128 before
         (1280, 1000): 9,
-        (500, 1000): 3,  # a prompt token reads every full page before it
+        (500, 1000): 3,  # a prompt token before the window: every full page before it
         (500, None): 2,
         (127, 1000): 0, (128, 1000): 1, (128, None): 0,
+        (900, 1000): 6, (800, 1000): 6, (767, 1000): 5,  # inside the window: anchored
+        (8192, 8193): 63, (8193, 8193): 63,  # a prompt one token past a boundary: page 63 dense
         (1023, 1024): 7, (1024, 1024): 7, (1151, 1024): 7, (1152, 1024): 8,  # page aligned
         (2000, 0): 14,  # no prompt pages: the window alone
     }
     for (t, prompt), want in cases.items():
         assert pool.compressed_pages(t, prompt) == want, (t, prompt)
     for prompt in (None, 0, 1, 127, 128, 129, 640, 1000, 1024, 1500):
+        prev = 0
         for t in range(0, 2200, 7):
-            assert pool.compressed_pages(t, prompt) == _by_definition(t, prompt, PS), (t, prompt)
+            n = pool.compressed_pages(t, prompt)
+            assert n == _by_definition(t, prompt, PS), (t, prompt)
+            assert n >= prev, (t, prompt)  # never fewer for a later token: a sealed prefix
+            prev = n
+    w0 = pools(hot_tokens=0)  # no window: every full page before the token
+    assert all(w0.compressed_pages(t, 1000) == t // PS for t in range(0, 2000, 13))
 
 
 @pytest.mark.parametrize("hot", [0, 64, PS, 300])
@@ -85,11 +97,8 @@ def test_compressed_pages_by_hand(pools):
 def test_chunk_reads_match_compressed_pages(pools, hot, prompt):
     pool = pools(hot_tokens=hot)
     for first, end in ((0, 512), (512, 1024), (640, 1301), (1280, 2000)):
+        ja = pool.compressed_pages(first, prompt)
         want = [pool.compressed_pages(t, prompt) for t in range(first, end)]
-        # the fewest and most any token of the chunk reads (not the first's and last's where
-        # the chunk holds the prompt's end and the window is wider than a page)
-        ja = pool.fewest_compressed(first, prompt, end - 1)
-        assert ja == min(want) and pool.most_compressed(first, end - 1, prompt) == max(want)
         assert pool.chunk_reads(first, end, ja, prompt).tolist() == want, (first, prompt)
 
 
@@ -130,14 +139,14 @@ def _kv(n, seed):
 
 
 @pytest.mark.parametrize("known", [True, False])
-def test_prompt_pages_are_sealed_inline_and_generated_pages_go_to_the_daemon(pools, known):
-    """daemon process, W = daemon_lag_tokens = 128: a 680-token prompt's 5 full pages are
-    sealed inside its prefill forward (every one is read compressed by a later prompt token),
-    none is submitted, and page 4 [512, 640) keeps its hot copy: the generated tokens read it
+def test_prompt_pages_before_the_window_are_sealed_inline_the_rest_go_to_the_daemon(pools, known):
+    """daemon process, W = daemon_lag_tokens = 128: a 680-token prompt's 4 full pages before
+    its last 128 tokens are sealed inside its prefill forward (read compressed by a later
+    prompt token); page 4 [512, 640), inside the prompt's window, is read dense by the prompt's
+    last tokens and the first generated ones: submitted to the workers after the prefill, read
     dense until a token 128 past its end. The page straddling the prompt's end (page 5,
-    [640, 768)) holds generated tokens: submitted once full, read dense until a token 128 past
-    its end. With the prompt length unknown the window covers every token: the last full
-    prompt page goes to the daemon instead."""
+    [640, 768)): submitted once full, read dense until a token 128 past its end. With the
+    prompt length unknown the window slides for every token: the same pages here."""
     a = pools(daemon="process", hot_tokens=0, daemon_workers=1, hot_buffer_fraction=1.0,
               basis_block_tokens=4 * PS)
     assert a.dense_window == PS and a.prompt_split
@@ -147,29 +156,22 @@ def test_prompt_pages_are_sealed_inline_and_generated_pages_go_to_the_daemon(poo
     slots = torch.arange(PS, PS + n)  # logical pages 1..
     pages = (slots[::PS] // PS).tolist()
     _chunk(a, slots, kv, 0, L, prompt)
-    if known:
-        assert a.counters.chunk_sealed_pages == 5 and a.sealed_prefix(pages) == 5
-        assert a.daemon.counters.submitted_pages == 0 and not a.pending
-        assert a.kept_hot == {pages[4]}
-    else:
-        assert a.counters.chunk_sealed_pages == 4 and a.daemon.counters.submitted_pages == 1
-        assert a.pending.keys() == {pages[4]}
+    assert a.counters.chunk_sealed_pages == 4 and a.sealed_prefix(pages) == 4
+    assert a.daemon.counters.submitted_pages == 1 and a.pending.keys() == {pages[4]}
     # decode: the generated tokens fill page 5
     for layer_id in range(LAYERS):
         _write(a, slots[L:], kv[layer_id][0][L:], kv[layer_id][1][L:], layer_id)
     for t in range(L + 1, n + 1):
         a.seal_request(slots[:t], t, prompt)
-        want = max(t - PS, 0) // PS  # generated tokens: the window, prompt pages too
+        want = max(t - PS, 0) // PS  # generated tokens: the sliding window
         assert a.read_split(pages[:-(-t // PS)], t, prompt) == want, t
-        assert (pages[4] in a.kept_hot) == (known and t < 5 * PS + PS), t
         if t == 6 * PS:  # page 5 full: to the daemon
-            assert pages[5] in a.pending
-            assert a.daemon.counters.submitted_pages == (1 if known else 2)
-        if known and t < 6 * PS + PS:
-            assert a.sealed_prefix(pages) == 5  # page 5 read dense: the window
-    # page 6 [768, 896) full at the end: submitted too; page 5 needed there: sealed here
-    assert a.daemon.counters.submitted_pages == (2 if known else 3)
-    assert pages[5] in a.sealed and pages[6] in a.pending
+            assert pages[5] in a.pending and a.daemon.counters.submitted_pages == 2
+        if t < 5 * PS + PS:
+            assert pages[4] not in a.sealed or pages[4] in a.kept_hot, t  # read dense
+    # page 6 [768, 896) full at the end: submitted too; pages 4, 5 needed there: sealed here
+    assert a.daemon.counters.submitted_pages == 3
+    assert pages[4] in a.sealed and pages[5] in a.sealed and pages[6] in a.pending
     assert a.counters.early_sealed_reads == 0
 
 

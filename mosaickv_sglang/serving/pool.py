@@ -362,9 +362,6 @@ class MosaicKVPool(MHATokenToKVPool):
         # sealed pages whose hot copy is kept: installed from the daemon before the read rule
         # reads them compressed (freed by _drop_kept_hot, release_pages, clear)
         self.kept_hot: set[int] = set()
-        # pages not sealed yet that must keep their hot copy when sealed (seal_request_pages:
-        # a later token of their request reads them dense); they move to kept_hot on install
-        self.hold_hot: set[int] = set()
         # cold recompression (cfg.cold): sealed pages in seal order with their generation, and
         # the pages already recompressed (or found with nothing cheaper); both left on free
         self._cold_queue: deque[tuple[int, int]] = deque()
@@ -675,40 +672,26 @@ class MosaicKVPool(MHATokenToKVPool):
     # ---- the read rule and prefill chunks ---------------------------------------------------
     def compressed_pages(self, position: int, prompt: int | None = None) -> int:
         """The read rule: how many leading pages of its request a token at `position` reads
-        compressed (the rest dense). With `prompt` (the request's prompt length L) a prompt
-        token (t < L) reads every full page before its own compressed (t // page), and a
-        generated token (t >= L) every page ending at least `dense_window` tokens before it
-        (hot_tokens, + daemon_lag_tokens with the daemon), prompt pages included:
-        max(t - W, 0) // page. Without it (unknown), the window applies to every token. A
-        function of the position and the prompt length alone, so what a request reads does not
-        depend on how it was chunked, batched or re-prefilled after a retraction; nor on who
-        cached its prefix: the radix tree holds a request's last W tokens back from its match
-        (`MosaicRadixCache.swa_reprefill_tail_tokens`), so every page a generated token reads
-        dense is one the request computed itself (docs/determinism.md)."""
+        compressed (the rest dense). The window W (`dense_window`: hot_tokens, + daemon_lag_tokens
+        with the daemon) slides with the generated tokens and is anchored at the prompt's end
+        for the prompt: with `prompt` (the request's prompt length L) a generated token
+        (t >= L) reads compressed every page ending at least W before it, max(t - W, 0) // page,
+        and a prompt token (t < L) every full page before its own that ends at least W before
+        the prompt's end, min(t // page, max(L - W, 0) // page). So the prompt's last W tokens
+        (and the page holding the first of them) are read dense by every token from there on
+        until the window passes them: the first answer token reads the prompt's end dense,
+        wherever the prompt ends in a page. Without `prompt` (unknown) the window slides for
+        every token. A function of the position and the prompt length alone, so what a
+        request reads does not depend on how it was chunked, batched or re-prefilled after a
+        retraction; nor on who cached its prefix: every page some token reads dense is one the
+        request computed itself (the radix tree holds a request's last W prompt tokens back
+        from its match: `MosaicRadixCache.window_cap`; docs/determinism.md). With W = 0 a token
+        reads every full page before its own compressed."""
         n = max(position - self.dense_window, 0) // self.page_size
         if prompt is None or position >= prompt:
             return n
-        return max(n, position // self.page_size)
-
-    def fewest_compressed(self, first: int, prompt: int | None = None,
-                          last: int | None = None) -> int:
-        """The fewest leading pages a token at a position in first .. last (None: any later
-        position) reads compressed: `compressed_pages` grows with the position within the
-        prompt and after it, but drops at the prompt's end when the window is wider than what
-        the last prompt token leaves dense (its own page), so the first generated token may
-        read dense a page a prompt token read compressed. Pages from here on keep a hot copy."""
-        n = self.compressed_pages(first, prompt)
-        if prompt is not None and first < prompt and (last is None or last >= prompt):
-            n = min(n, self.compressed_pages(prompt, prompt))
-        return n
-
-    def most_compressed(self, first: int, last: int, prompt: int | None = None) -> int:
-        """The most leading pages a token at a position in first .. last reads compressed (see
-        `fewest_compressed`): the last token's, or the last prompt token's."""
-        n = self.compressed_pages(last, prompt)
-        if prompt is not None and first < prompt <= last:
-            n = max(n, self.compressed_pages(prompt - 1, prompt))
-        return n
+        tail = max(prompt - self.dense_window, 0) // self.page_size
+        return max(n, min(position // self.page_size, tail))
 
     def chunk_reads(self, first: int, end: int, ja: int, prompt: int | None = None) -> torch.Tensor:
         """int64 [end - first]: how many pages each token of a prefill chunk at positions
@@ -720,7 +703,9 @@ class MosaicKVPool(MHATokenToKVPool):
         pos = torch.arange(first, end, dtype=torch.long)
         n = (pos - self.dense_window).clamp(min=0) // self.page_size
         if prompt is not None:
-            n = torch.where(pos < prompt, torch.maximum(n, pos // self.page_size), n)
+            tail = max(prompt - self.dense_window, 0) // self.page_size
+            n = torch.where(pos < prompt,
+                            torch.maximum(n, (pos // self.page_size).clamp(max=tail)), n)
         return n.clamp(min=ja)
 
     def set_prompt_len(self, req_pool_idx: int, prompt: int) -> None:
@@ -760,14 +745,14 @@ class MosaicKVPool(MHATokenToKVPool):
         ps, block = self.page_size, self.cfg.basis_block_tokens // self.page_size
         todo: dict[int, tuple[int, int]] = {}  # page -> (position index, its block's first page)
         for pages, last, prompt in requests:
-            for i in range(min(self.most_compressed(0, last, prompt), len(pages))):
+            for i in range(min(self.compressed_pages(last, prompt), len(pages))):
                 p = pages[i]
                 if p not in self.sealed and p not in todo:
                     todo[p] = (i, pages[i // block * block])
         if self.daemon is not None and any(p in self.pending for p in todo):
             for pages, last, prompt in requests:
                 self.daemon.counters.sync_seals_needed += self._seal_pending(
-                    pages, min(self.most_compressed(0, last, prompt), len(pages)))
+                    pages, min(self.compressed_pages(last, prompt), len(pages)))
             todo = {p: x for p, x in todo.items() if p not in self.sealed}
         if not todo:
             return None
@@ -896,9 +881,9 @@ class MosaicKVPool(MHATokenToKVPool):
                 pages.append(cs.pages[j])
                 sealed.append(SealedPage(cs.positions[j], PageSegments(segs), bases,
                                          sum(int(b.segment_nbytes()[i]) for b, i in segs)))
-        # position rule with a window: a prompt's last pages are read compressed by its later
-        # prompt tokens but dense by its generated ones (compressed_pages): their hot copies
-        # stay until the request's seal_request drops what it no longer reads dense
+        # position rule with a window: a page inside another request's window (a hot page of
+        # a cached prefix this chunk reads compressed) stays dense for that request until its
+        # seal_request drops the copy (the chunk's own pages: right after this forward)
         self._install(pages, sealed, keep_hot=self.prompt_split)
         return len(pages)
 
@@ -924,8 +909,8 @@ class MosaicKVPool(MHATokenToKVPool):
         token: counted."""
         ps, b = self.page_size, slots.numel()
         pages = (slots[::ps] // ps).tolist()
-        ja = self.read_split(pages, first, prompt, last=b - 1)  # fresh: installed after
-        jc = max(self.most_compressed(first, b - 1, prompt), ja) if self.position_rule else ja
+        ja = self.read_split(pages, first, prompt)  # fresh pages install after the forward
+        jc = max(self.compressed_pages(b - 1, prompt), ja) if self.position_rule else ja
         old = [p for p in pages[:jc] if p not in fresh]
         if old != pages[:len(old)]:
             raise RuntimeError("MosaicKV: a chunk's compressed pages are not a sealed prefix "
@@ -1045,11 +1030,7 @@ class MosaicKVPool(MHATokenToKVPool):
             listed = pages.tolist()
             if self.daemon is not None:
                 self.daemon.counters.sync_seals_needed += self._seal_pending(listed, need)
-            # a later token may read dense what the next one reads compressed (the first
-            # generated token's window over the prompt's end): those keep their hot copies
-            drop = min(self.fewest_compressed(seq_len, prompt), need)
-            self._drop_kept_hot(listed[:drop])
-            self.hold_hot.update(p for p in listed[drop:need] if p not in self.sealed)
+            self._drop_kept_hot(listed[:need])
         if self.decode_sealing and not decode_step:
             self._finish_decode_seals(pages.tolist())
         unsealed = np.flatnonzero(~self.page_sealed[pages])
@@ -1245,7 +1226,6 @@ class MosaicKVPool(MHATokenToKVPool):
         """Free the hot copies kept for sealed `pages` (daemon results installed before the read
         rule read them compressed) once their request reads them compressed."""
         for p in pages:
-            self.hold_hot.discard(p)
             if p in self.kept_hot:
                 self.version += 1
                 self.kept_hot.discard(p)
@@ -1259,18 +1239,15 @@ class MosaicKVPool(MHATokenToKVPool):
             return self.read_split(pages.tolist(), position, prompt)
         return self._sealed_prefix(pages)
 
-    def read_split(self, pages: list[int], position: int, prompt: int | None = None,
-                   last: int | None = None) -> int:
+    def read_split(self, pages: list[int], position: int, prompt: int | None = None) -> int:
         """How many leading `pages` (one request's, position order) a token at `position` reads
-        compressed (`prompt`: its request's prompt length; `last`: the fewest any token from
-        `position` to `last` reads, a prefill chunk's, `fewest_compressed`): the read rule's
-        count, or more where pages past it are sealed without a hot copy (a window > 0 and a
-        page another request sealed inside it, or a prompt length not known: counted)."""
+        compressed (`prompt`: its request's prompt length): the read rule's count, or more where
+        pages past it are sealed without a hot copy (a window > 0 and a page another request
+        sealed inside it, or a prompt length not known: counted)."""
         n = self._sealed_prefix(pages)
         if not self.position_rule:
             return n  # whatever is sealed (before this forward) is read compressed
-        rule = min(self.fewest_compressed(position, prompt,
-                                          position if last is None else last), len(pages))
+        rule = min(self.compressed_pages(position, prompt), len(pages))
         if n <= rule:
             return n
         if all(p in self.kept_hot for p in pages[rule:n]):
@@ -1397,9 +1374,8 @@ class MosaicKVPool(MHATokenToKVPool):
             if (sp.position // self.page_size) % block == block - 1:  # the block is complete
                 self.write_cache.drop(sp.bases)
             self._put_sealed(page, sp)
-            if keep_hot or page in self.hold_hot:  # read dense until the read rule says
-                self.kept_hot.add(page)               # otherwise (_drop_kept_hot)
-                self.hold_hot.discard(page)
+            if keep_hot:  # read dense until the read rule says otherwise (_drop_kept_hot)
+                self.kept_hot.add(page)
             else:
                 self.free_hot_pages.append(int(self.hot_page_of[page]))
                 self.hot_page_of[page] = -1
@@ -1740,7 +1716,6 @@ class MosaicKVPool(MHATokenToKVPool):
             self.pending.pop(page, None)
             self.prev_page.pop(page, None)
             self.kept_hot.discard(page)
-            self.hold_hot.discard(page)
             self.cold_done.discard(page)
             sealed = self.sealed.pop(page, None)
             if sealed is not None:
@@ -1763,7 +1738,6 @@ class MosaicKVPool(MHATokenToKVPool):
         self.deferred.clear()
         self.prev_page.clear()
         self.kept_hot.clear()
-        self.hold_hot.clear()
         self.decode_sealing.clear()
         self.cold_done.clear()
         self._cold_queue.clear()
