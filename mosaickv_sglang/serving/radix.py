@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from .pool import MosaicKVPool
@@ -54,6 +56,32 @@ class MosaicRadixCache(RadixCache):
         if req is None or not self.pool.prompt_split:
             return None
         return max(0, len(req.origin_input_ids) - self.pool.dense_window)
+
+    def cache_unfinished_req(self, req, chunked=False):
+        """SGLang's insert of a running request's computed tokens (after a prefill chunk), but
+        only up to its window cap (`window_cap`): inserting the window's pages would let
+        SGLang swap the request's own copies for identical cached ones (its insert keeps the
+        older copy and rewrites the request's slots to it), whose dense form may be gone, and
+        another request could match them. The tokens past the cap stay the request's own, as
+        SGLang keeps an unaligned tail (`req.prefix_indices` covers every computed token;
+        `cache_protected_len` the inserted ones), and enter the tree at its finish."""
+        cap = None if self.disable else self.window_cap(req)
+        fill = req.get_fill_ids()
+        if cap is None or len(fill) <= cap:
+            return super().cache_unfinished_req(req, chunked=chunked)
+        own_attr = vars(req).get("get_fill_ids")  # (SGLang's Req: none, the method)
+        req.get_fill_ids = lambda: fill[:cap]  # the insert's view (an instance attribute)
+        try:
+            super().cache_unfinished_req(req, chunked=chunked)
+        finally:
+            if own_attr is None:
+                del req.get_fill_ids
+            else:
+                req.get_fill_ids = own_attr
+        done = len(req.prefix_indices)
+        if done < len(fill):  # the window's tokens: the request's own slots, not in the tree
+            own = self.req_to_token_pool.req_to_token[req.req_pool_idx, done:len(fill)]
+            req.prefix_indices = torch.cat([req.prefix_indices, own.to(req.prefix_indices)])
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         """SGLang's insert of a finished request, after its full pages are sealed: it reads
