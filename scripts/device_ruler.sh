@@ -25,7 +25,8 @@
 # compact50 = two compact presets at >= 4.5x beside the default and FP8;
 # cold50 = cold recompression, default and compact cold candidates, beside the default and FP8;
 # decide50 = candidates50's b12 pair and compact50's c20 preset in one parallel run;
-# decide_hard50 = those on the four cells where the default lost most)
+# decide_hard50 = those on the four cells where the default lost most;
+# window50 = the read rule's window anchored at the prompt's end (mosaickv_window128) beside the default)
 # until LIMIT_S, the systems of a set served at once (--parallel), with SPLIT=N by N eval.ruler processes over task
 # groups (see ruler_run). Both sets share one samples file in /tmp/mosaickv_ruler (kept while
 # warm), copied to $OUT after every set; one carried as .device/ruler/samples.jsonl seeds a fresh
@@ -194,6 +195,10 @@ for set in ${RULER_SETS:-full ablate}; do
     # the 2026-11-30 run's)
     decide50) args=(--systems dense fp8 mosaickv_rescore_b12 mosaickv_position_rescore_b12
                     mosaickv_compact_c20 --parallel 5 --cells "${COMPETENT[@]}" --samples 50) ;;
+    # the read rule's window anchored at the prompt's end beside the default, dense and FP8
+    # resumed (SEED=benchmarks/results/ruler_h100_2026-12-07_decide/samples.jsonl.xz)
+    window50) args=(--systems dense fp8 mosaickv_position_rescore_b12 mosaickv_window128
+                    --parallel 4 --cells "${COMPETENT[@]}" --samples 50) ;;
     # the same candidates on the four cells where the default lost most (2026-11-30: 12.0, 11.0,
     # 6.0, 2.0 points), when a call has too little time for all ten
     decide_hard50) args=(--systems dense fp8 mosaickv_rescore_b12 mosaickv_position_rescore_b12

@@ -44,6 +44,8 @@ thing buys:
   with ``cold.enabled`` (pages past
   a request's last 2048 tokens re-encoded between steps), with the default cold candidates and
   with the compact ones: the accuracy cost of the capacity those buy;
+* ``mosaickv_window128``: the default with ``hot_tokens: 128``, the read rule's window anchored at
+  the prompt's end (the first answer token reads the prompt's last 128+ tokens dense);
 * ``mosaickv_k4``: the default without its 2-bit K candidate (K at >= 4.5 bits/scalar): the
   rotated chooser sends more K segments to 2 bits than the raw-basis one (18% vs 2% on the CPU);
 * ``mosaickv_hi`` / ``mosaickv_lo`` / ``mosaickv_xlo``: fixed band layouts at ~5.5 / 3.5 / 2.9
@@ -223,6 +225,14 @@ def build_systems() -> dict[str, System]:
                "stage and chooser budgets k 0.12 / v 0.20 (the default since 2026-12-07)", config={
                    **POSITION_RULE, "k_error_budget": LOOSE_BUDGETS[0],
                    "v_error_budget": LOOSE_BUDGETS[1], "select": SECOND_STAGE}, family="budget"),
+        # the default with the read rule's window anchored at the prompt's end (128 tokens):
+        # the first answer token reads the prompt's last 128+ tokens dense wherever the prompt
+        # ends in a page (codec level at a boundary: 0.113 -> 0.042,
+        # benchmarks/results/prompt_window_cpu_2026-12-07/)
+        System("mosaickv_window128", "the default with a 128-token window anchored at the "
+               "prompt's end (hot_tokens 128 under the position rule)", config={
+                   **POSITION_RULE, "hot_tokens": 128, "k_error_budget": LOOSE_BUDGETS[0],
+                   "v_error_budget": LOOSE_BUDGETS[1], "select": SECOND_STAGE}, family="ablation"),
     ]
     # compact presets at >= 4.5x (the accuracy issue): the compact candidates with the second
     # stage, chooser budgets k/v 0.20/0.30 and 0.25/0.35 (codec, 8K: 4.06x at attention error
