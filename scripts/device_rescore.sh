@@ -11,7 +11,8 @@
 #    `rescore_factor: 2`, `rescore_channels: 16`), each beside FlashInfer's paged decode.
 # Every output goes to $OUT as it comes (a call's time limit kills the pipeline: a `| tail` at the
 # end of the command returns nothing then). Env: HBM_TBS (3.35: an H100; 4.8 on an H200),
-# TEST_S / STEP_S (time limits). Results: $OUT/rescore_tests.log, $OUT/graph_tests.log,
+# TEST_S / STEP_S (time limits), RESCORE_TESTS=0 (skip the kernel tests), GRAPH_K (the graph
+# tests' -k, default "rescore"; e.g. "rescore or window"). Results: $OUT/rescore_tests.log, $OUT/graph_tests.log,
 # $OUT/step_<name>.{json,log}.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -23,8 +24,8 @@ gpu_tests() {  # LOG, then pytest's arguments
     -q -p no:cacheprovider -rf "$@" > "$OUT/$log" 2>&1
   tail -3 "$OUT/$log"; echo "$log done at $((SECONDS - t0)) s"
 }
-gpu_tests rescore_tests.log tests/test_page_rescore_kernel.py
-gpu_tests graph_tests.log tests/test_graph_decode.py -k rescore
+[ "${RESCORE_TESTS:-1}" = 1 ] && gpu_tests rescore_tests.log tests/test_page_rescore_kernel.py
+gpu_tests graph_tests.log tests/test_graph_decode.py -k "${GRAPH_K:-rescore}"
 VARIANTS=${VARIANTS:-'default={} bands={"select":{"rescore_layout":"bands"}} columns={"select":{"rescore_layout":"columns"}} factor2={"select":{"rescore_factor":2}} ch16={"select":{"rescore_channels":16}}'}
 for v in $VARIANTS; do
   name=${v%%=*}; cfg=${v#*=}
