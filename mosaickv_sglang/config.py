@@ -49,6 +49,11 @@ READ_RULES = ("position", "chunk")
 BASIS_FITS = ("first_page", "group")
 
 
+# page_rescore's candidate layouts (`mosaickv_kernels.page_rescore.LAYOUTS`, the same tuple:
+# tests/test_page_rescore_kernel.py; config does not import the kernels)
+RESCORE_LAYOUTS = ("rows", "columns", "bands")
+
+
 @dataclass
 class SelectionConfig:
     """Sequence dimension: which compressed pages a decode step reads."""
@@ -84,9 +89,9 @@ class SelectionConfig:
     rescore_layout: str = "rows"
 
     def validate(self, page_tokens: int) -> None:
-        if self.rescore_layout not in ("rows", "columns", "bands"):
+        if self.rescore_layout not in RESCORE_LAYOUTS:
             raise ValueError(f"mosaickv config: select.rescore_layout={self.rescore_layout!r} "
-                             "must be 'rows', 'columns' or 'bands'")
+                             f"must be one of {RESCORE_LAYOUTS}")
         for key in ("budget_tokens", "sink_tokens", "recent_tokens", "meta_channels",
                     "rescore_factor", "rescore_channels"):
             if getattr(self, key) < 0:

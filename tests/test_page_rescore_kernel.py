@@ -126,3 +126,13 @@ def test_misuse_is_refused(seed):
         page_rescore(q_rot[:, :1].contiguous(), *args, ids, counts, **kw, channels=32, out=out)
     with pytest.raises(ValueError, match="layout"):
         page_rescore(q_rot, *args, ids, counts, **kw, channels=32, out=out, layout="tiles")
+
+
+def test_the_configs_layouts_are_the_kernels():
+    from mosaickv_sglang.config import RESCORE_LAYOUTS, MosaicConfig
+
+    assert RESCORE_LAYOUTS == LAYOUTS
+    for layout in LAYOUTS:
+        MosaicConfig.parse(f'{{"select": {{"rescore_layout": "{layout}"}}}}')
+    with pytest.raises(ValueError, match="rescore_layout"):
+        MosaicConfig.parse('{"select": {"rescore_layout": "diagonal"}}')
