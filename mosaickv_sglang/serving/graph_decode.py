@@ -54,8 +54,9 @@ def device_plannable(pool) -> bool:
     at its window, so the device can build a step's tables from the page table alone: the
     chunk read rule (it reads whatever is sealed; its window only delays sealing), or the
     position rule without the daemon, where a page is sealed at the step its request first
-    reads it compressed, and a sealed page inside a request's window (W = `hot_tokens`: the
-    prompt's last pages, sealed in its prefill) keeps its hot copy (`kept_hot`) until then.
+    reads it compressed, and a page of a request's window (W = `hot_tokens`) that another
+    request sealed first (its prefill read it compressed) keeps its hot copy (`kept_hot`)
+    until then.
     Not once a read found a page sealed inside a window with no hot copy (counted,
     `early_sealed_reads`: the host plan reads it compressed, which the device plan cannot see)."""
     if not pool.position_rule:

@@ -373,9 +373,9 @@ class MosaicKVPool(MHATokenToKVPool):
         # (compressed_pages): hot_tokens, plus the daemon's slack under the position rule
         self.position_rule = mosaic_config.read_rule == "position"
         self.dense_window = window_tokens(mosaic_config)
-        # a prompt token reads its own page dense, a generated token the window: each
-        # request's prompt length (req_pool_idx -> tokens, `set_prompt_len`), looked up where
-        # it can change a read
+        # the window is anchored at the prompt's end for prompt tokens and slides for generated
+        # ones (compressed_pages): each request's prompt length (req_pool_idx -> tokens,
+        # `set_prompt_len`), looked up where it can change a read
         self.prompt_split = self.position_rule and self.dense_window > 0
         self.prompt_lens: dict[int, int] = {}
         self.swaps = SwapLog() if self.daemon is not None else None  # flushed by step_boundary()

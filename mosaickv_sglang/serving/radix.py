@@ -30,10 +30,11 @@ class MosaicRadixCache(RadixCache):
     def match_prefix(self, params):
         """SGLang's match, plus a count of the sealed pages a request gets from the tree. Under
         the position read rule with a dense window W (`pool.dense_window`: hot_tokens, + the
-        daemon's lag) a generated token reads dense the pages ending less than W before it,
-        prompt pages included, and a cached page keeps no dense copy: a request's match (the
-        scheduler's, with the request) stops W tokens before its prompt's end, so it prefills
-        those pages itself, as it would alone (`window_cap`)."""
+        daemon's lag) the prompt's last tokens and the generated ones read dense the pages
+        ending less than W before the prompt's end (`pool.compressed_pages`), and a cached page
+        keeps no dense copy: a request's match (the scheduler's, with the request) stops W
+        tokens before its prompt's end, so it prefills those pages itself, as it would alone
+        (`window_cap`)."""
         req = getattr(params, "req", None)
         cap = self.window_cap(req)
         if cap is not None:
