@@ -75,8 +75,8 @@ def write_requests(pool, lengths, seed: int, device: str = "cpu", width: int = 1
                                torch.randn(n, h, d, generator=gen).bfloat16().to(device))
         if pool.prompt_split and n:
             # the position rule with a window: sealed as a prefill of an n-token prompt seals
-            # (its last token reads every full page before it compressed: those within the
-            # window of the prompt's end keep their hot copy for the generated tokens)
+            # (after its last token and after the forward: every full page ending at least W
+            # before the prompt's end; the window's pages stay hot)
             pool.set_prompt_len(rid, n)
             pool.seal_request(slots[:n].to(device), n - 1, prompt=n)
             pool.seal_request(slots[:n].to(device), n, prompt=n)

@@ -49,8 +49,7 @@ def test_tables_match_the_torch_reference(seed):
     ends = []
     # rows < bs: padded requests; window > 0: the position rule's dense window cuts the prefix
     for bs, rows, window in ((1, 1, 0), (4, 3, 0), (5, 5, 0), (5, 4, 128), (3, 3, 200)):
-        fake = SimpleNamespace(pool=SimpleNamespace(position_rule=False, page_size=PS,
-                                                    daemon=None), width=W,
+        fake = SimpleNamespace(pool=SimpleNamespace(position_rule=False, page_size=PS), width=W,
                                block_pages=BLOCK, hot_cap=CAP, pps=PPS, window=window)
         req_to_token, rpi, lens, table = _case(gen, bs, rows)
         # the hot tail must fit the table's width: shorten what does not
