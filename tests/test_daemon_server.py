@@ -28,8 +28,9 @@ pytestmark = [pytest.mark.slow,
                                  reason="SmolLM2 assets not built: run bash scripts/setup.sh")]
 
 # the chunk read rule (the default before 2026-12-07): every full prompt page goes through the
-# daemon; under the position rule (the default now) prompt pages are sealed inline and only
-# pages of generated tokens go to the workers (tests/test_traffic_independence.py,
+# daemon; under the position rule (the default now) prompt pages before the read rule's window
+# are sealed inline and only the window's and generated tokens' pages go to the workers
+# (tests/test_traffic_independence.py,
 # tests/test_soak_cpu.py, tests/test_daemon_position.py)
 CONFIG = {**LOSSLESS_DAEMON_CONFIG, "read_rule": "chunk", "basis_fit": "group"}
 

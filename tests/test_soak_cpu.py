@@ -13,8 +13,9 @@ from pathlib import Path
 
 from server_utils import make_tiny_llama, running_server
 
-# 160 new tokens: under the position rule a request's prompt pages are sealed inline and only
-# full pages of generated tokens go to the worker, so each finished request gives it a page
+# 160 new tokens: under the position rule a request's prompt pages before its window are sealed
+# inline and only the window's and generated tokens' full pages go to the worker, so each
+# finished request gives it a page
 # (with 8 the worker was often idle and the kill, which waits for pages in flight, never came)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,9 +13,11 @@ prefill attention and the CPU platform's batch-invariant linear layers):
 
 * `daemon: off`: every request;
 * `daemon: process` (192 new tokens, so that every request fills pages of generated tokens,
-  which the workers seal inside the window; prompt pages are sealed inline): every request,
-  those behind the shared prefix included: a cached prefix is made of prompt pages of the
-  request reusing it, read compressed by every token after them, as the cache holds them.
+  which the workers seal inside the window W = 128, anchored at the prompt's end for the
+  prompt; prompt pages before it are sealed inline): every request, those behind the shared
+  prefix included: the radix tree holds each request's last W prompt tokens back from its
+  match and its inserts, so a cached prefix is made of pages read compressed by every token of
+  the request reusing it, as the cache holds them.
 
 About 1 min per server on an otherwise idle 2-core box.
 """
