@@ -150,9 +150,10 @@ class MosaicConfig:
     page_tokens: int = 32  # selection granularity (divides segment_tokens)
     basis_block_tokens: int = 4096  # one SVD basis per (layer, KV head) per this many tokens
     # The dense window: a decode token reads dense every page ending less than this many tokens
-    # before it (docs/determinism.md); under read_rule "position" a prompt token reads only its
-    # own page dense, a generated token the window, prompt pages included (the radix tree holds
-    # a request's last hot_tokens prompt tokens back from its match: it computes them itself).
+    # before it (docs/determinism.md); under read_rule "position" the window is anchored at the
+    # prompt's end for prompt tokens (they read the prompt's last hot_tokens dense, and their
+    # own page) and slides for generated ones (the radix tree holds a request's last
+    # hot_tokens prompt tokens back from its matches and inserts: it computes them itself).
     # 0 (default, with the position rule): what RULER measured; the chunk rule used 64.
     hot_tokens: int = 0
     # Serving: the dense hot buffer. 0 (default): sized to what is in flight, one prefill chunk

@@ -67,8 +67,10 @@ class MosaicRadixCache(RadixCache):
         SGLang keeps an unaligned tail (`req.prefix_indices` covers every computed token;
         `cache_protected_len` the inserted ones), and enter the tree at its finish."""
         cap = None if self.disable else self.window_cap(req)
+        if cap is None:  # (no window: SGLang's insert, without another copy of the fill ids)
+            return super().cache_unfinished_req(req, chunked=chunked)
         fill = req.get_fill_ids()
-        if cap is None or len(fill) <= cap:
+        if len(fill) <= cap:
             return super().cache_unfinished_req(req, chunked=chunked)
         own_attr = vars(req).get("get_fill_ids")  # (SGLang's Req: none, the method)
         req.get_fill_ids = lambda: fill[:cap]  # the insert's view (an instance attribute)
