@@ -13,8 +13,9 @@ from mosaickv_kernels.page_rescore import LAYOUTS  # every layout on one pool (C
 from test_request_decode_kernel import DEVICE, D, H, HQ, LAYERS, _graph
 
 
-def _scores(graph, bk, local, q, ids, counts, channels, layouts=LAYOUTS):
-    """Each of `layouts`' kernel scores (layout -> [B, H, P] on the CPU) and the reference's."""
+def _scores(graph, bk, local, q, ids, counts, channels, layouts=LAYOUTS, variants=None):
+    """Each of `layouts`' kernel scores (layout -> [B, H, P] on the CPU) and the reference's;
+    `variants`: (layout, kwargs) of `page_rescore` also run, keyed (layout, sorted kwargs)."""
     from mosaickv_kernels.page_rescore import page_rescore, page_rescore_reference
 
     q_rot, _ = bk.decoder.queries(q, bk.basis_ptrs, local * H, bk.req_pages)
@@ -23,9 +24,14 @@ def _scores(graph, bk, local, q, ids, counts, channels, layouts=LAYOUTS):
     args = (t.data, t.headers, t.plans, t.seg_indptr, t.seg_ids, ids, counts)
     kw = dict(rows_per_owner=graph.width, row_pages=graph.row_pages, pages_per_seg=graph.pps,
               channels=channels)
-    got = {layout: page_rescore(q_rot, *args, **kw, layout=layout,
-                                out=torch.full((bk.bs, H, p), float("nan"), device=DEVICE)).cpu()
-           for layout in layouts}
+
+    def run(layout, **extra):
+        return page_rescore(q_rot, *args, **kw, layout=layout, **extra,
+                            out=torch.full((bk.bs, H, p), float("nan"), device=DEVICE)).cpu()
+
+    got = {layout: run(layout) for layout in layouts}
+    for layout, extra in variants or ():
+        got[(layout, tuple(sorted(extra.items())))] = run(layout, **extra)
     return got, page_rescore_reference(q_rot, *args, **kw, pages_out=p)
 
 
@@ -72,12 +78,19 @@ def test_random_lists_and_empty_ones(seed):
             ids[b, hh, :take.numel()] = take.to(torch.int32)
             counts[b, hh] = take.numel()
     q = torch.randn(bk.bs, HQ, D, device=DEVICE)
-    got, want = _scores(graph, bk, 1, q, ids.to(DEVICE), counts.to(DEVICE), 16)
+    # the per-candidate loads (no prefetch) and smaller program blocks: the same scores, bit
+    # for bit (the same products in the same order per candidate; partial and empty blocks)
+    variants = [(layout, extra) for layout in LAYOUTS
+                for extra in ({"prefetch": False}, {"block": 4}, {"block": 2, "prefetch": False})]
+    got, want = _scores(graph, bk, 1, q, ids.to(DEVICE), counts.to(DEVICE), 16,
+                        variants=variants)
     fin = ~torch.isneginf(want)
     for layout, g in got.items():
         assert torch.equal(torch.isneginf(g), ~fin), (layout, repro(seed))
         assert (g[fin] - want[fin]).abs().max() <= 1e-4 * want[fin].abs().max(), \
             (layout, repro(seed))
+        if not isinstance(layout, str):
+            assert torch.equal(g, got[layout[0]]), (layout, repro(seed))
 
 
 @pytest.mark.parametrize("channels", [16, 32])
@@ -126,6 +139,9 @@ def test_misuse_is_refused(seed):
         page_rescore(q_rot[:, :1].contiguous(), *args, ids, counts, **kw, channels=32, out=out)
     with pytest.raises(ValueError, match="layout"):
         page_rescore(q_rot, *args, ids, counts, **kw, channels=32, out=out, layout="tiles")
+    for block in (1, 3, 256):
+        with pytest.raises(ValueError, match="block"):
+            page_rescore(q_rot, *args, ids, counts, **kw, channels=32, out=out, block=block)
 
 
 def test_the_configs_layouts_are_the_kernels():

@@ -36,6 +36,7 @@ from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
 
 PAGE_TOKENS = 32
 BLOCK_CANDIDATES = 16  # candidates per program
+PREFETCH = True  # a program's candidate entries loaded as vectors first (`page_rescore`)
 
 
 @triton.jit
@@ -193,6 +194,7 @@ def _page_rescore(
     K_CODES4: tl.constexpr, K_CODES2: tl.constexpr, K_SCALE8: tl.constexpr,
     K_ZERO8: tl.constexpr, K_SCALE4: tl.constexpr, K_ZERO4: tl.constexpr,
     K_SCALE2: tl.constexpr, K_ZERO2: tl.constexpr, EVEN_G: tl.constexpr,
+    PREFETCH: tl.constexpr,  # the candidates' page/segment/header loads as vectors up front
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -201,13 +203,32 @@ def _page_rescore(
     start = tl.program_id(2) * BLOCK_C
     end = tl.minimum(start + BLOCK_C, tl.load(PAGE_COUNTS + bh))
     seg0 = tl.load(SEG_INDPTR + b * W)
+    if PREFETCH:  # the block's page -> segment -> header chain as vectors: three load
+        # latencies per block instead of three per candidate
+        offs = start + tl.arange(0, BLOCK_C)
+        live = offs < end
+        v_page = tl.load(PAGE_IDS + bh * max_sel + offs, mask=live, other=0)
+        v_seg = tl.load(SEG_IDS + seg0 + v_page // pps, mask=live, other=0).to(tl.int64)
+        v_hdr = v_seg * HDR_W
+        v_base = tl.load(HEADERS + v_hdr + BASE_COL, mask=live, other=0).to(tl.int64) * 16 + \
+            h * tl.load(HEADERS + v_hdr + STRIDE_COL, mask=live, other=0)
+        v_layout = tl.load(HEADERS + v_hdr + LAYOUT_COL, mask=live, other=0).to(tl.int64)
+        v_group = tl.load(HEADERS + v_hdr + K_GROUP_COL, mask=live, other=0)
     for i in range(start, end):
-        page = tl.load(PAGE_IDS + bh * max_sel + i)
-        seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
-        hdr = HEADERS + seg * HDR_W
-        base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
-        plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)  # K's plan
-        group = tl.load(hdr + K_GROUP_COL)
+        if PREFETCH:  # candidate i's scalars out of the vectors (one lane each)
+            one = offs == i
+            page = tl.sum(tl.where(one, v_page, 0))
+            hdr = HEADERS + tl.sum(tl.where(one, v_hdr, 0))
+            base = tl.sum(tl.where(one, v_base, 0))
+            plan = PLANS + tl.sum(tl.where(one, v_layout, 0)) * (2 * PLAN_W * D)  # K's plan
+            group = tl.sum(tl.where(one, v_group, 0))
+        else:
+            page = tl.load(PAGE_IDS + bh * max_sel + i)
+            seg = tl.load(SEG_IDS + seg0 + page // pps).to(tl.int64)
+            hdr = HEADERS + seg * HDR_W
+            base = tl.load(hdr + BASE_COL).to(tl.int64) * 16 + h * tl.load(hdr + STRIDE_COL)
+            plan = PLANS + tl.load(hdr + LAYOUT_COL).to(tl.int64) * (2 * PLAN_W * D)  # K's plan
+            group = tl.load(hdr + K_GROUP_COL)
         qrow = b * W + page // row_pages
         if BANDS:
             s = _scores_bands(Q_ROT, ARENA_U8, ARENA_F16, hdr, page, base, group, qrow, h, H, G,
@@ -234,7 +255,8 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
                  plans: torch.Tensor, seg_indptr: torch.Tensor, seg_ids: torch.Tensor,
                  page_ids: torch.Tensor, page_counts: torch.Tensor, *, rows_per_owner: int,
                  row_pages: int, pages_per_seg: int, channels: int,
-                 out: torch.Tensor, layout: str = "rows") -> torch.Tensor:
+                 out: torch.Tensor, layout: str = "rows", block: int = BLOCK_CANDIDATES,
+                 prefetch: bool = PREFETCH) -> torch.Tensor:
     """Candidates `page_ids` int32 [B, H, K] (the first `page_counts` [B, H] of each list) scored
     on the leading `channels` of their compressed K against `q_rot` fp32 [B * W, H, G, D]
     (W = `rows_per_owner`); `out` fp32 [B, H, P] (P > every candidate id) filled with -inf and
@@ -242,9 +264,14 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
     (`_scores_rows`, four warps over a [G, 32, R] product), "columns" (`_scores_columns`,
     one warp, channel by channel through the layout's plan) or "bands" (`_scores_bands`, one
     warp, band by band from the segment's header): the same scores up to the order of the
-    R-term sums (config `select.rescore_layout`)."""
+    R-term sums (config `select.rescore_layout`). `block`: candidates per program (a power of
+    two); `prefetch`: each program loads its candidates' page, segment and header entries as
+    vectors before the loop (else one dependent chain per candidate): the same scores either
+    way (`benchmarks/page_rescore_bench.py` times them)."""
     if layout not in LAYOUTS:
         raise ValueError(f"page_rescore: layout {layout!r} must be one of {LAYOUTS}")
+    if block < 2 or block & (block - 1) or block > 128:
+        raise ValueError(f"page_rescore: block={block} must be a power of two in [2, 128]")
     b, h, k = page_ids.shape
     nq, hq, g, d = q_rot.shape
     if q_rot.dtype != torch.float32 or not q_rot.is_contiguous() or hq != h or \
@@ -271,16 +298,16 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
     out.fill_(float("-inf"))
     if k == 0 or b == 0:
         return out
-    _page_rescore[(b, h, triton.cdiv(k, BLOCK_CANDIDATES))](
+    _page_rescore[(b, h, triton.cdiv(k, block))](
         q_rot, data, data.view(torch.float16), headers, plans, seg_indptr, seg_ids, page_ids,
         page_counts, out, h, g, rows_per_owner, row_pages, pages_per_seg, k, out.shape[2],
-        D=d, R=channels, BLOCK_G=max(2, triton.next_power_of_2(g)), BLOCK_C=BLOCK_CANDIDATES,
+        D=d, R=channels, BLOCK_G=max(2, triton.next_power_of_2(g)), BLOCK_C=block,
         HDR_W=HEADER_WIDTH, PLAN_W=len(PLAN_FIELDS), BASE_COL=HDR["base16"],
         STRIDE_COL=HDR["head_stride"], LAYOUT_COL=HDR["layout"], K_GROUP_COL=HDR["k_group"],
         R_CODE=PLAN_ROW["code"], R_ROW=PLAN_ROW["row"], R_SHIFT=PLAN_ROW["shift"],
         R_MASK=PLAN_ROW["mask"], R_SCALE=PLAN_ROW["scale"], R_ZERO=PLAN_ROW["zero"],
         R_GROUP=PLAN_ROW["group_bytes"], COLUMNS=layout == "columns", BANDS=layout == "bands",
-        EVEN_G=g == max(2, triton.next_power_of_2(g)),
+        EVEN_G=g == max(2, triton.next_power_of_2(g)), PREFETCH=bool(prefetch),
         **{f"K_{f.upper()}": HDR[f"k_{f}"] for f in ("b8", "b4", "b2", "codes8", "codes4",
                                                       "codes2", "scale8", "zero8", "scale4",
                                                       "zero4", "scale2", "zero2")},
