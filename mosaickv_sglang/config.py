@@ -77,16 +77,16 @@ class SelectionConfig:
     # how much of K a second stage must read (default 32, the codec probe's best; 0 = every
     # channel)
     rescore_channels: int = 32
-    # how the decode kernels' `page_rescore` (graph and eager) lays out one candidate: "rows"
-    # (four warps over a [G, 32, R] product reduced over R: 681 sm_90 instructions per candidate
-    # per warp, 167 of them shuffles; 177 us at 8 x 128K on an H100) or "columns" (one warp,
-    # channel by channel into registers through the layout's per-channel plan: 1,659 per
-    # candidate, ~52 per channel, 14 of them loads) or "bands" (one warp, band by band from the
-    # segment's header: no plan entry loaded, a code byte read once for its 2 or 4 channels;
-    # 18.5 instructions per 8-bit and 22 per 4-bit channel in its loops). Neither yet timed on
-    # a GPU. The same scores up to the order of the channel sums
-    # (tests/test_page_rescore_kernel.py).
-    rescore_layout: str = "rows"
+    # how the decode kernels' `page_rescore` (graph and eager) lays out one candidate: "bands"
+    # (default: one warp, band by band from the segment's header, no plan entry loaded, a code
+    # byte read once for its 2 or 4 channels), "columns" (one warp, channel by channel through
+    # the layout's per-channel plan) or "rows" (four warps over a [G, 32, R] product reduced
+    # over R). Measured alone in CUDA graphs on an H100 (2026-12-08, page_rescore_bench.py,
+    # each at its best block): bands 11.5 / 60.1 / 112.4 us at 1 x 128K / 8 x 128K / 17 x 32K,
+    # columns 16.7 / 86.5 / 170.6, rows 26.2 / 173.1 / 355.7 (rows with 16 candidates per
+    # program, the former default: 33.7 / 188.9 / 373.3). The same scores up to the order of
+    # the channel sums (tests/test_page_rescore_kernel.py).
+    rescore_layout: str = "bands"
 
     def validate(self, page_tokens: int) -> None:
         if self.rescore_layout not in RESCORE_LAYOUTS:

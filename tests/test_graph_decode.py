@@ -206,7 +206,7 @@ def test_full_graph_replay_matches_the_eager_step(device, seal_layers, device_pl
                              decode_seal_layers=seal_layers, select=rescore,
                              decode_profile_every=1000 if device == "cpu" else 0, **rule)
     assert graph.graph.rescore == eager.packed.rescore == (
-        (2, 32, rescore.get("rescore_layout", "rows")) if rescore["rescore_factor"] else None)
+        (2, 32, rescore.get("rescore_layout", "bands")) if rescore["rescore_factor"] else None)
     assert graph.graph.width == 4  # 1024-token context, 256-token blocks
     # fp32 queries (the kernels take them; the output then is fp32 too). Both paths' products
     # split q (or p) in two bf16 halves (~2^-17 relative per product) but round different

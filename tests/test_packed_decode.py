@@ -66,7 +66,7 @@ def test_packed_decode_matches_reference(lengths, rescore, seed):
     batch = SimpleNamespace(batch_size=len(lengths), req_pool_indices=torch.arange(len(lengths), device=DEVICE),
                             seq_lens=torch.tensor(lengths, device=DEVICE))
     dec = PackedDecode(pool)
-    assert dec.rescore == ((2, rescore.get("rescore_channels") or D, "rows") if rescore else None)
+    assert dec.rescore == ((2, rescore.get("rescore_channels") or D, "bands") if rescore else None)
     dec.begin(batch, req_to_token)
     changed = 0
     assert not dec.step.reference_slots and dec.step.merge == (max(lengths) > 512)

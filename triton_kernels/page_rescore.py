@@ -35,7 +35,13 @@ from .common import channel_plan
 from .layout import HDR, HEADER_WIDTH, PLAN_FIELDS
 
 PAGE_TOKENS = 32
-BLOCK_CANDIDATES = 16  # candidates per program
+# Candidates per program by layout: the most programs (a candidate's loads are a dependent
+# chain, page -> segment -> header -> codes, so more programs in flight hide more of its
+# latency). Measured alone on an H100 (2026-12-08, benchmarks/page_rescore_bench.py, us at
+# 1 x 128K / 8 x 128K / 17 x 32K): bands 2: 11.5 / 60.1 / 112.4, 4: 15.3 / 63.9 / 112.5, 16:
+# 50.7 / 81.7 / 152.9; rows 4: 26.2 / 173.1 / 355.7, 16: 33.7 / 188.9 / 373.3; columns 4:
+# 16.7 / 86.5 / 170.6, 16: 44.9 / 98.1 (h100_2026-12-08_rescore_layouts/).
+BLOCK_CANDIDATES = {"rows": 4, "columns": 4, "bands": 2}
 PREFETCH = True  # a program's candidate entries loaded as vectors first (`page_rescore`)
 
 
@@ -255,7 +261,7 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
                  plans: torch.Tensor, seg_indptr: torch.Tensor, seg_ids: torch.Tensor,
                  page_ids: torch.Tensor, page_counts: torch.Tensor, *, rows_per_owner: int,
                  row_pages: int, pages_per_seg: int, channels: int,
-                 out: torch.Tensor, layout: str = "rows", block: int = BLOCK_CANDIDATES,
+                 out: torch.Tensor, layout: str = "bands", block: int | None = None,
                  prefetch: bool = PREFETCH) -> torch.Tensor:
     """Candidates `page_ids` int32 [B, H, K] (the first `page_counts` [B, H] of each list) scored
     on the leading `channels` of their compressed K against `q_rot` fp32 [B * W, H, G, D]
@@ -265,11 +271,14 @@ def page_rescore(q_rot: torch.Tensor, data: torch.Tensor, headers: torch.Tensor,
     one warp, channel by channel through the layout's plan) or "bands" (`_scores_bands`, one
     warp, band by band from the segment's header): the same scores up to the order of the
     R-term sums (config `select.rescore_layout`). `block`: candidates per program (a power of
-    two); `prefetch`: each program loads its candidates' page, segment and header entries as
-    vectors before the loop (else one dependent chain per candidate): the same scores either
-    way (`benchmarks/page_rescore_bench.py` times them)."""
+    two; None: the layout's `BLOCK_CANDIDATES`); `prefetch`: each program loads its
+    candidates' page, segment and header entries as vectors before the loop (else one
+    dependent chain per candidate): the same scores either way
+    (`benchmarks/page_rescore_bench.py` times them)."""
     if layout not in LAYOUTS:
         raise ValueError(f"page_rescore: layout {layout!r} must be one of {LAYOUTS}")
+    if block is None:
+        block = BLOCK_CANDIDATES[layout]
     if block < 2 or block & (block - 1) or block > 128:
         raise ValueError(f"page_rescore: block={block} must be a power of two in [2, 128]")
     b, h, k = page_ids.shape
