@@ -1,5 +1,7 @@
 """GPU time of selection's second stage (`page_rescore`) alone, per launch configuration, on the
-candidate lists the decode graph gives it: which layout, candidates per program and prefetch.
+candidate lists the decode graph gives it: which layout, candidates per program and prefetch;
+and of the first stage's top-k (`select_page_list`) by its radix plan (bits or 8-bit digits)
+and warps, each checked to keep the same pages.
 
 The pool and backend of `decode_step_bench.py` (Llama-3.1-8B attention shape, the chooser's real
 layout mix, the default config) at CTX x B, one step's tables, layer 0's queries, bounds and
@@ -61,7 +63,10 @@ def candidates(ctx: int, bs: int, args, cfg: MosaicConfig):
               ids.clone(), counts.clone())
     kw = dict(rows_per_owner=g.width, row_pages=g.row_pages, pages_per_seg=g.pps,
               channels=channels)
-    return inputs, kw, bk.bounds.shape, int(counts.sum()), (backend, pool)
+    # the first stage's top-k on the bounds (a copy: page_rescore overwrites bk.bounds)
+    select = (bounds.clone(), bk.req_pages, g.budget_pages * factor, g.sink_pages,
+              g.recent_pages)
+    return inputs, kw, bk.bounds.shape, int(counts.sum()), (backend, pool), select
 
 
 def time_variant(fn, reps: int) -> float:
@@ -85,6 +90,7 @@ def time_variant(fn, reps: int) -> float:
 
 def main() -> None:
     from mosaickv_kernels.page_rescore import page_rescore
+    from mosaickv_kernels.page_select import select_page_list
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="131072")
@@ -111,9 +117,25 @@ def main() -> None:
     rows = []
     for ctx in (int(x) for x in args.contexts.split(",")):
         for bs in (int(x) for x in args.batches.split(",")):
-            inputs, kw, shape, n_cand, keep = candidates(ctx, bs, args, cfg)
+            inputs, kw, shape, n_cand, keep, select = candidates(ctx, bs, args, cfg)
             row = {"context": ctx, "batch": bs, "candidates": n_cand, "us": {},
-                   "max_diff_vs_first": {}}
+                   "max_diff_vs_first": {}, "select_us": {}, "select_same": {}}
+            # the top-k's radix select by bit (the default) and by 8-bit digit, warps
+            want = select_page_list(*select)
+            for digits in (False, True):
+                for warps in (None, 4, 8, 16):
+                    name = f"{'digits' if digits else 'bits'}:{warps or 'auto'}"
+
+                    def top(digits=digits, warps=warps):
+                        return select_page_list(*select, digits=digits, num_warps=warps)
+
+                    got = top()
+                    row["select_same"][name] = bool(torch.equal(got[0], want[0]) and
+                                                    torch.equal(got[1], want[1]))
+                    row["select_us"][name] = time_variant(top, args.reps) \
+                        if args.device == "cuda" else 0.0
+                    print(f"{ctx} x {bs}: top-k {name:10s} {row['select_us'][name]:8.1f} us "
+                          f"(same pages: {row['select_same'][name]})", flush=True)
             first = None
             for name, extra in variants:
                 out = torch.empty(shape, dtype=torch.float32, device=args.device)

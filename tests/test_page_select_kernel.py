@@ -89,11 +89,14 @@ def test_top_pages_kernel_matches_torch_topk(p, budget, sink, recent, seed):
     assert torch.equal(ids.cpu(), ref_ids), repro(seed)
 
 
-@pytest.mark.parametrize("early_exit,warps", [(True, None), (False, None), (True, 8)])
+@pytest.mark.parametrize("early_exit,warps,digits", [(True, None, False), (False, None, False),
+                                                     (True, 8, False), (True, None, True),
+                                                     (True, 8, True)])
 @pytest.mark.parametrize("ties", [False, True])
-def test_top_pages_plans_agree_with_torch_topk(early_exit, warps, ties, seed):
-    """Every plan of the top-k (radix steps stopped early or not, warps) keeps the reference's
-    pages, with ties at the threshold (bounds on a coarse grid: lowest ids win)."""
+def test_top_pages_plans_agree_with_torch_topk(early_exit, warps, digits, ties, seed):
+    """Every plan of the top-k (radix steps by bit, stopped early or not, or by 8-bit digit;
+    warps) keeps the reference's pages, with ties at the threshold (bounds on a coarse grid:
+    lowest ids win)."""
     torch.manual_seed(seed)
     bsz, h, p = 3, 4, 700
     num = torch.tensor([p, 513, 37])
@@ -103,7 +106,7 @@ def test_top_pages_plans_agree_with_torch_topk(early_exit, warps, ties, seed):
     bounds = bounds.masked_fill(torch.arange(p) >= num[:, None, None], float("-inf"))
     for budget in (1, 40, 200):
         ids, counts = select_page_list(bounds.to(DEVICE), num, budget, 2, 8, num_warps=warps,
-                                       early_exit=early_exit)
+                                       early_exit=early_exit, digits=digits)
         ref_ids, ref_counts = select_page_list_reference(bounds, num, budget, 2, 8)
         assert torch.equal(counts.cpu(), ref_counts), (budget, repro(seed))
         # the documented tie rule (torch.topk's order among equal bounds is another): forced

@@ -189,12 +189,15 @@ def _select_top_pages(
     IDS, COUNTS,  # int32 [B, H, K] (ascending, then P), [B, H]
     H, P, K, BUDGET, SINK, RECENT,
     BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_EXIT: tl.constexpr,
+    DIGITS: tl.constexpr,
 ):
     """One program per (request, KV head): force sink/recent pages, find the count-th largest
-    bound by a radix select on order-preserving uint32 keys (one bit per step, most significant
-    first; EARLY_EXIT: the steps after a threshold that keeps exactly `take` keys are skipped,
-    the same kept set), then compact the kept page ids in ascending order with a prefix sum (no
-    sort). Ties at the threshold: lowest ids."""
+    bound by a radix select on order-preserving uint32 keys (DIGITS: four 8-bit digits, most
+    significant first, each from a 256-bin histogram of the keys that match the digits found so
+    far; else one bit per step, a block reduction each, EARLY_EXIT: the steps after a threshold
+    that keeps exactly `take` keys are skipped, the same kept set), then compact the kept page
+    ids in ascending order with a prefix sum (no sort). Either way the threshold is the
+    take-th largest key itself: the same kept pages. Ties at the threshold: lowest ids."""
     b = tl.program_id(0).to(tl.int64)
     row = b * H + tl.program_id(1)
     offs = tl.arange(0, BLOCK_P)
@@ -208,14 +211,30 @@ def _select_top_pages(
     key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     one = tl.full((), 1, tl.uint32)
     prefix = tl.full((), 0, tl.uint32)
-    done = take < 0  # false: a block-uniform flag (each step's count is a block reduction)
-    for bit in tl.static_range(31, -1, -1):
-        if not done:
-            cand = prefix | (one << bit)
-            cnt = tl.sum((key >= cand).to(tl.int32), 0)
-            prefix = tl.where(cnt >= take, cand, prefix)
-            if EARLY_EXIT:  # {key >= cand} is exactly the kept set: no later bit changes it
-                done = cnt == take
+    if DIGITS:
+        bins = tl.arange(0, 256)
+        left = take  # keys still to keep at or below the digits found so far
+        for step in tl.static_range(4):
+            shift: tl.constexpr = 24 - 8 * step
+            digit = ((key >> shift) & 0xFF).to(tl.int32)
+            if step == 0:
+                hist = tl.histogram(digit, 256)
+            else:  # the keys whose higher digits are the threshold's
+                match = (key >> (shift + 8)) == (prefix >> (shift + 8))
+                hist = tl.histogram(digit, 256, mask=match)
+            at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # matching keys >= each bin
+            d = tl.max(tl.where(at_least >= left, bins, 0), 0)  # the largest such bin
+            left -= tl.sum(tl.where(bins == d, at_least - hist, 0), 0)  # those above it
+            prefix = prefix | (d.to(tl.uint32) << shift)
+    else:
+        done = take < 0  # false: a block-uniform flag (each step's count is a block reduction)
+        for bit in tl.static_range(31, -1, -1):
+            if not done:
+                cand = prefix | (one << bit)
+                cnt = tl.sum((key >= cand).to(tl.int32), 0)
+                prefix = tl.where(cnt >= take, cand, prefix)
+                if EARLY_EXIT:  # {key >= cand} is exactly the kept set: no later bit changes it
+                    done = cnt == take
     gt = key > prefix
     eq = key == prefix
     need = take - tl.sum(gt.to(tl.int32), 0)
@@ -231,6 +250,9 @@ def _select_top_pages(
 # The top-k's plan (H200, 2026-12-05, benchmarks/request_decode_sweep.py --select): warps per
 # program by the bound count, and whether the radix steps stop once the threshold is exact.
 SELECT_EARLY_EXIT = True
+# The radix select by 8-bit digits (four histogram steps) instead of 32 one-bit steps
+# (`select_page_list(digits=)`): not yet timed on a GPU, off by default.
+SELECT_DIGITS = False
 
 
 def select_warps(pages: int) -> int:
@@ -241,16 +263,17 @@ def select_warps(pages: int) -> int:
 
 def select_page_list(bounds: torch.Tensor, num_pages: torch.Tensor, budget_pages: int,
                      sink_pages: int, recent_pages: int, *, num_warps: int | None = None,
-                     early_exit: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     early_exit: bool | None = None,
+                     digits: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """bounds [B, H, P] (-inf past each request's pages), num_pages int [B] (pages per request)
     -> (page_ids int32 [B, H, K] ascending then P, page_counts int32 [B, H]),
     K = min(P, budget + sink + recent).
 
     Like `codec.pages.select_pages`: the first `sink_pages` and last `recent_pages` pages are
     always kept and count toward `budget_pages`; the rest go by largest bound; a request with no
-    more pages than the budget keeps all of them. One launch, no host sync. `num_warps` and
-    `early_exit` choose the plan (defaults: `select_warps`, `SELECT_EARLY_EXIT`); the outputs
-    are the same under every plan."""
+    more pages than the budget keeps all of them. One launch, no host sync. `num_warps`,
+    `early_exit` and `digits` choose the plan (defaults: `select_warps`, `SELECT_EARLY_EXIT`,
+    `SELECT_DIGITS`); the outputs are the same under every plan."""
     _check_select_args(bounds, budget_pages)
     bsz, h, p = bounds.shape
     if p > MAX_SELECT_PAGES:
@@ -264,6 +287,7 @@ def select_page_list(bounds: torch.Tensor, num_pages: torch.Tensor, budget_pages
                                 ids, counts, h, p, k, budget_pages, sink_pages, recent_pages,
                                 BLOCK_P=block, BLOCK_K=triton.next_power_of_2(k),
                                 EARLY_EXIT=SELECT_EARLY_EXIT if early_exit is None else early_exit,
+                                DIGITS=SELECT_DIGITS if digits is None else bool(digits),
                                 num_warps=num_warps or select_warps(p))
     return ids, counts
 
