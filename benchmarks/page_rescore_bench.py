@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--topk-only", action="store_true",
+                    help="time the top-k plans alone on random bounds (no pool: no SGLang)")
     ap.add_argument("--json")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -117,7 +119,20 @@ def main() -> None:
     rows = []
     for ctx in (int(x) for x in args.contexts.split(",")):
         for bs in (int(x) for x in args.batches.split(",")):
-            inputs, kw, shape, n_cand, keep, select = candidates(ctx, bs, args, cfg)
+            if args.topk_only:  # random bounds of the decode graph's shape: no pool, no SGLang
+                pages = ctx // cfg.page_tokens
+                gen = torch.Generator(device=args.device).manual_seed(args.seed)
+                bounds = torch.randn(bs, args.kv_heads, pages, generator=gen,
+                                     device=args.device)
+                select = (bounds, torch.full((bs,), pages, dtype=torch.int32,
+                                             device=args.device),
+                          cfg.select.budget_tokens // cfg.page_tokens * cfg.select.rescore_factor,
+                          cfg.select.sink_tokens // cfg.page_tokens,
+                          cfg.select.recent_tokens // cfg.page_tokens)
+                variants_here, n_cand, keep = [], 0, None
+            else:
+                inputs, kw, shape, n_cand, keep, select = candidates(ctx, bs, args, cfg)
+                variants_here = variants
             row = {"context": ctx, "batch": bs, "candidates": n_cand, "us": {},
                    "max_diff_vs_first": {}, "select_us": {}, "select_same": {}}
             # the top-k's radix select by bit (the default) and by 8-bit digit, warps
@@ -137,7 +152,7 @@ def main() -> None:
                     print(f"{ctx} x {bs}: top-k {name:10s} {row['select_us'][name]:8.1f} us "
                           f"(same pages: {row['select_same'][name]})", flush=True)
             first = None
-            for name, extra in variants:
+            for name, extra in variants_here:
                 out = torch.empty(shape, dtype=torch.float32, device=args.device)
 
                 def fn(out=out, extra=extra):
@@ -158,7 +173,7 @@ def main() -> None:
                       f"({n_cand} candidates; max diff vs {variants[0][0]}: "
                       f"{row['max_diff_vs_first'][name]:.3g})", flush=True)
             rows.append(row)
-            del keep, inputs
+            del keep
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     res = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (no timing)",
