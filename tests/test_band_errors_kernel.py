@@ -48,6 +48,11 @@ def test_errors_match_the_codec(d, seed):
                                    msg=lambda m: f"{spec} d={d}: {m} {repro(seed)}")
         torch.testing.assert_close(norm2, want_norm2, rtol=2e-5, atol=1e-6,
                                    msg=lambda m: f"{spec} d={d}: {m} {repro(seed)}")
+        # into rows of a caller's buffer (the chooser's, one per candidate): the same bits
+        buf = torch.full((3, 6), float("nan"), device=DEVICE)
+        band_errors(x, st.widths(d), out=(buf[2], buf[0]))
+        assert torch.equal(buf[2], err2) and torch.equal(buf[0], norm2), (spec, repro(seed))
+        assert buf[1].isnan().all(), (spec, repro(seed))
 
 
 def test_bad_input_is_refused():
@@ -58,6 +63,12 @@ def test_bad_input_is_refused():
         band_errors(x, (8, 24, 16, 48))
     with pytest.raises(ValueError, match="group"):
         band_errors(x, (8, 24, 16, 16))  # not a multiple of the kernel's 32-token chunk
+    good = torch.empty(2, device=DEVICE)
+    for bad in (torch.empty(3, device=DEVICE), torch.empty(2, dtype=torch.float64,
+                                                           device=DEVICE),
+                torch.empty(4, device=DEVICE)[::2]):
+        with pytest.raises(ValueError, match="out"):
+            band_errors(x, (8, 24, 16, 64), out=(good, bad))
 
 
 def _near_ties(x, x_rot, cands, budget) -> np.ndarray:

@@ -70,10 +70,12 @@ def _band_errors(X, ERR, NORM, T: tl.constexpr, D: tl.constexpr, N8: tl.constexp
     tl.store(NORM + r, tl.sum(norm, 0))
 
 
-def band_errors(x: torch.Tensor, widths: tuple[int, int, int, int]):
+def band_errors(x: torch.Tensor, widths: tuple[int, int, int, int],
+                out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Squared reconstruction error and squared norm per row of x (float32 [R, T, D],
     contiguous) under the band layout `widths` = (b8, b4, b2 channels, token group):
-    float32 [R] each."""
+    float32 [R] each, written into `out` (two contiguous float32 [R] tensors, e.g. rows of one
+    buffer for several candidates) when given."""
     n8, n4, n2, group = widths
     if x.dtype != torch.float32 or x.dim() != 3 or not x.is_contiguous():
         raise ValueError(f"band_errors: x must be contiguous float32 [R, T, D], got {x.dtype} "
@@ -82,8 +84,16 @@ def band_errors(x: torch.Tensor, widths: tuple[int, int, int, int]):
     if t % group or group % CHUNK or d & (d - 1) or n8 + n4 + n2 > d:
         raise ValueError(f"band_errors: group {group} must divide T={t} and be a multiple of "
                          f"{CHUNK}, D={d} a power of two >= b8 + b4 + b2 = {n8 + n4 + n2}")
-    err = torch.empty(r, dtype=torch.float32, device=x.device)
-    norm = torch.empty(r, dtype=torch.float32, device=x.device)
+    if out is None:
+        err = torch.empty(r, dtype=torch.float32, device=x.device)
+        norm = torch.empty(r, dtype=torch.float32, device=x.device)
+    else:
+        err, norm = out
+        for o in out:
+            if o.dtype != torch.float32 or o.shape != (r,) or not o.is_contiguous() or \
+                    o.device != x.device:
+                raise ValueError(f"band_errors: out must be two contiguous float32 [{r}] "
+                                 f"tensors on {x.device}, got {o.dtype} {tuple(o.shape)}")
     if r:
         _band_errors[(r,)](x, err, norm, T=t, D=d, N8=n8, N4=n4, N2=n2, GROUP=group,
                            CHUNK=CHUNK, num_warps=4)

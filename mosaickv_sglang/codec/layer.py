@@ -381,14 +381,17 @@ def _choose_errors_first(x, x_rot, kind, candidates, budget, reason, fallback, n
     pick = np.full(n, -1, dtype=np.int64)
     errs = None
     if order:
-        sums = []
-        for st in order:
+        # every candidate's per-(segment, head) error and norm into one buffer, summed over
+        # heads and brought to the host at once: one launch per candidate, then two
+        per_row = torch.empty(len(order), 2, n * h, dtype=torch.float32, device=x.device)
+        flat = {}  # x_rot / x as band_errors reads them, made once each
+        for c, st in enumerate(order):
             src = x_rot if st.rot else x
-            err2, norm2 = band_errors(
-                src.reshape(n * h, s, d).to(torch.float32, memory_format=torch.contiguous_format),
-                st.widths(d))
-            sums.append(torch.stack([err2.view(n, h).sum(1), norm2.view(n, h).sum(1)]))
-        both = torch.stack(sums).cpu().numpy().astype(np.float64)  # [C, 2, N]: one transfer
+            if id(src) not in flat:
+                flat[id(src)] = src.reshape(n * h, s, d).to(
+                    torch.float32, memory_format=torch.contiguous_format)
+            band_errors(flat[id(src)], st.widths(d), out=(per_row[c, 0], per_row[c, 1]))
+        both = per_row.view(len(order), 2, n, h).sum(3).cpu().numpy().astype(np.float64)
         errs = np.sqrt(both[:, 0]) / np.maximum(np.sqrt(both[:, 1]), 1e-12)
         fits = errs <= budget
         pick = np.where(fits.any(0), fits.argmax(0), -1)
