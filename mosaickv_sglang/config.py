@@ -42,6 +42,7 @@ DEFAULT_RESCUE_CANDIDATES = ("band:b8=64,b4=0,b2=0,group=32",)
 DECODE_KERNELS = ("auto", "triton", "reference")
 PREFILL_ATTENTIONS = ("auto", "flashinfer", "sdpa")
 PACK_KERNELS = ("auto", "triton", "torch")
+ENCODE_KERNELS = ("torch", "triton")
 ARENAS = ("shared", "per_layer")
 CHOOSERS = ("auto", "cascade", "errors_first")
 FIT_SOLVERS = ("auto", "host", "device", "jacobi", "jacobi_tf32", "identity")
@@ -261,6 +262,12 @@ class MosaicConfig:
     # but for a segment whose error is within float32 rounding of its budget (the kernel sums in
     # its own order). docs/codec.md, "The chooser on the GPU".
     chooser: str = "auto"
+    # Who encodes a band candidate for the segments that picked it under the errors-first
+    # chooser: "torch" (`Band.encode_decoded`, ~30 launches per band) or "triton" (one
+    # `band_encode` launch per candidate and kind: the same bytes and reconstruction, bit for
+    # bit on the CPU interpreter, tests/test_band_encode_kernel.py). Opt-in until its GPU tests
+    # and the sealing bench have run on a GPU.
+    encode_kernel: str = "torch"
     # How a basis block's bases are fitted: "host" (exact eigh/qr; GPU pages are copied to the
     # CPU, LAPACK over host threads), "device" (exact eigh/qr by cuSOLVER, one matrix at a time),
     # "jacobi" (codec/basis.jacobi_axes: batched GEMMs + one batched Cholesky, wherever the
@@ -370,7 +377,7 @@ class MosaicConfig:
         for key, choices in (("decode_kernel", DECODE_KERNELS), ("pack_kernel", PACK_KERNELS),
                              ("arena", ARENAS),
                              ("prefill_attention", PREFILL_ATTENTIONS),
-                             ("chooser", CHOOSERS),
+                             ("chooser", CHOOSERS), ("encode_kernel", ENCODE_KERNELS),
                              ("fit_solver", FIT_SOLVERS), ("daemon", DAEMON_MODES),
                              ("read_rule", READ_RULES), ("basis_fit", BASIS_FITS),
                              ("decode_cuda_graph", DECODE_CUDA_GRAPHS),

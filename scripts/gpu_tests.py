@@ -47,6 +47,7 @@ GPU_TEST_FILES = {
     "tests/test_band_pack_kernel.py": 2,
     "tests/test_band_unpack_kernel.py": 2,
     "tests/test_band_errors_kernel.py": 1,  # the chooser's error check; errors_first == cascade
+    "tests/test_band_encode_kernel.py": 1,  # the chooser's band encode == the codec's, bit for bit
     "tests/test_transfer.py": 1,  # pinned, non-blocking host-to-device index copies
     "tests/test_basis_fit.py": 1,  # jacobi_tf32's axes on a GPU (the rest runs there too)
     "tests/test_decode_graph_gpu.py": 3,  # the breakable decode CUDA graph, captured for real

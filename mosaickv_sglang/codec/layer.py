@@ -19,6 +19,7 @@ from .pages import PageMeta, build_page_meta
 from .strategies import Encoded, Strategy, parse_strategy, strategy_id
 from .strategies.band import Band
 from mosaickv_kernels.band_errors import CHUNK as BAND_ERRORS_CHUNK, band_errors
+from mosaickv_kernels.band_encode import band_encode
 from .timing import phase
 from .transfer import to_device_async
 
@@ -184,11 +185,13 @@ def seal_segments(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor, vb: torch.
                                   fallback, need_decoded=select_meta or keep_decoded,
                                   rescue=cands.rescue,
                                   errors_first=use_errors_first(cfg.chooser, k, k_cands,
-                                                                cands.rescue))
+                                                                cands.rescue),
+                                  encode_kernel=cfg.encode_kernel == "triton")
         vc, v_dec = _choose_batch(v, v_rot, "v", v_cands, budgets[1], reason, fallback,
                                   need_decoded=keep_decoded, rescue=cands.rescue,
                               errors_first=use_errors_first(cfg.chooser, v, v_cands,
-                                                                cands.rescue))
+                                                                cands.rescue),
+                                  encode_kernel=cfg.encode_kernel == "triton")
     n, h, s, d = k.shape
     meta = None
     with phase(timer, "page_meta"):
@@ -301,7 +304,7 @@ def use_errors_first(choice: str, x: torch.Tensor, candidates, rescue) -> bool:
 
 
 def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded=False,
-                  rescue=(), errors_first=False):
+                  rescue=(), errors_first=False, encode_kernel=False):
     """`choose` for N segments [N, H, S, D] at once -> (the N choices as a `ChoiceBatch`, the
     chosen reconstructions [N, H, S, D] in each choice's own space, when need_decoded).
     Candidates are tried cheapest first (bytes per segment) and each one is encoded only for the
@@ -310,10 +313,11 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
     candidate). Each try's errors come to the host in one transfer; a Choice read from the
     batch has views of its try's tensors. Segments no candidate fits try `rescue` (reason
     "rescued"), then get `fallback`. `errors_first`: the same picks from `_choose_errors_first`
-    (every candidate's error checked by a kernel, one transfer, one encode per segment)."""
+    (every candidate's error checked by a kernel, one transfer, one encode per segment;
+    `encode_kernel`: band candidates encoded by `band_encode`, one launch each)."""
     if errors_first:
         return _choose_errors_first(x, x_rot, kind, candidates, budget, reason, fallback,
-                                    need_decoded, rescue)
+                                    need_decoded, rescue, encode_kernel)
     n, h, s, d = x.shape
     tries: list[Tried] = []
     try_of = np.full(n, -1, dtype=np.int64)  # segment -> its try
@@ -347,21 +351,25 @@ def _choose_batch(x, x_rot, kind, candidates, budget, reason, fallback, need_dec
     return batch, decoded
 
 
-def _encode_rows(x, x_rot, strat, kind, rows: np.ndarray):
+def _encode_rows(x, x_rot, strat, kind, rows: np.ndarray, kernel: bool = False):
     """`strat`'s encoding of the segments `rows` (host indices, ascending) of x [N, H, S, D], or
     of x_rot for a rotated strategy (all N: no gather): (its tensors, its reconstruction
-    [m, H, S, D], the input it encoded)."""
+    [m, H, S, D], the input it encoded). `kernel`: a band strategy through `band_encode`."""
     n, h, s, d = x.shape
     src = x_rot if strat.rot else x
     if len(rows) < n:
         src = src[to_device_async(rows, src.device)]
     m = len(rows)
-    tensors, dec = strat.encode_decoded(src.reshape(m * h, s, d), kind)
+    flat = src.reshape(m * h, s, d)
+    if kernel and isinstance(strat, Band) and flat.dtype == torch.float32:
+        tensors, dec = band_encode(flat.contiguous(), strat.widths(d))
+    else:
+        tensors, dec = strat.encode_decoded(flat, kind)
     return tensors, dec.reshape(m, h, s, d), src
 
 
 def _choose_errors_first(x, x_rot, kind, candidates, budget, reason, fallback, need_decoded,
-                         rescue):
+                         rescue, encode_kernel=False):
     """`_choose_batch` by errors first: each candidate, then each rescue (band strategies), has
     its error on every segment computed without encoding (`band_errors`: per (segment, head)
     the squared error and norm, summed over heads here), the errors of all come to the host in
@@ -398,7 +406,7 @@ def _choose_errors_first(x, x_rot, kind, candidates, budget, reason, fallback, n
 
     def encode(strat, why, rows, row_errs):
         m = len(rows)
-        tensors, dec, src = _encode_rows(x, x_rot, strat, kind, rows)
+        tensors, dec, src = _encode_rows(x, x_rot, strat, kind, rows, encode_kernel)
         if row_errs is None:
             row_errs = _errors(dec, src).cpu().numpy().astype(np.float64)
         tries.append(Tried(strat, why, tensors, m, row_errs, dec, rows))

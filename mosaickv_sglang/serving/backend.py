@@ -86,9 +86,10 @@ class MosaicAttnBackend(TorchNativeAttnBackend):
         _compile_ahead("band-pack kernel variants (every candidate layout's K and V)",
                        lambda: pool.store.compile_pack_kernels(pairs, pool.page_size),
                        "each compiles when a page first needs it")
-        _compile_ahead("band-errors kernel variants (the chooser's candidates)",
+        _compile_ahead("band-errors (and band-encode) kernel variants (the chooser's candidates)",
                        lambda: pool.store.compile_chooser_kernels(pairs, pool.page_size,
-                                                                  self.cfg.chooser),
+                                                                  self.cfg.chooser,
+                                                                  self.cfg.encode_kernel),
                        "each compiles when a candidate is first tried")
         # A prefill forward's chunk attention (ChunkAttention: one plan per forward, one launch
         # per layer): its kernel, compiled now (FlashInfer JIT-builds its batch prefill module at

@@ -48,6 +48,7 @@ import torch
 
 from mosaickv_kernels.band_decode import band_width_classes
 from mosaickv_kernels.band_errors import compile_variants as compile_errors_variants
+from mosaickv_kernels.band_encode import compile_variants as compile_encode_variants
 from mosaickv_kernels.band_pack import compile_variants, pack_layout
 from mosaickv_kernels.page_select import PackedPageMeta
 from mosaickv_kernels.row_copy import COPY, WIDEN, copy_rows
@@ -526,14 +527,17 @@ class SegmentStore:
                                 segment_tokens, self.head_dim)
 
     def compile_chooser_kernels(self, pairs: list[tuple[str, str]], segment_tokens: int,
-                                chooser: str) -> int:
+                                chooser: str, encode_kernel: str = "torch") -> int:
         """On CUDA, unless the chooser is the cascade: compile `band_errors` (the errors-first
-        chooser's kernel) for every band width of `pairs` now (start-up). Returns variants
-        compiled."""
+        chooser's kernel), and `band_encode` where `encode_kernel` is "triton", for every band
+        width of `pairs` now (start-up). Returns variants compiled."""
         if self.device_type != "cuda" or chooser == "cascade":
             return 0
-        return compile_errors_variants([w for _, w in self.pack_variants(pairs, segment_tokens)],
-                                       segment_tokens, self.head_dim)
+        widths = [w for _, w in self.pack_variants(pairs, segment_tokens)]
+        n = compile_errors_variants(widths, segment_tokens, self.head_dim)
+        if encode_kernel == "triton":
+            n += compile_encode_variants(widths, segment_tokens, self.head_dim)
+        return n
 
     def freeze_layouts(self, pairs: list[tuple[str, str]], segment_tokens: int) -> None:
         """Register the layout of every (K spec, V spec) band pair up front and allow no other:
