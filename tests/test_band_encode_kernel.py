@@ -6,7 +6,6 @@ and the chooser with `encode_kernel: "triton"` against the torch encode. On a CP
 runs in Triton's interpreter (conftest.py)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,8 +14,8 @@ from mosaickv_sglang.codec.layer import Candidates, seal_segments
 from mosaickv_sglang.codec.strategies import parse_strategy
 from mosaickv_sglang.config import MosaicConfig
 
-from conftest import LaunchRecorder, repro
-from test_band_errors_kernel import DEVICE, SPECS, _segments
+from conftest import repro
+from test_band_errors_kernel import DEVICE, SPECS, _segments, start_up_covers_the_chooser
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -83,26 +82,7 @@ def test_start_up_compiles_every_band_encode_variant_the_chooser_launches(monkey
     """What `SegmentStore.compile_chooser_kernels` compiles at start-up (CUDA) with
     `encode_kernel` "triton" covers every `band_encode` launch of the chooser sealing with the
     default candidates (sink segments too). Needs SGLang (the serving modules import it)."""
-    pytest.importorskip("sglang", reason="the serving modules import SGLang")
-    from types import SimpleNamespace
-
     from mosaickv_kernels import band_encode as be
-    from mosaickv_sglang.serving.graph_decode import band_pairs
-    from mosaickv_sglang.serving.segment_store import SegmentStore
 
-    rec = LaunchRecorder(be._band_encode)
-    monkeypatch.setattr(be, "_band_encode", rec)
-    gen = torch.Generator().manual_seed(seed)
-    n, h, s, d = 6, 2, 128, 64
-    k, v = (_segments(n, h, s, d, gen) for _ in range(2))
-    basis = torch.linalg.qr(torch.randn(n, h, d, d, generator=gen))[0].to(torch.bfloat16)
-    cfg = MosaicConfig(chooser="errors_first", encode_kernel="triton")
-    cands = Candidates.from_config(cfg)
-    for sink in (False, True):
-        seal_segments(k, v, basis.to(DEVICE), basis.to(DEVICE), 0, list(range(n)), cfg, cands,
-                      sink, True)
-    assert rec.launched, repro(seed)
-    widths = [w for _, w in SegmentStore.pack_variants(
-        SimpleNamespace(head_dim=d), band_pairs(cfg), s)]
-    assert be.compile_variants(widths, s, d) >= 1
-    assert rec.launched <= rec.warmed, (rec.launched - rec.warmed, repro(seed))
+    start_up_covers_the_chooser(monkeypatch, seed, be, "_band_encode",
+                                MosaicConfig(chooser="errors_first", encode_kernel="triton"))

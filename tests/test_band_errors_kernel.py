@@ -160,23 +160,19 @@ def test_which_chooser_runs():
         MosaicConfig(chooser="fastest")
 
 
-def test_start_up_compiles_every_band_errors_variant_the_chooser_launches(monkeypatch, seed):
-    """What `SegmentStore.compile_chooser_kernels` compiles at start-up (CUDA) covers every
-    `band_errors` launch of the errors-first chooser sealing with the default config (sink
-    segments too): a variant it missed would compile inside a live step (seconds). Needs SGLang
-    (the serving modules import it): skipped, visibly, in a kernel-only GPU run."""
+def start_up_covers_the_chooser(monkeypatch, seed, module, kernel: str, cfg) -> None:
+    """Asserts that `module.compile_variants` for the default candidates' band widths warms up
+    every launch of `module.<kernel>` that sealing with `cfg` makes (sink segments too)."""
     pytest.importorskip("sglang", reason="the serving modules import SGLang")
-    from mosaickv_kernels import band_errors as be
     from mosaickv_sglang.serving.graph_decode import band_pairs
     from mosaickv_sglang.serving.segment_store import SegmentStore
 
-    rec = LaunchRecorder(be._band_errors)
-    monkeypatch.setattr(be, "_band_errors", rec)
+    rec = LaunchRecorder(getattr(module, kernel))
+    monkeypatch.setattr(module, kernel, rec)
     gen = torch.Generator().manual_seed(seed)
     n, h, s, d = 6, 2, 128, 64
     k, v = (_segments(n, h, s, d, gen) for _ in range(2))
     basis = torch.linalg.qr(torch.randn(n, h, d, d, generator=gen))[0].to(torch.bfloat16)
-    cfg = MosaicConfig(chooser="errors_first")
     cands = Candidates.from_config(cfg)
     for sink in (False, True):
         seal_segments(k, v, basis.to(DEVICE), basis.to(DEVICE), 0, list(range(n)), cfg, cands,
@@ -184,5 +180,16 @@ def test_start_up_compiles_every_band_errors_variant_the_chooser_launches(monkey
     assert rec.launched, repro(seed)
     widths = [w for _, w in SegmentStore.pack_variants(
         SimpleNamespace(head_dim=d), band_pairs(cfg), s)]
-    assert be.compile_variants(widths, s, d) >= 1
+    assert module.compile_variants(widths, s, d) >= 1
     assert rec.launched <= rec.warmed, (rec.launched - rec.warmed, repro(seed))
+
+
+def test_start_up_compiles_every_band_errors_variant_the_chooser_launches(monkeypatch, seed):
+    """What `SegmentStore.compile_chooser_kernels` compiles at start-up (CUDA) covers every
+    `band_errors` launch of the errors-first chooser sealing with the default config (sink
+    segments too): a variant it missed would compile inside a live step (seconds). Needs SGLang
+    (the serving modules import it): skipped, visibly, in a kernel-only GPU run."""
+    from mosaickv_kernels import band_errors as be
+
+    start_up_covers_the_chooser(monkeypatch, seed, be, "_band_errors",
+                                MosaicConfig(chooser="errors_first"))

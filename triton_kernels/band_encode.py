@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .band_pack import _round_fp16, _round_half_even
+from .band_pack import _pack_group, _quantize_group
 
 
 @triton.jit
@@ -39,28 +39,10 @@ def _encode_band(X, CODES, SCALE, ZERO, DEC, START: tl.constexpr, NB: tl.constex
     for g in tl.static_range(T // GROUP):
         tok = g * GROUP + offs_t
         x = tl.load(X + tok[:, None] * D + START + offs_w[None, :], mask=mw[None, :], other=0.0)
-        lo = tl.min(tl.where(mw[None, :], x, float("inf")), 0)
-        hi = tl.max(tl.where(mw[None, :], x, float("-inf")), 0)
-        zero = _round_fp16(tl.where(mw, lo, 0.0), True)
-        span = tl.math.div_rn(tl.where(mw, hi, 0.0) - zero.to(tl.float32),
-                              tl.full([W], LEVELS, tl.float32))
-        scale = _round_fp16(tl.maximum(span, 1e-8), False)
-        q = tl.math.div_rn(x - zero.to(tl.float32)[None, :],
-                           tl.broadcast_to(scale.to(tl.float32)[None, :], [GROUP, W]))
-        cf = tl.minimum(tl.maximum(_round_half_even(q), 0.0), LEVELS * 1.0)
+        zero, scale, cf = _quantize_group(x, mw, LEVELS, GROUP, W)
         dec = cf * scale.to(tl.float32)[None, :] + zero.to(tl.float32)[None, :]
         tl.store(DEC + tok[:, None] * D + START + offs_w[None, :], dec, mask=mw[None, :])
-        c = cf.to(tl.int32)
-        if BITS == 8:
-            packed = c
-        elif BITS == 4:
-            a, b = tl.split(tl.reshape(c, [GROUP, W // 2, 2]))
-            packed = a | (b << 4)
-        else:
-            ev, od = tl.split(tl.reshape(c, [GROUP, W // 4, 2, 2]))  # (k0, k2), (k1, k3)
-            k0, k2 = tl.split(ev)
-            k1, k3 = tl.split(od)
-            packed = k0 | (k1 << 2) | (k2 << 4) | (k3 << 6)
+        packed = _pack_group(cf.to(tl.int32), BITS, GROUP, W)
         offs_b = tl.arange(0, W // PER)
         tl.store(CODES + tok[:, None] * ROW + offs_b[None, :], packed.to(tl.uint8),
                  mask=(offs_b < ROW)[None, :])

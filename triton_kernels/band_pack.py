@@ -53,6 +53,39 @@ def _round_half_even(v):
 
 
 @triton.jit
+def _quantize_group(x, mw, LEVELS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr):
+    """One token group's [GROUP, W] values (channels past the band masked off by `mw`) ->
+    (zero fp16 [W] rounded down, scale fp16 [W] rounded up, codes float32 [GROUP, W]): the
+    codec's `quantize_in_range` (IEEE division, round half to even, clamped)."""
+    lo = tl.min(tl.where(mw[None, :], x, float("inf")), 0)
+    hi = tl.max(tl.where(mw[None, :], x, float("-inf")), 0)
+    zero = _round_fp16(tl.where(mw, lo, 0.0), True)
+    span = tl.math.div_rn(tl.where(mw, hi, 0.0) - zero.to(tl.float32),
+                          tl.full([W], LEVELS, tl.float32))
+    scale = _round_fp16(tl.maximum(span, 1e-8), False)
+    q = tl.math.div_rn(x - zero.to(tl.float32)[None, :],
+                       tl.broadcast_to(scale.to(tl.float32)[None, :], [GROUP, W]))
+    return zero, scale, tl.minimum(tl.maximum(_round_half_even(q), 0.0), LEVELS * 1.0)
+
+
+@triton.jit
+def _pack_group(c, BITS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr):
+    """int32 codes [GROUP, W] -> [GROUP, W * BITS / 8] bytes (as int32), little end first along
+    the channels: `quant.pack_codes`."""
+    if BITS == 8:
+        packed = c
+    elif BITS == 4:
+        a, b = tl.split(tl.reshape(c, [GROUP, W // 2, 2]))
+        packed = a | (b << 4)
+    else:
+        ev, od = tl.split(tl.reshape(c, [GROUP, W // 4, 2, 2]))  # (k0, k2), (k1, k3)
+        k0, k2 = tl.split(ev)
+        k1, k3 = tl.split(od)
+        packed = k0 | (k1 << 2) | (k2 << 4) | (k3 << 6)
+    return packed
+
+
+@triton.jit
 def _pack_band(X, U8, F16, hdr, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr,
                ZERO_COL: tl.constexpr, START: tl.constexpr, NB: tl.constexpr,
                BITS: tl.constexpr, W: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
@@ -71,25 +104,8 @@ def _pack_band(X, U8, F16, hdr, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr
     for g in tl.static_range(T // GROUP):
         tok = g * GROUP + offs_t
         x = tl.load(X + tok[:, None] * D + START + offs_w[None, :], mask=mw[None, :], other=0.0)
-        lo = tl.min(tl.where(mw[None, :], x, float("inf")), 0)
-        hi = tl.max(tl.where(mw[None, :], x, float("-inf")), 0)
-        zero = _round_fp16(tl.where(mw, lo, 0.0), True)
-        span = tl.math.div_rn(tl.where(mw, hi, 0.0) - zero.to(tl.float32),
-                              tl.full([W], LEVELS, tl.float32))
-        scale = _round_fp16(tl.maximum(span, 1e-8), False)
-        q = tl.math.div_rn(x - zero.to(tl.float32)[None, :],
-                           tl.broadcast_to(scale.to(tl.float32)[None, :], [GROUP, W]))
-        c = tl.minimum(tl.maximum(_round_half_even(q), 0.0), LEVELS * 1.0).to(tl.int32)
-        if BITS == 8:
-            packed = c
-        elif BITS == 4:
-            a, b = tl.split(tl.reshape(c, [GROUP, W // 2, 2]))
-            packed = a | (b << 4)
-        else:
-            ev, od = tl.split(tl.reshape(c, [GROUP, W // 4, 2, 2]))  # (k0, k2), (k1, k3)
-            k0, k2 = tl.split(ev)
-            k1, k3 = tl.split(od)
-            packed = k0 | (k1 << 2) | (k2 << 4) | (k3 << 6)
+        zero, scale, c = _quantize_group(x, mw, LEVELS, GROUP, W)
+        packed = _pack_group(c.to(tl.int32), BITS, GROUP, W)
         offs_b = tl.arange(0, W // PER)
         tl.store(codes_at + tok[:, None] * ROW + offs_b[None, :], packed.to(tl.uint8),
                  mask=(offs_b < ROW)[None, :])
