@@ -285,6 +285,20 @@ def band_errors(d: int):
         run(x, parse_strategy(spec).widths(d))
 
 
+def band_encode(d: int):
+    """The chooser's encode of its picks (encode_kernel triton): one launch per candidate,
+    every default candidate, sink and rescue band."""
+    from mosaickv_kernels.band_encode import band_encode as run
+    from mosaickv_sglang.codec.strategies import parse_strategy
+    from mosaickv_sglang.config import (DEFAULT_K_CANDIDATES, DEFAULT_RESCUE_CANDIDATES,
+                                        DEFAULT_SINK_CANDIDATES, DEFAULT_V_CANDIDATES)
+
+    x = torch.randn(2, SEGMENT, d)
+    for spec in dict.fromkeys(DEFAULT_K_CANDIDATES + DEFAULT_V_CANDIDATES +
+                              DEFAULT_SINK_CANDIDATES + DEFAULT_RESCUE_CANDIDATES):
+        run(x, parse_strategy(spec).widths(d))
+
+
 def band_unpack(d: int):
     """PackedDecode.unpack: a compressed prefix back to bf16 K/V for a prefill chunk."""
     from mosaickv_kernels.band_unpack import unpack_segments
@@ -388,6 +402,8 @@ SCENARIOS = [
     Scenario("pack d64", ("band_pack._pack_kind",), lambda: band_pack(64)),
     Scenario("errors d128", ("band_errors._band_errors",), lambda: band_errors(128)),
     Scenario("errors d64", ("band_errors._band_errors",), lambda: band_errors(64)),
+    Scenario("encode d128", ("band_encode._band_encode",), lambda: band_encode(128)),
+    Scenario("encode d64", ("band_encode._band_encode",), lambda: band_encode(64)),
     Scenario("unpack d128", ("band_unpack._unpack_segments",), lambda: band_unpack(128)),
     Scenario("unpack d64", ("band_unpack._unpack_segments",), lambda: band_unpack(64)),
     Scenario("merge d128", ("row_merge._merge_rows",), lambda: row_merge(128)),

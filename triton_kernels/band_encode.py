@@ -80,6 +80,11 @@ def _band_encode(X, DEC, C8, S8, Z8, C4, S4, Z4, C2, S2, Z2,
                      tl.zeros([GROUP, D], tl.float32), mask=(offs_d >= KEPT)[None, :])
 
 
+# 8 warps: at 4 a 128-token group of 96 4-bit channels spilled 12 bytes on sm_90 (255 registers;
+# scripts/sm90_compile.py --only encode, 2026-12-08)
+ENCODE_WARPS = 8
+
+
 def _width(n: int) -> int:
     return max(16, triton.next_power_of_2(max(n, 1)))
 
@@ -119,7 +124,7 @@ def band_encode(x: torch.Tensor, widths: tuple[int, int, int, int]):
     assert [p.dtype for p in ptrs] == _ptr_dtypes(widths)  # what compile_variants compiles
     if r:
         _band_encode[(r,)](x, decoded, *ptrs, T=t, D=d, GROUP=group, N8=n8, N4=n4, N2=n2,
-                           W8=_width(n8), W4=_width(n4), W2=_width(n2), num_warps=4,
+                           W8=_width(n8), W4=_width(n4), W2=_width(n2), num_warps=ENCODE_WARPS,
                            enable_fp_fusion=False)
     return out, decoded
 
@@ -132,6 +137,6 @@ def compile_variants(widths, tokens: int, head_dim: int) -> int:
     for n8, n4, n2, group in todo:
         _band_encode.warmup(torch.float32, torch.float32, *_ptr_dtypes((n8, n4, n2)), grid=(1,),
                             T=tokens, D=head_dim, GROUP=group, N8=n8, N4=n4, N2=n2,
-                            W8=_width(n8), W4=_width(n4), W2=_width(n2), num_warps=4,
+                            W8=_width(n8), W4=_width(n4), W2=_width(n2), num_warps=ENCODE_WARPS,
                             enable_fp_fusion=False)
     return len(todo)

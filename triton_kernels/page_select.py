@@ -251,7 +251,9 @@ def _select_top_pages(
 # program by the bound count, and whether the radix steps stop once the threshold is exact.
 SELECT_EARLY_EXIT = True
 # The radix select by 8-bit digits (four histogram steps) instead of 32 one-bit steps
-# (`select_page_list(digits=)`): not yet timed on a GPU, off by default.
+# (`select_page_list(digits=)`): off by default. It runs in the interpreter (tests) but does
+# not compile for sm_90 yet (CompilationError, `sm90_compile.py`, 2026-12-08): not usable on a
+# GPU until that is fixed.
 SELECT_DIGITS = False
 
 
