@@ -21,33 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .band_pack import _pack_group, _quantize_group
-
-
-@triton.jit
-def _encode_band(X, CODES, SCALE, ZERO, DEC, START: tl.constexpr, NB: tl.constexpr,
-                 BITS: tl.constexpr, W: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
-                 D: tl.constexpr):
-    """Channels [START, START + NB) of one row [T, D]: codes [T, NB * BITS / 8], scale and zero
-    [T / GROUP, NB], and their reconstruction into DEC [T, D] (those channels)."""
-    LEVELS: tl.constexpr = (1 << BITS) - 1
-    ROW: tl.constexpr = NB * BITS // 8
-    PER: tl.constexpr = 8 // BITS
-    offs_w = tl.arange(0, W)
-    offs_t = tl.arange(0, GROUP)
-    mw = offs_w < NB
-    for g in tl.static_range(T // GROUP):
-        tok = g * GROUP + offs_t
-        x = tl.load(X + tok[:, None] * D + START + offs_w[None, :], mask=mw[None, :], other=0.0)
-        zero, scale, cf = _quantize_group(x, mw, LEVELS, GROUP, W)
-        dec = cf * scale.to(tl.float32)[None, :] + zero.to(tl.float32)[None, :]
-        tl.store(DEC + tok[:, None] * D + START + offs_w[None, :], dec, mask=mw[None, :])
-        packed = _pack_group(cf.to(tl.int32), BITS, GROUP, W)
-        offs_b = tl.arange(0, W // PER)
-        tl.store(CODES + tok[:, None] * ROW + offs_b[None, :], packed.to(tl.uint8),
-                 mask=(offs_b < ROW)[None, :])
-        tl.store(SCALE + g * NB + offs_w, scale, mask=mw)
-        tl.store(ZERO + g * NB + offs_w, zero, mask=mw)
+from .band_pack import _encode_band
 
 
 @triton.jit
@@ -63,13 +37,13 @@ def _band_encode(X, DEC, C8, S8, Z8, C4, S4, Z4, C2, S2, Z2,
     groups: tl.constexpr = T // GROUP
     if N8 > 0:
         _encode_band(x, C8 + r * T * N8, S8 + r * groups * N8, Z8 + r * groups * N8, dec,
-                     0, N8, 8, W8, GROUP, T, D)
+                     0, N8, 8, W8, GROUP, T, D, True)
     if N4 > 0:
         _encode_band(x, C4 + r * T * (N4 // 2), S4 + r * groups * N4, Z4 + r * groups * N4,
-                     dec, N8, N4, 4, W4, GROUP, T, D)
+                     dec, N8, N4, 4, W4, GROUP, T, D, True)
     if N2 > 0:
         _encode_band(x, C2 + r * T * (N2 // 4), S2 + r * groups * N2, Z2 + r * groups * N2,
-                     dec, N8 + N4, N2, 2, W2, GROUP, T, D)
+                     dec, N8 + N4, N2, 2, W2, GROUP, T, D, True)
     KEPT: tl.constexpr = N8 + N4 + N2
     if KEPT < D:
         offs_d = tl.arange(0, D)

@@ -86,31 +86,41 @@ def _pack_group(c, BITS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _pack_band(X, U8, F16, hdr, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr,
-               ZERO_COL: tl.constexpr, START: tl.constexpr, NB: tl.constexpr,
-               BITS: tl.constexpr, W: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
-               D: tl.constexpr):
+def _encode_band(X, CODES, SCALE, ZERO, DEC, START: tl.constexpr, NB: tl.constexpr,
+                 BITS: tl.constexpr, W: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
+                 D: tl.constexpr, HAS_DEC: tl.constexpr):
     """Quantize channels [START, START + NB) of one (segment, head) [T, D] slab X, group by
-    group, and store codes, scale and zero at the header's offsets (U8/F16: the head block)."""
+    group: codes at CODES [T, NB * BITS / 8], scale and zero at SCALE / ZERO [T / GROUP, NB]
+    (fp16), and (HAS_DEC) their reconstruction code * scale + zero into DEC [T, D]."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
     ROW: tl.constexpr = NB * BITS // 8
     PER: tl.constexpr = 8 // BITS
     offs_w = tl.arange(0, W)
     offs_t = tl.arange(0, GROUP)
     mw = offs_w < NB
-    codes_at = U8 + tl.load(hdr + CODES_COL)
-    scale_at = F16 + tl.load(hdr + SCALE_COL) // 2
-    zero_at = F16 + tl.load(hdr + ZERO_COL) // 2
     for g in tl.static_range(T // GROUP):
         tok = g * GROUP + offs_t
         x = tl.load(X + tok[:, None] * D + START + offs_w[None, :], mask=mw[None, :], other=0.0)
         zero, scale, c = _quantize_group(x, mw, LEVELS, GROUP, W)
+        if HAS_DEC:
+            dec = c * scale.to(tl.float32)[None, :] + zero.to(tl.float32)[None, :]
+            tl.store(DEC + tok[:, None] * D + START + offs_w[None, :], dec, mask=mw[None, :])
         packed = _pack_group(c.to(tl.int32), BITS, GROUP, W)
         offs_b = tl.arange(0, W // PER)
-        tl.store(codes_at + tok[:, None] * ROW + offs_b[None, :], packed.to(tl.uint8),
+        tl.store(CODES + tok[:, None] * ROW + offs_b[None, :], packed.to(tl.uint8),
                  mask=(offs_b < ROW)[None, :])
-        tl.store(scale_at + g * NB + offs_w, scale, mask=mw)
-        tl.store(zero_at + g * NB + offs_w, zero, mask=mw)
+        tl.store(SCALE + g * NB + offs_w, scale, mask=mw)
+        tl.store(ZERO + g * NB + offs_w, zero, mask=mw)
+
+
+@triton.jit
+def _pack_band(X, U8, F16, hdr, CODES_COL: tl.constexpr, SCALE_COL: tl.constexpr,
+               ZERO_COL: tl.constexpr, START: tl.constexpr, NB: tl.constexpr,
+               BITS: tl.constexpr, W: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
+               D: tl.constexpr):
+    """`_encode_band` into the header's offsets of the head block (U8/F16), no reconstruction."""
+    _encode_band(X, U8 + tl.load(hdr + CODES_COL), F16 + tl.load(hdr + SCALE_COL) // 2,
+                 F16 + tl.load(hdr + ZERO_COL) // 2, X, START, NB, BITS, W, GROUP, T, D, False)
 
 
 @triton.jit
